@@ -1,0 +1,1 @@
+//! Examples live in this folder; run them with `cargo run --example NAME`.

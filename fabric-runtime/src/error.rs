@@ -1,0 +1,86 @@
+//! Errors a caller can act on: one variant per failed operation, with its context.
+
+use std::fmt;
+
+/// Which side of a transfer a bounds error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The local (source or destination) region.
+    Local,
+    /// The remote region named by a descriptor.
+    Remote,
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// Everything that can go wrong in this crate.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A range falls outside its registered region. Nothing was posted.
+    #[error("{side} range {offset}+{len} is out of bounds of a {region_len}-byte region")]
+    OutOfBounds { side: Side, offset: u64, len: u64, region_len: u64 },
+
+    /// The peer id was never added to this engine.
+    #[error("unknown peer {peer}")]
+    UnknownPeer { peer: u32 },
+
+    /// The peer could not be reached (refused, reset, timed out, or marked failed).
+    #[error("peer {peer} is unreachable: {message}")]
+    PeerUnreachable { peer: u32, message: String },
+
+    /// Bytes that should be a descriptor or an address are not one (truncated, bad magic,
+    /// unknown version).
+    #[error("malformed {what}: {reason}")]
+    Malformed { what: &'static str, reason: String },
+
+    /// A well-formed descriptor or address from a transport this engine does not speak.
+    #[error("foreign {what}: made by transport {found:?}, this engine uses {expected:?}")]
+    Foreign { what: &'static str, found: String, expected: String },
+
+    /// The provider exists but cannot deliver a 32-bit immediate with a remote write.
+    #[error("provider {provider:?} cannot deliver remote CQ data (immediates): {reason}")]
+    NoRemoteCqData { provider: String, reason: String },
+
+    /// No provider of that name is available on this machine.
+    #[error("provider {provider:?} is not available: {reason}")]
+    ProviderNotFound { provider: String, reason: String },
+
+    /// The operation completed with an error at the NIC. `message` is the provider's text.
+    #[error("{op} failed: {message} (errno {errno})")]
+    Completion { op: &'static str, errno: i32, message: String },
+
+    /// A call into the provider failed.
+    #[error("{call} failed: {message} (errno {errno})")]
+    Provider { call: &'static str, errno: i32, message: String },
+
+    /// Registering memory failed.
+    #[error("registering {len} bytes of {location} memory failed: {message}")]
+    RegisterMemory { len: usize, location: String, message: String },
+
+    /// A message is larger than the transport's two-sided limit.
+    #[error("message of {len} bytes exceeds the {max}-byte limit")]
+    MessageTooLarge { len: usize, max: usize },
+
+    /// The engine was shut down (or its reactor thread is gone).
+    #[error("the engine has shut down")]
+    Shutdown,
+
+    /// The request is valid but not implemented for this transport or memory kind.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+
+    /// The builder was given an invalid configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// Short for `Result<T, fabric_runtime::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

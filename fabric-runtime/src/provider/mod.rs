@@ -1,0 +1,201 @@
+//! The backend contract: what every NIC family must supply.
+//!
+//! A backend drives one **domain**, which is one NIC (one libfabric domain + `FI_EP_RDM`
+//! endpoint, or one ibverbs device + protection domain + its queue pairs). The engine never
+//! talks to a NIC any other way, so a new NIC family is one new module implementing [`Domain`].
+//!
+//! Required of every backend:
+//!
+//! * **An address** ([`Domain::address`]): plain bytes that can be sent to a peer by any
+//!   means (TCP, a key-value store, a file) and handed to that peer's [`Domain::add_peer`].
+//! * **Memory registration** ([`Domain::register`]): pins a host range and returns a
+//!   [`Registration`], which is plain data (a local descriptor word, a remote key, an opaque
+//!   handle) so that regions, descriptors and the engine stay independent of the backend.
+//!   [`Domain::deregister`] gives it back.
+//! * **Posting** ([`Domain::post`]): one-sided writes with or without a 32-bit immediate,
+//!   imm-only (zero-byte) writes, and small two-sided sends and receives. Every posted
+//!   operation carries a `u64` token chosen by the engine, and produces **exactly one** local
+//!   completion carrying that token (success or failure), unless the post itself returned an
+//!   error, in which case it produces none. A full send queue is [`PostError::Again`]
+//!   (backpressure: the engine retries after polling), never a hard error.
+//! * **Polling** ([`Domain::poll`]): drains completions into typed [`Completion`]s: a local
+//!   operation done, a local operation failed (with the provider's message), a remote
+//!   immediate arrived, a two-sided message received.
+//! * **Sleeping** ([`Domain::wait_fd`], [`Domain::arm`], [`Domain::ack_wakeup`]): a backend that
+//!   can wake a sleeping thread offers a file descriptor that becomes readable when
+//!   completions may be available. The reactor calls `arm` right before sleeping; `arm`
+//!   returns `false` if completions are already pending (the libfabric `fi_trywait`, the
+//!   verbs `ibv_req_notify_cq` + re-poll idiom), in which case the reactor polls instead of
+//!   sleeping. After the fd became readable the reactor calls `ack_wakeup` once, then polls.
+//!   A backend without a wait fd (libfabric `shm`, EFA) returns `None`, and the reactor
+//!   falls back to timed polling (see `ReactorMode`).
+//!
+//! Threading: a `Domain` is owned by exactly one reactor thread and is only ever called from
+//! it (`&mut self` everywhere), which matches libfabric's `FI_THREAD_DOMAIN` and lets verbs
+//! skip locking. It must be `Send` so it can be moved to that thread once.
+//!
+//! Dispatch is static: the reactor is generic over `D: Domain`; `dyn` is used nowhere on the
+//! post or poll paths.
+
+use std::fmt;
+use std::os::fd::RawFd;
+
+use crate::error::Error;
+
+#[cfg(feature = "libfabric")]
+pub mod libfabric;
+
+/// The index of a peer inside one backend domain (a libfabric `fi_addr_t`, or the index of a
+/// verbs queue pair). Chosen by the backend in [`Domain::add_peer`].
+pub type PeerHandle = u64;
+
+/// What the backend gives back for a registered memory range. Plain data, copied freely.
+///
+/// * `local`: what a post needs to name this memory locally (a libfabric `fi_mr_desc`
+///   pointer as an integer, or a verbs `lkey`). `0` when the provider needs none.
+/// * `remote_key`: what a peer needs to write into this memory (libfabric `fi_mr_key`,
+///   verbs `rkey`).
+/// * `handle`: whatever the backend needs to deregister it (a `fid_mr` or `ibv_mr` pointer).
+/// * `remote_base`: the address a peer must use for byte 0 of this range: the virtual address
+///   when the provider uses `FI_MR_VIRT_ADDR` (and always on verbs), `0` otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration {
+    pub local: u64,
+    pub remote_key: u64,
+    pub handle: u64,
+    pub remote_base: u64,
+}
+
+/// Where memory lives. Only host memory is implemented; the parameter exists so that GPU
+/// memory (CUDA device pointers through `FI_HMEM_CUDA` or `ibv_reg_dmabuf_mr`) can be added
+/// without changing any signature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MemoryLocation {
+    /// Ordinary host memory.
+    #[default]
+    Host,
+    /// Memory of CUDA device `ordinal` (not implemented yet: [`Error::Unsupported`]).
+    Cuda { ordinal: u32 },
+}
+
+/// A local memory range to transmit from or receive into.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalSlice {
+    pub addr: u64,
+    pub len: usize,
+    /// `Registration::local` of the region containing it.
+    pub desc: u64,
+}
+
+/// A remote memory range to write into.
+#[derive(Debug, Clone, Copy)]
+pub struct RemoteSlice {
+    /// Already includes the region's `remote_base`: the exact address to put on the wire.
+    pub addr: u64,
+    pub key: u64,
+}
+
+/// One operation handed to [`Domain::post`].
+#[derive(Debug, Clone, Copy)]
+pub enum Op {
+    /// One-sided write of `local` into `remote` at `peer`. `imm: Some(v)` carries the 32-bit
+    /// immediate `v` that appears as [`Completion::Imm`] at the target. `local.len == 0` with
+    /// an immediate is an imm-only write.
+    Write { peer: PeerHandle, local: LocalSlice, remote: RemoteSlice, imm: Option<u32> },
+    /// One-sided read of `remote` at `peer` into `local`.
+    Read { peer: PeerHandle, local: LocalSlice, remote: RemoteSlice },
+    /// Two-sided send of a small message.
+    Send { peer: PeerHandle, local: LocalSlice },
+    /// Post a receive buffer for any peer's [`Op::Send`].
+    Recv { local: LocalSlice },
+}
+
+/// Why [`Domain::post`] did not take an operation.
+#[derive(Debug)]
+pub enum PostError {
+    /// The queue is full right now: poll completions and post again. Not an error.
+    Again,
+    /// The operation was rejected; it will produce no completion.
+    Failed(Error),
+}
+
+/// A typed completion, produced by [`Domain::poll`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Completion {
+    /// The operation posted with `token` finished locally (a write's source may be reused).
+    /// For a `Recv`, see [`Completion::Recv`] instead.
+    Done { token: u64 },
+    /// The operation posted with `token` failed. `message` is the provider's own text.
+    Failed { token: u64, errno: i32, message: String },
+    /// A remote peer's write carrying immediate `imm` has landed in our memory.
+    Imm { imm: u32 },
+    /// The receive posted with `token` got a message of `len` bytes from `src` (the sender's
+    /// handle, if the backend can tell).
+    Recv { token: u64, len: usize, src: Option<PeerHandle> },
+}
+
+/// The contract every NIC backend implements. See the module docs.
+pub trait Domain: Send + 'static {
+    /// Short stable name of the transport, stored in descriptors so that a descriptor from
+    /// another transport is refused (`"tcp;ofi_rxm"`, `"shm"`, `"verbs"`).
+    fn transport(&self) -> &str;
+
+    /// This domain's address, to be given to peers.
+    fn address(&self) -> Vec<u8>;
+
+    /// Largest message [`Op::Send`] accepts, in bytes.
+    fn max_msg_size(&self) -> usize;
+
+    /// Registers `len` bytes at `addr` for local use and remote write (and read) access.
+    ///
+    /// # Safety
+    ///
+    /// `addr..addr+len` must be valid memory that stays allocated until [`Domain::deregister`]
+    /// has returned for the registration.
+    unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        location: MemoryLocation,
+    ) -> Result<Registration, Error>;
+
+    /// Gives back a registration made by this domain. Must not fail in a way the caller has
+    /// to handle; problems are logged.
+    fn deregister(&mut self, reg: Registration);
+
+    /// Makes a peer reachable from its [`Domain::address`] bytes.
+    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error>;
+
+    /// Posts one operation. See [`PostError`] for what a refusal means.
+    ///
+    /// # Safety
+    ///
+    /// The memory named by `op` must have been registered with this domain (its `desc` comes
+    /// from that registration) and must stay valid until the operation's completion has been
+    /// returned by [`Domain::poll`].
+    unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError>;
+
+    /// Appends up to `max` completions to `out`; returns how many it appended. Never blocks.
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error>;
+
+    /// A file descriptor that becomes readable when completions may be available, or `None`
+    /// if the backend cannot wake a sleeping thread.
+    fn wait_fd(&self) -> Option<RawFd>;
+
+    /// Prepares to sleep on [`Domain::wait_fd`]. Returns `false` when completions are already
+    /// pending and the caller must poll instead of sleeping.
+    fn arm(&mut self) -> bool;
+
+    /// Called once after `wait_fd` was seen readable, before polling.
+    fn ack_wakeup(&mut self);
+}
+
+impl fmt::Display for MemoryLocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoryLocation::Host => f.write_str("host"),
+            MemoryLocation::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
