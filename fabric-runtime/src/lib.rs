@@ -1,7 +1,31 @@
 //! fabric-runtime: NIC backends, the transfer engine and its reactor threads.
+//!
+//! Most users want the `fabric-async` crate, which re-exports what is here with the tokio
+//! helpers (bootstrap, timeouts) around it. See `docs/architecture.md` for the data path.
 #![warn(missing_debug_implementations)]
+#![cfg_attr(not(feature = "libfabric"), allow(dead_code, unused_imports))]
 
+// Under `--cfg loom` only the lock-free counter is compiled, against loom's atomics.
+pub mod counter;
 pub mod error;
+pub(crate) mod sync;
+#[cfg(not(loom))]
+pub mod engine;
+#[cfg(not(loom))]
 pub mod provider;
+#[cfg(not(loom))]
+pub mod pure;
+#[cfg(not(loom))]
+pub(crate) mod reactor;
 
+pub use counter::{ImmCounter, WaitFor};
+#[cfg(not(loom))]
+pub use engine::{
+    ControlFuture, Engine, EngineBuilder, MemoryRegion, OpBatch, OpFuture, PeerId, ReactorMode, RecvFuture,
+    RemoteRegion,
+};
 pub use error::{Error, Result, Side};
+#[cfg(not(loom))]
+pub use provider::MemoryLocation;
+#[cfg(not(loom))]
+pub use pure::descriptor::{EngineAddress, RegionDescriptor};

@@ -1,0 +1,238 @@
+//! Completion plumbing between the reactor and the caller: the state one in-flight operation
+//! shares with its future, the counter of the synchronous fast path, and control replies.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use crate::error::Error;
+use crate::sync::lock;
+
+/// What the reactor completes when an operation finishes.
+pub(crate) enum Notify {
+    /// An [`OpFuture`] (or nobody, if it was dropped) waits on this.
+    Future(Arc<OpState>),
+    /// A synchronous-path [`OpBatch`] counts completions.
+    Batch(Arc<BatchState>),
+    /// Nobody waits (fire and forget, internal).
+    None,
+}
+
+impl Notify {
+    pub(crate) fn complete(self, result: Result<(), Error>) {
+        match self {
+            Notify::Future(s) => s.complete(result),
+            Notify::Batch(b) => b.complete(result),
+            Notify::None => {}
+        }
+    }
+}
+
+#[derive(Default)]
+struct OpSlot {
+    result: Option<Result<(), Error>>,
+    waker: Option<Waker>,
+}
+
+/// State shared by one in-flight operation's future and the reactor.
+#[derive(Default)]
+pub(crate) struct OpState {
+    slot: Mutex<OpSlot>,
+}
+
+impl OpState {
+    pub(crate) fn complete(&self, result: Result<(), Error>) {
+        let waker = {
+            let mut s = lock(&self.slot);
+            s.result = Some(result);
+            s.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// A future that resolves when one posted operation has completed locally.
+///
+/// Returned by `Engine::write`, `write_imm`, `imm`, `read` and `send`.
+///
+/// # Cancel safety
+///
+/// Dropping it does **not** cancel the operation, which is already queued to (or posted
+/// on) the NIC and runs to completion: the remote side may or may not see the bytes and
+/// the immediate. The memory involved stays valid regardless: the operation holds its own
+/// reference to the local region until the NIC reports completion, so a dropped future never
+/// lets the buffer be freed or deregistered while the NIC may still touch it.
+#[must_use = "the operation is posted either way; await the future to learn whether it succeeded"]
+pub struct OpFuture {
+    inner: Inner,
+}
+
+enum Inner {
+    Pending(Arc<OpState>),
+    Failed(Option<Error>),
+}
+
+impl OpFuture {
+    pub(crate) fn pending(state: Arc<OpState>) -> Self {
+        OpFuture { inner: Inner::Pending(state) }
+    }
+
+    pub(crate) fn failed(e: Error) -> Self {
+        OpFuture { inner: Inner::Failed(Some(e)) }
+    }
+}
+
+impl fmt::Debug for OpFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OpFuture")
+    }
+}
+
+impl Future for OpFuture {
+    type Output = Result<(), Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().inner {
+            Inner::Failed(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
+            Inner::Pending(state) => {
+                let mut s = lock(&state.slot);
+                if let Some(r) = s.result.take() {
+                    // A second poll after Ready would find nothing: report it as shut down
+                    // rather than hang.
+                    s.result = Some(Err(Error::Shutdown));
+                    return Poll::Ready(r);
+                }
+                match &s.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => s.waker = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// Shared counters of an [`OpBatch`].
+#[derive(Default)]
+pub(crate) struct BatchState {
+    completed: AtomicU64,
+    failed: AtomicU64,
+    first_error: Mutex<Option<Error>>,
+}
+
+impl BatchState {
+    fn complete(&self, result: Result<(), Error>) {
+        if let Err(e) = result {
+            let mut first = lock(&self.first_error);
+            if first.is_none() {
+                *first = Some(e);
+            }
+            drop(first);
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        self.completed.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// Completion counter of the synchronous fast path (`Engine::post_*`): a busy-poll thread
+/// posts operations that name this batch, then spins until the batch has seen as many
+/// completions as it posted. No waker, no allocation and no syscall per operation.
+#[derive(Clone, Default)]
+pub struct OpBatch {
+    pub(crate) state: Arc<BatchState>,
+}
+
+impl OpBatch {
+    /// A new batch with nothing posted.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Operations of this batch that completed so far (successfully or not).
+    pub fn completed(&self) -> u64 {
+        self.state.completed.load(Ordering::Acquire)
+    }
+
+    /// Operations of this batch that failed so far.
+    pub fn failed(&self) -> u64 {
+        self.state.failed.load(Ordering::Relaxed)
+    }
+
+    /// Spins until `completed() >= n` or `timeout` passes. Returns the first error any
+    /// operation of the batch reported, if one did; `Ok(false)` on timeout.
+    pub fn spin_until(&self, n: u64, timeout: Duration) -> Result<bool, Error> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while self.completed() < n {
+            spins = spins.wrapping_add(1);
+            if spins % 256 == 0 && start.elapsed() >= timeout {
+                return Ok(false);
+            }
+            std::hint::spin_loop();
+        }
+        match lock(&self.state.first_error).clone() {
+            Some(e) => Err(e),
+            None => Ok(true),
+        }
+    }
+}
+
+impl fmt::Debug for OpBatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpBatch")
+            .field("completed", &self.completed())
+            .field("failed", &self.failed())
+            .finish()
+    }
+}
+
+/// A reply from the reactor to a control request (registration, peer insertion).
+pub(crate) type Reply<T> = futures::channel::oneshot::Sender<Result<T, Error>>;
+
+/// Future of a control request handled by the reactor thread.
+///
+/// # Cancel safety
+///
+/// Dropping it does not undo the request: a registration that completes anyway is
+/// deregistered again, and an added peer stays added.
+#[must_use = "futures do nothing unless polled"]
+pub struct ControlFuture<T> {
+    rx: Result<futures::channel::oneshot::Receiver<Result<T, Error>>, Option<Error>>,
+}
+
+impl<T> ControlFuture<T> {
+    pub(crate) fn new(rx: futures::channel::oneshot::Receiver<Result<T, Error>>) -> Self {
+        ControlFuture { rx: Ok(rx) }
+    }
+
+    pub(crate) fn failed(e: Error) -> Self {
+        ControlFuture { rx: Err(Some(e)) }
+    }
+}
+
+impl<T> fmt::Debug for ControlFuture<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ControlFuture")
+    }
+}
+
+impl<T> Future for ControlFuture<T> {
+    type Output = Result<T, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().rx {
+            Err(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
+            Ok(rx) => match Pin::new(rx).poll(cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Ok(r)) => Poll::Ready(r),
+                Poll::Ready(Err(_canceled)) => Poll::Ready(Err(Error::Shutdown)),
+            },
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! Registered memory: local regions the engine owns, and remote regions named by descriptors.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::error::{Error, Side};
+use crate::provider::{MemoryLocation, Registration};
+use crate::pure::descriptor::{DomainKey, RegionDescriptor};
+
+use super::{PeerId, Shared};
+
+/// Memory that a region owns. It is freed only after every NIC registration of it has been
+/// closed (by the reactor, see `Shared::retire`), never while a NIC may touch it.
+pub(crate) struct Backing {
+    ptr: NonNull<u8>,
+    len: usize,
+    kind: BackingKind,
+}
+
+enum BackingKind {
+    Aligned(Layout),
+    Vec(usize /* capacity */),
+}
+
+// SAFETY: `Backing` uniquely owns its allocation (like a `Box<[u8]>`); moving it between
+// threads is sound.
+unsafe impl Send for Backing {}
+// SAFETY: shared access only hands out the pointer; all reads and writes through it go
+// through raw-pointer copies documented on `MemoryRegion`.
+unsafe impl Sync for Backing {}
+
+impl Backing {
+    /// Zeroed memory of `len` bytes aligned to `align` (a power of two).
+    pub(crate) fn zeroed(len: usize, align: usize) -> Result<Backing, Error> {
+        if len == 0 {
+            return Err(Error::Config("cannot register an empty region".into()));
+        }
+        let layout = Layout::from_size_align(len, align)
+            .map_err(|e| Error::Config(format!("bad region layout ({len} bytes, align {align}): {e}")))?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).ok_or(Error::RegisterMemory {
+            len,
+            location: "host".into(),
+            message: "out of memory".into(),
+        })?;
+        Ok(Backing { ptr, len, kind: BackingKind::Aligned(layout) })
+    }
+
+    pub(crate) fn from_vec(v: Vec<u8>) -> Result<Backing, Error> {
+        if v.is_empty() {
+            return Err(Error::Config("cannot register an empty region".into()));
+        }
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
+        // A Vec's pointer is never null.
+        let ptr = NonNull::new(ptr).expect("Vec pointer is non-null");
+        Ok(Backing { ptr, len, kind: BackingKind::Vec(cap) })
+    }
+
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        match self.kind {
+            // SAFETY: allocated in `zeroed` with exactly this layout, freed once.
+            BackingKind::Aligned(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
+            // SAFETY: these are the parts of a Vec taken apart in `from_vec`; rebuilt once.
+            BackingKind::Vec(cap) => unsafe {
+                drop(Vec::from_raw_parts(self.ptr.as_ptr(), self.len, cap));
+            },
+        }
+    }
+}
+
+pub(crate) struct RegionShared {
+    /// `Some` until `Drop` hands it to the reactor together with the registrations.
+    backing: Option<Backing>,
+    pub(crate) regs: Vec<Registration>,
+    pub(crate) location: MemoryLocation,
+    shared: Arc<Shared>,
+}
+
+impl RegionShared {
+    pub(crate) fn new(
+        backing: Backing,
+        regs: Vec<Registration>,
+        location: MemoryLocation,
+        shared: Arc<Shared>,
+    ) -> Self {
+        RegionShared { backing: Some(backing), regs, location, shared }
+    }
+
+    pub(crate) fn engine(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    fn backing(&self) -> &Backing {
+        // Only `Drop` takes it.
+        self.backing.as_ref().expect("region backing present until drop")
+    }
+}
+
+impl Drop for RegionShared {
+    fn drop(&mut self) {
+        if let Some(b) = self.backing.take() {
+            self.shared.retire(std::mem::take(&mut self.regs), b);
+        }
+    }
+}
+
+/// A range of host memory registered with every NIC of an engine.
+///
+/// Cheap to clone (all clones share one registration). The memory is deregistered and freed
+/// when the last clone is dropped **and** no operation that uses it is in flight: every
+/// posted operation holds a reference until its completion.
+///
+/// Reading and writing the bytes: remote peers write into this memory at any time, so this
+/// type never hands out `&[u8]`/`&mut [u8]` safely; use [`MemoryRegion::read_at`],
+/// [`MemoryRegion::write_at`] and [`MemoryRegion::to_vec`] (copies), or the unsafe
+/// [`MemoryRegion::as_slice`] when you know no transfer targets the range.
+#[derive(Clone)]
+pub struct MemoryRegion {
+    pub(crate) inner: Arc<RegionShared>,
+}
+
+impl MemoryRegion {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.backing().len()
+    }
+
+    /// Always false: empty regions cannot be registered.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Start address of the memory.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.inner.backing().ptr.as_ptr()
+    }
+
+    /// Where the memory lives.
+    pub fn location(&self) -> MemoryLocation {
+        self.inner.location
+    }
+
+    pub(crate) fn check(&self, offset: u64, len: u64) -> Result<(), Error> {
+        check_range(Side::Local, offset, len, self.len() as u64)
+    }
+
+    /// Copies `buf.len()` bytes from the region at `offset` into `buf`.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
+        self.check(offset, buf.len() as u64)?;
+        // SAFETY: the range is inside the allocation (checked); the copy goes through raw
+        // pointers so no reference to NIC-written memory is created.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset as usize), buf.as_mut_ptr(), buf.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        self.check(offset, data.len() as u64)?;
+        // SAFETY: as in `read_at`; the region owns its memory, so writing through the
+        // pointer is writing to memory we own.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr(),
+                self.as_ptr().cast_mut().add(offset as usize),
+                data.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies the whole region into a new vector.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len()];
+        self.read_at(0, &mut v).expect("whole region is in bounds");
+        v
+    }
+
+    /// The region's bytes as a slice, without copying.
+    ///
+    /// # Safety
+    ///
+    /// No transfer (local operation or remote write) may modify the region while the slice
+    /// is alive.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the pointer and length describe our allocation; the caller promises no
+        // concurrent writes.
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len()) }
+    }
+
+    /// The descriptor a peer needs to write into (or read from) this region: the transport,
+    /// the length, and one (NIC address, base, key) entry per NIC. Turn it into bytes with
+    /// [`RegionDescriptor::to_bytes`].
+    pub fn descriptor(&self) -> RegionDescriptor {
+        let shared = &self.inner.shared;
+        RegionDescriptor {
+            transport: shared.transport.clone(),
+            len: self.len() as u64,
+            domains: self
+                .inner
+                .regs
+                .iter()
+                .zip(&shared.address.domains)
+                .map(|(r, a)| DomainKey { address: a.clone(), base: r.remote_base, key: r.remote_key })
+                .collect(),
+        }
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &self.as_ptr())
+            .field("len", &self.len())
+            .field("location", &self.inner.location)
+            .finish()
+    }
+}
+
+pub(crate) fn check_range(side: Side, offset: u64, len: u64, region_len: u64) -> Result<(), Error> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(Error::OutOfBounds { side, offset, len, region_len }),
+    }
+}
+
+/// A peer's registered region, made from its descriptor by `Engine::remote_region`.
+#[derive(Clone, Debug)]
+pub struct RemoteRegion {
+    pub(crate) peer: PeerId,
+    pub(crate) desc: Arc<RegionDescriptor>,
+}
+
+impl RemoteRegion {
+    /// The peer that owns the region.
+    pub fn peer(&self) -> PeerId {
+        self.peer
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.desc.len
+    }
+
+    /// Whether the region is empty (never, for descriptors made by this crate).
+    pub fn is_empty(&self) -> bool {
+        self.desc.len == 0
+    }
+
+    /// The descriptor it was made from.
+    pub fn descriptor(&self) -> &RegionDescriptor {
+        &self.desc
+    }
+
+    pub(crate) fn check(&self, offset: u64, len: u64) -> Result<(), Error> {
+        check_range(Side::Remote, offset, len, self.desc.len)
+    }
+}

@@ -1,0 +1,3 @@
+//! Pure code: no FFI, no threads, no unsafe.
+#![forbid(unsafe_code)]
+pub mod descriptor;

@@ -1,0 +1,687 @@
+//! The reactor thread: owns every domain (NIC) of one engine, posts what callers submit,
+//! polls completion queues, and wakes the futures and counters waiting on them.
+//!
+//! One loop iteration: take the submission queue (swapping buffers, so no allocation in
+//! steady state) → post (a full send queue leaves the rest in a backlog, in order) → poll
+//! every domain → complete futures, count immediates, deliver messages. When an iteration
+//! found nothing to do, the mode decides: `BusyPoll` spins, `Adaptive` spins until its
+//! window since the last activity has passed, `Event` sleeps in `ppoll` on the eventfd and
+//! each domain's wait fd, after `arm`ing every domain (so a completion racing the decision
+//! to sleep is never missed). A domain with no wait fd turns that sleep into a timed poll.
+
+pub(crate) mod sys;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::counter::CounterCell;
+use crate::engine::op::Notify;
+use crate::engine::region::Backing;
+use crate::engine::{EngineBuilder, OpKind, PeerId, QueueState, ReactorMode, Shared, Submission};
+use crate::error::{Error, Result};
+use crate::provider::{
+    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+};
+use crate::sync::lock;
+use std::sync::Arc;
+
+/// Tokens with this bit set name a posted receive buffer (low bits: its slot).
+const RECV_TAG: u64 = 1 << 63;
+/// Most completions taken from one domain per poll call.
+const POLL_BATCH: usize = 64;
+
+/// An operation the engine has posted and not yet seen complete.
+struct InFlight {
+    notify: Notify,
+    /// Keeps the local region registered and allocated until the NIC is done with it.
+    keep: Option<Arc<crate::engine::region::RegionShared>>,
+    /// Send-pool slot to give back (domain, slot).
+    send_slot: Option<(usize, u32)>,
+    peer: PeerId,
+    name: &'static str,
+}
+
+/// Slab of in-flight operations. Tokens are `generation << 32 | index`, so a stale or
+/// duplicated completion can never complete the wrong operation.
+#[derive(Default)]
+struct Slab {
+    entries: Vec<(u32, Option<InFlight>)>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Slab {
+    fn next_token(&mut self) -> u64 {
+        let idx = match self.free.last() {
+            Some(&i) => i,
+            None => {
+                self.entries.push((0, None));
+                let i = (self.entries.len() - 1) as u32;
+                self.free.push(i);
+                i
+            }
+        };
+        ((self.entries[idx as usize].0 as u64) << 32) | idx as u64
+    }
+
+    /// Inserts at the slot `next_token` named.
+    fn insert(&mut self, op: InFlight) {
+        let idx = self.free.pop().expect("next_token reserved a slot");
+        self.entries[idx as usize].1 = Some(op);
+        self.len += 1;
+    }
+
+    fn remove(&mut self, token: u64) -> Option<InFlight> {
+        let idx = (token & 0xffff_ffff) as usize;
+        let gen = ((token >> 32) & 0x7fff_ffff) as u32;
+        let e = self.entries.get_mut(idx)?;
+        if e.0 != gen || e.1.is_none() {
+            return None;
+        }
+        let op = e.1.take();
+        e.0 = (e.0 + 1) & 0x7fff_ffff;
+        self.free.push(idx as u32);
+        self.len -= 1;
+        op
+    }
+
+    fn drain(&mut self) -> Vec<InFlight> {
+        let mut out = Vec::new();
+        for (i, e) in self.entries.iter_mut().enumerate() {
+            if let Some(op) = e.1.take() {
+                e.0 = (e.0 + 1) & 0x7fff_ffff;
+                self.free.push(i as u32);
+                out.push(op);
+            }
+        }
+        self.len = 0;
+        out
+    }
+}
+
+/// A registered pool of fixed-size message slots of one domain.
+struct Pool {
+    backing: Backing,
+    reg: Registration,
+    slot_size: usize,
+    free: Vec<u32>,
+}
+
+impl Pool {
+    fn slot(&self, i: u32) -> LocalSlice {
+        LocalSlice {
+            addr: self.backing.addr() + i as u64 * self.slot_size as u64,
+            len: self.slot_size,
+            desc: self.reg.local,
+        }
+    }
+}
+
+struct PeerState {
+    handles: Vec<PeerHandle>,
+    failed: Option<String>,
+}
+
+struct Reactor<D: Domain> {
+    domains: Vec<D>,
+    shared: Arc<Shared>,
+    cfg: EngineBuilder,
+    slab: Slab,
+    backlog: VecDeque<Submission>,
+    items: Vec<Submission>,
+    completions: Vec<Completion>,
+    peers: Vec<PeerState>,
+    peer_by_addr: HashMap<Vec<u8>, PeerId>,
+    /// Per domain: backend handle → peer id (to name the sender of a message).
+    handle_to_peer: Vec<HashMap<PeerHandle, PeerId>>,
+    counters: HashMap<u32, Arc<CounterCell>>,
+    /// Registrations of live user regions, per domain, by handle: closed at shutdown.
+    live: Vec<HashMap<u64, Registration>>,
+    recv_pools: Vec<Pool>,
+    send_pools: Vec<Pool>,
+}
+
+/// Opens the message pools, then moves the domains to a new reactor thread.
+pub(crate) fn spawn<D: Domain>(
+    mut domains: Vec<D>,
+    shared: Arc<Shared>,
+    cfg: EngineBuilder,
+) -> Result<JoinHandle<()>> {
+    let slot = shared.max_msg_size;
+    let mut recv_pools = Vec::new();
+    let mut send_pools = Vec::new();
+    for d in domains.iter_mut() {
+        for (depth, pools) in [(cfg.recv_depth, &mut recv_pools), (cfg.send_depth, &mut send_pools)] {
+            let backing = Backing::zeroed(slot * depth, 4096)?;
+            // SAFETY: the backing is owned by the pool, which the reactor deregisters before
+            // dropping (see `Reactor::close`).
+            let reg = unsafe { d.register(backing.addr(), backing.len(), MemoryLocation::Host)? };
+            pools.push(Pool { backing, reg, slot_size: slot, free: (0..depth as u32).rev().collect() });
+        }
+    }
+    let n = domains.len();
+    let mut r = Reactor {
+        domains,
+        shared,
+        cfg,
+        slab: Slab::default(),
+        backlog: VecDeque::new(),
+        items: Vec::with_capacity(1024),
+        completions: Vec::with_capacity(POLL_BATCH),
+        peers: Vec::new(),
+        peer_by_addr: HashMap::new(),
+        handle_to_peer: vec![HashMap::new(); n],
+        counters: HashMap::new(),
+        live: vec![HashMap::new(); n],
+        recv_pools,
+        send_pools,
+    };
+    r.post_all_recvs()?;
+    std::thread::Builder::new().name("fabric-reactor".into()).spawn(move || r.run()).map_err(|e| {
+        Error::Provider {
+            call: "spawn reactor thread",
+            errno: e.raw_os_error().unwrap_or(0),
+            message: e.to_string(),
+        }
+    })
+}
+
+fn is_peer_errno(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::ECONNREFUSED
+            | libc::ECONNRESET
+            | libc::ECONNABORTED
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
+            | libc::ETIMEDOUT
+            | libc::ENOTCONN
+            | libc::EPIPE
+            | libc::EHOSTDOWN
+    )
+}
+
+impl<D: Domain> Reactor<D> {
+    fn post_all_recvs(&mut self) -> Result<()> {
+        for d in 0..self.domains.len() {
+            let slots: Vec<u32> = std::mem::take(&mut self.recv_pools[d].free);
+            for s in slots {
+                self.post_recv(d, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post_recv(&mut self, d: usize, slot: u32) -> Result<()> {
+        let local = self.recv_pools[d].slot(slot);
+        let token = RECV_TAG | (d as u64) << 32 | slot as u64;
+        // SAFETY: the pool memory is registered with domain `d` and lives until `close`,
+        // after the domain is gone.
+        match unsafe { self.domains[d].post(token, &Op::Recv { local }) } {
+            Ok(()) => Ok(()),
+            Err(PostError::Again) => {
+                // Receive queue full: keep the slot and try again on the next message.
+                self.recv_pools[d].free.push(slot);
+                Ok(())
+            }
+            Err(PostError::Failed(e)) => Err(e),
+        }
+    }
+
+    fn run(mut self) {
+        if let Some(core) = self.cfg.pin_core {
+            if let Err(e) = sys::pin_to_core(core) {
+                tracing::warn!(core, error = %e, "could not pin the fabric reactor thread");
+            }
+        }
+        let mut last_activity = Instant::now();
+        let mut idle_interval = Duration::from_micros(50);
+        loop {
+            let mut busy = false;
+            if self.shared.has_items.load(Ordering::Acquire) {
+                let closing = self.take_submissions();
+                if closing {
+                    break;
+                }
+                busy = true;
+            }
+            busy |= self.post_backlog();
+            busy |= self.poll_domains();
+            if busy {
+                idle_interval = Duration::from_micros(50);
+                if !matches!(self.cfg.mode, ReactorMode::Event) {
+                    last_activity = Instant::now();
+                }
+                continue;
+            }
+            match self.cfg.mode {
+                ReactorMode::BusyPoll => std::hint::spin_loop(),
+                ReactorMode::Adaptive { spin } if last_activity.elapsed() < spin => std::hint::spin_loop(),
+                _ => {
+                    self.sleep(idle_interval);
+                    idle_interval = (idle_interval * 2).min(self.cfg.idle_poll_interval);
+                }
+            }
+        }
+        self.close();
+    }
+
+    /// Takes and handles every queued submission. Returns true if shutdown was requested.
+    fn take_submissions(&mut self) -> bool {
+        let closing = {
+            let mut q = lock(&self.shared.queue);
+            self.shared.has_items.store(false, Ordering::Release);
+            std::mem::swap(&mut q.items, &mut self.items);
+            q.state != QueueState::Open
+        };
+        let mut items = std::mem::take(&mut self.items);
+        for s in items.drain(..) {
+            self.handle(s);
+        }
+        self.items = items;
+        closing
+    }
+
+    fn handle(&mut self, s: Submission) {
+        match s {
+            Submission::Op { .. } | Submission::Send { .. } => {
+                if self.backlog.is_empty() {
+                    if let Some(again) = self.try_post(s) {
+                        self.backlog.push_back(again);
+                    }
+                } else {
+                    self.backlog.push_back(s);
+                }
+            }
+            Submission::Register { backing, location, reply } => {
+                let mut regs = Vec::with_capacity(self.domains.len());
+                let mut err = None;
+                for d in self.domains.iter_mut() {
+                    // SAFETY: `backing` stays allocated until this registration is closed:
+                    // the region that will own it retires it through the reactor.
+                    match unsafe { d.register(backing.addr(), backing.len(), location) } {
+                        Ok(r) => regs.push(r),
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if let Some(e) = err {
+                    for (d, r) in regs.into_iter().enumerate() {
+                        self.domains[d].deregister(r);
+                    }
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                for (d, r) in regs.iter().enumerate() {
+                    self.live[d].insert(r.handle, *r);
+                }
+                if let Err(Ok((regs, backing))) = reply.send(Ok((regs, backing))) {
+                    // The caller stopped waiting: undo.
+                    self.deregister(regs, backing);
+                }
+            }
+            Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+            Submission::AddPeer { address, reply } => {
+                let _ = reply.send(self.add_peer(address));
+            }
+        }
+    }
+
+    fn deregister(&mut self, regs: Vec<Registration>, backing: Backing) {
+        for (d, r) in regs.into_iter().enumerate() {
+            if self.live[d].remove(&r.handle).is_some() {
+                self.domains[d].deregister(r);
+            }
+        }
+        drop(backing);
+    }
+
+    fn add_peer(&mut self, address: crate::pure::descriptor::EngineAddress) -> Result<PeerId> {
+        let key = address.to_bytes();
+        if let Some(&id) = self.peer_by_addr.get(&key) {
+            return Ok(id);
+        }
+        let mut handles = Vec::with_capacity(self.domains.len());
+        for (d, a) in self.domains.iter_mut().zip(&address.domains) {
+            handles.push(d.add_peer(a)?);
+        }
+        let id = PeerId(self.peers.len() as u32);
+        for (d, h) in handles.iter().enumerate() {
+            self.handle_to_peer[d].insert(*h, id);
+        }
+        self.peers.push(PeerState { handles, failed: None });
+        self.peer_by_addr.insert(key, id);
+        self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
+        Ok(id)
+    }
+
+    /// Posts an operation. Returns it back if the NIC queue is full.
+    fn try_post(&mut self, s: Submission) -> Option<Submission> {
+        let (domain, peer) = match &s {
+            Submission::Op { req, .. } => (req.domain, req.peer),
+            Submission::Send { peer, .. } => (0, *peer),
+            _ => unreachable!("only operations are posted"),
+        };
+        let handle = match self.peers.get(peer.0 as usize) {
+            None => {
+                fail(s, Error::UnknownPeer { peer: peer.0 });
+                return None;
+            }
+            Some(PeerState { failed: Some(msg), .. }) => {
+                let e = Error::PeerUnreachable { peer: peer.0, message: msg.clone() };
+                fail(s, e);
+                return None;
+            }
+            Some(p) => p.handles[domain],
+        };
+        let token = self.slab.next_token();
+        let (op, send_slot, name) = match &s {
+            Submission::Op { req, keep, .. } => {
+                let desc = keep.as_ref().map_or(0, |k| k.regs[domain].local);
+                let local = LocalSlice { addr: req.local_addr, len: req.len, desc };
+                let op = match req.kind {
+                    OpKind::Write => Op::Write { peer: handle, local, remote: req.remote, imm: req.imm },
+                    OpKind::Read => Op::Read { peer: handle, local, remote: req.remote },
+                };
+                (op, None, req.kind.name(req.imm))
+            }
+            Submission::Send { data, .. } => {
+                let pool = &mut self.send_pools[domain];
+                let Some(slot) = pool.free.pop() else { return Some(s) };
+                let mut local = pool.slot(slot);
+                local.len = data.len();
+                // SAFETY: the slot is inside the pool's allocation and free (no operation
+                // uses it); `data.len() <= max_msg_size == slot_size` (checked on submit).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), local.addr as *mut u8, data.len()) };
+                (Op::Send { peer: handle, local }, Some((domain, slot)), "send")
+            }
+            _ => unreachable!(),
+        };
+        // SAFETY: local memory is either a user region kept alive by `keep` (stored in the
+        // slab until the completion) or a pool slot owned by the reactor; both are
+        // registered with `domain`.
+        match unsafe { self.domains[domain].post(token, &op) } {
+            Ok(()) => {
+                let (notify, keep) = match s {
+                    Submission::Op { notify, keep, .. } => (notify, keep),
+                    Submission::Send { notify, .. } => (notify, None),
+                    _ => unreachable!(),
+                };
+                self.slab.insert(InFlight { notify, keep, send_slot, peer, name });
+                None
+            }
+            Err(PostError::Again) => {
+                if let Some((d, slot)) = send_slot {
+                    self.send_pools[d].free.push(slot);
+                }
+                Some(s)
+            }
+            Err(PostError::Failed(e)) => {
+                if let Some((d, slot)) = send_slot {
+                    self.send_pools[d].free.push(slot);
+                }
+                fail(s, e);
+                None
+            }
+        }
+    }
+
+    fn post_backlog(&mut self) -> bool {
+        let mut posted = false;
+        while let Some(s) = self.backlog.pop_front() {
+            if let Some(again) = self.try_post(s) {
+                self.backlog.push_front(again);
+                break;
+            }
+            posted = true;
+        }
+        posted
+    }
+
+    fn poll_domains(&mut self) -> bool {
+        let mut any = false;
+        for d in 0..self.domains.len() {
+            let mut comps = std::mem::take(&mut self.completions);
+            match self.domains[d].poll(&mut comps, POLL_BATCH) {
+                Ok(0) => {}
+                Ok(_) => {
+                    any = true;
+                    for c in comps.drain(..) {
+                        self.complete(d, c);
+                    }
+                }
+                Err(e) => tracing::error!(domain = d, error = %e, "polling the completion queue failed"),
+            }
+            self.completions = comps;
+        }
+        any
+    }
+
+    fn complete(&mut self, d: usize, c: Completion) {
+        match c {
+            Completion::Imm { imm } => {
+                let shared = &self.shared;
+                self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).arrive(1);
+            }
+            Completion::Done { token } => {
+                if let Some(op) = self.slab.remove(token) {
+                    self.finish(op, Ok(()));
+                } else {
+                    tracing::warn!(token, "completion for an unknown operation");
+                }
+            }
+            Completion::Failed { token, errno, message } => {
+                if token & RECV_TAG != 0 {
+                    tracing::debug!(errno, %message, "a posted receive failed (cancelled at shutdown?)");
+                    return;
+                }
+                let Some(op) = self.slab.remove(token) else {
+                    tracing::warn!(token, errno, %message, "failure for an unknown operation");
+                    return;
+                };
+                let e = if is_peer_errno(errno) {
+                    let peer = op.peer;
+                    if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                        p.failed = Some(message.clone());
+                    }
+                    Error::PeerUnreachable { peer: peer.0, message }
+                } else {
+                    Error::Completion { op: op.name, errno, message }
+                };
+                self.finish(op, Err(e));
+            }
+            Completion::Recv { token, len, src } => {
+                let slot = (token & 0xffff_ffff) as u32;
+                let pool = &self.recv_pools[d];
+                let local = pool.slot(slot);
+                let len = len.min(pool.slot_size);
+                // SAFETY: the NIC has completed this receive, so the slot holds `len` bytes
+                // and nothing writes to it until it is posted again below.
+                let data = Bytes::copy_from_slice(unsafe {
+                    std::slice::from_raw_parts(local.addr as *const u8, len)
+                });
+                let from = src.and_then(|h| self.handle_to_peer[d].get(&h).copied());
+                let waker = lock(&self.shared.inbox).push((from, data));
+                if let Some(w) = waker {
+                    w.wake();
+                }
+                if let Err(e) = self.post_recv(d, slot) {
+                    tracing::error!(error = %e, "re-posting a receive buffer failed");
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, op: InFlight, result: Result<()>) {
+        if let Some((d, slot)) = op.send_slot {
+            self.send_pools[d].free.push(slot);
+        }
+        op.notify.complete(result);
+        drop(op.keep);
+    }
+
+    /// Sleeps until a submission or a completion may be there (or the poll interval of a
+    /// domain without a wait fd passes).
+    fn sleep(&mut self, idle_interval: Duration) {
+        let mut fds = Vec::with_capacity(1 + self.domains.len());
+        fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
+        let mut timeout = None;
+        for d in self.domains.iter_mut() {
+            match d.wait_fd() {
+                Some(fd) => {
+                    if !d.arm() {
+                        return; // completions pending: poll again
+                    }
+                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                }
+                None => timeout = Some(idle_interval),
+            }
+        }
+        if !self.backlog.is_empty() && timeout.is_none() {
+            // Posts are waiting for queue space; completions will wake us, but stay safe
+            // against a provider that frees space without one.
+            timeout = Some(Duration::from_micros(100));
+        }
+        {
+            let mut q = lock(&self.shared.queue);
+            if !q.items.is_empty() || q.state != QueueState::Open {
+                return;
+            }
+            q.sleeping = true;
+        }
+        if let Err(e) = sys::wait(&mut fds, timeout) {
+            tracing::error!(error = %e, "ppoll failed");
+        }
+        lock(&self.shared.queue).sleeping = false;
+        if fds[0].revents != 0 {
+            self.shared.wake.drain();
+        }
+        let mut i = 1;
+        for d in self.domains.iter_mut() {
+            if d.wait_fd().is_some() {
+                if fds[i].revents != 0 {
+                    d.ack_wakeup();
+                }
+                i += 1;
+            }
+        }
+    }
+
+    /// Shutdown: refuse new work, drain, cancel, close NIC objects, then free memory.
+    fn close(mut self) {
+        let items = std::mem::take(&mut lock(&self.shared.queue).items);
+        for s in items {
+            match s {
+                Submission::Op { .. } | Submission::Send { .. } => fail(s, Error::Shutdown),
+                Submission::Register { reply, .. } => {
+                    let _ = reply.send(Err(Error::Shutdown));
+                }
+                Submission::AddPeer { reply, .. } => {
+                    let _ = reply.send(Err(Error::Shutdown));
+                }
+                Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+            }
+        }
+        for s in std::mem::take(&mut self.backlog) {
+            fail(s, Error::Shutdown);
+        }
+        // Give in-flight operations a chance to finish normally.
+        let deadline = Instant::now() + self.cfg.shutdown_grace;
+        while self.slab.len > 0 && Instant::now() < deadline {
+            if !self.poll_domains() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        let mut keep = Vec::new();
+        for op in self.slab.drain() {
+            keep.push(op.keep);
+            op.notify.complete(Err(Error::Shutdown));
+        }
+        let waiters = {
+            let mut inbox = lock(&self.shared.inbox);
+            inbox.closed = true;
+            inbox.take_waiters()
+        };
+        for w in waiters {
+            w.wake();
+        }
+        // Close every registration, then the domains; only then free memory.
+        for (d, live) in self.live.iter_mut().enumerate() {
+            for (_, r) in live.drain() {
+                self.domains[d].deregister(r);
+            }
+        }
+        for (d, p) in self.recv_pools.iter().chain(self.send_pools.iter()).enumerate() {
+            let d = d % self.domains.len();
+            self.domains[d].deregister(p.reg);
+        }
+        drop(std::mem::take(&mut self.domains));
+        let graveyard = {
+            let mut q = lock(&self.shared.queue);
+            q.state = QueueState::Closed;
+            std::mem::take(&mut q.graveyard)
+        };
+        drop(graveyard);
+        drop(keep);
+    }
+}
+
+/// Completes a submission that will never be posted.
+fn fail(s: Submission, e: Error) {
+    match s {
+        Submission::Op { notify, .. } | Submission::Send { notify, .. } => notify.complete(Err(e)),
+        Submission::Register { reply, .. } => {
+            let _ = reply.send(Err(e));
+        }
+        Submission::AddPeer { reply, .. } => {
+            let _ = reply.send(Err(e));
+        }
+        Submission::Deregister { .. } => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op() -> InFlight {
+        InFlight { notify: Notify::None, keep: None, send_slot: None, peer: PeerId(0), name: "write" }
+    }
+
+    #[test]
+    fn slab_tokens_are_generational() {
+        let mut s = Slab::default();
+        let t1 = s.next_token();
+        s.insert(op());
+        assert!(s.remove(t1).is_some());
+        assert!(s.remove(t1).is_none(), "a token completes once");
+        let t2 = s.next_token();
+        s.insert(op());
+        assert_ne!(t1, t2, "a reused slot gets a new generation");
+        assert!(s.remove(t1).is_none(), "a stale token cannot complete the new op");
+        assert!(s.remove(t2).is_some());
+        assert_eq!(s.len, 0);
+    }
+
+    #[test]
+    fn slab_many_in_flight() {
+        let mut s = Slab::default();
+        let mut toks = Vec::new();
+        for _ in 0..1000 {
+            toks.push(s.next_token());
+            s.insert(op());
+        }
+        assert_eq!(s.len, 1000);
+        for t in toks.iter().rev() {
+            assert!(s.remove(*t).is_some());
+        }
+        assert_eq!(s.len, 0);
+        assert_eq!(s.drain().len(), 0);
+    }
+}
