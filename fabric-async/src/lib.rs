@@ -1,1 +1,31 @@
-//! fabric-async
+//! # fabric-async: RDMA transfers as ordinary futures
+//!
+//! The tokio-facing API of fabric. An [`Engine`] drives the NIC(s) of one GPU or process
+//! through a dedicated reactor thread; its operations return futures that the reactor wakes
+//! directly from the completion queue, so they compose with `select!`, timeouts and
+//! `spawn`, and cost no CPU while idle (in [`ReactorMode::Event`]).
+//!
+//! ```no_run
+//! use fabric_async::{Engine, ReactorMode};
+//!
+//! # async fn demo(peer_descriptor: Vec<u8>) -> Result<(), fabric_async::Error> {
+//! let engine = Engine::builder().provider("tcp").mode(ReactorMode::Event).build()?;
+//! let src = engine.alloc(1 << 20).await?;              // registered, zeroed, 4 KiB aligned
+//! let dst = engine.remote_region(&peer_descriptor).await?; // a peer's region
+//! engine.write_imm(&src, 0, &dst, 0, 1 << 20, 7).await?;   // bytes, then imm 7 at the peer
+//! // On the peer: engine.imm_counter(7).wait_for(1).await;
+//! # Ok(()) }
+//! ```
+//!
+//! Bootstrapping (exchanging addresses and descriptors between processes) goes through the
+//! [`bootstrap::Rendezvous`] trait; [`bootstrap::TcpStore`] is a ready-made implementation.
+#![warn(missing_docs, missing_debug_implementations)]
+
+pub mod bootstrap;
+mod ext;
+
+pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
+pub use fabric_runtime::{
+    ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture,
+    PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result, Side, WaitFor,
+};

@@ -1,1 +1,163 @@
-//! Shared helpers of the integration tests.
+//! Shared helpers of the integration tests: the peer process, byte patterns, hashing.
+//!
+//! Every test here moves real bytes through libfabric between two OS processes: the test
+//! itself and a `fabric-peer` child (see `src/bin/fabric-peer.rs`), which meet through a
+//! `TcpStore` on 127.0.0.1.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
+
+/// Providers the suite runs on: `FABRIC_TEST_PROVIDERS` (comma-separated) or tcp and shm.
+pub fn providers() -> Vec<String> {
+    std::env::var("FABRIC_TEST_PROVIDERS")
+        .unwrap_or_else(|_| "tcp,shm".into())
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// The byte at `offset` of pattern `seed`.
+pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
+    let x = (offset ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (x >> 56) as u8 ^ (offset as u8)
+}
+
+/// Fills `buf` (standing at `offset` of a region) with pattern `seed`.
+pub fn fill_pattern(buf: &mut [u8], seed: u64, offset: u64) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern_byte(seed, offset + i as u64);
+    }
+}
+
+/// FNV-1a over 8-byte words (and the tail), fast enough for 64 MiB in a debug build.
+pub fn hash(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut chunks = data.chunks_exact(8);
+    for c in &mut chunks {
+        h ^= u64::from_le_bytes(c.try_into().unwrap());
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    for &b in chunks.remainder() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^ data.len() as u64
+}
+
+/// The immediates each of `tasks` writer tasks sends in the counter storm: `total` imm-only
+/// writes spread over `distinct` values, shuffled deterministically by `seed`.
+pub fn storm_plan(total: usize, tasks: usize, distinct: u32, seed: u64) -> Vec<Vec<u32>> {
+    let mut all: Vec<u32> = (0..total).map(|i| 100 + (i as u32 % distinct)).collect();
+    // Fisher-Yates with xorshift64.
+    let mut s = seed | 1;
+    for i in (1..all.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        all.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    let per = total.div_ceil(tasks);
+    all.chunks(per).map(|c| c.to_vec()).collect()
+}
+
+/// How many times each immediate appears in a plan.
+pub fn plan_counts(plan: &[Vec<u32>]) -> std::collections::BTreeMap<u32, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for imm in plan.iter().flatten() {
+        *m.entry(*imm).or_insert(0) += 1;
+    }
+    m
+}
+
+/// A rendezvous store on 127.0.0.1 and a connected client.
+pub async fn store() -> (TcpStoreServer, TcpStore, SocketAddr) {
+    let server = TcpStoreServer::bind("127.0.0.1:0".parse().unwrap()).await.expect("bind store");
+    let addr = server.local_addr();
+    let client = TcpStore::connect(addr).await.expect("connect store");
+    (server, client, addr)
+}
+
+/// A `fabric-peer` child process, killed when dropped.
+#[derive(Debug)]
+pub struct Peer {
+    child: Option<Child>,
+}
+
+impl Peer {
+    /// Starts `bin` (the path of the `fabric-peer` binary) with these arguments.
+    pub fn spawn(bin: &str, store: SocketAddr, provider: &str, args: &[&str]) -> Peer {
+        let child = Command::new(bin)
+            .arg("--store")
+            .arg(store.to_string())
+            .arg("--provider")
+            .arg(provider)
+            .args(args)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn fabric-peer");
+        Peer { child: Some(child) }
+    }
+
+    /// Kills the process now (to test a dead peer).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit by itself; returns whether it did and
+    /// succeeded.
+    pub fn wait_success(&mut self, timeout: Duration) -> bool {
+        let Some(c) = self.child.as_mut() else { return false };
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match c.try_wait() {
+                Ok(Some(status)) => {
+                    self.child = None;
+                    return status.success();
+                }
+                Ok(None) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => return false,
+            }
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Reads a key that the peer writes, with a deadline so a broken peer fails the test
+/// instead of hanging it.
+pub async fn get(store: &TcpStore, key: &str) -> Vec<u8> {
+    match tokio::time::timeout(Duration::from_secs(120), store.get(key)).await {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => panic!("store get {key}: {e}"),
+        Err(_) => panic!("timed out waiting for {key} from the peer"),
+    }
+}
+
+/// Reads a key as UTF-8.
+pub async fn get_str(store: &TcpStore, key: &str) -> String {
+    String::from_utf8(get(store, key).await).expect("utf-8 value")
+}
+
+/// CPU time (user + system) this process has used so far.
+pub fn process_cpu_time() -> Duration {
+    // SAFETY: getrusage only writes the struct we pass, which is plain data.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer to a rusage.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    assert_eq!(rc, 0, "getrusage failed");
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}

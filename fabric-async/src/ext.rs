@@ -1,0 +1,86 @@
+//! tokio conveniences around the runtime's futures.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::bootstrap::{BootstrapError, Rendezvous};
+use crate::{Engine, Error, ImmCounter, MemoryRegion, RemoteRegion};
+
+/// Deadlines for counter waits.
+#[async_trait]
+pub trait ImmCounterExt {
+    /// Waits until `n` arrivals are available and consumes them, or gives up after
+    /// `timeout` and returns `false` having consumed nothing.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, like [`ImmCounter::wait_for`]: a timed-out or dropped wait consumes
+    /// nothing.
+    async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool;
+}
+
+#[async_trait]
+impl ImmCounterExt for ImmCounter {
+    async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.wait_for(n)).await.is_ok()
+    }
+}
+
+/// Publishes `region`'s descriptor under `key` in a rendezvous store.
+///
+/// # Cancel safety
+///
+/// As the store's `put`.
+pub async fn publish_region(
+    store: &dyn Rendezvous,
+    key: &str,
+    region: &MemoryRegion,
+) -> Result<(), BootstrapError> {
+    store.put(key, region.descriptor().to_bytes()).await
+}
+
+/// Waits for a descriptor under `key` and turns it into a remote region of `engine`.
+///
+/// # Cancel safety
+///
+/// As the store's `get` followed by [`Engine::remote_region`].
+pub async fn fetch_region(
+    engine: &Engine,
+    store: &dyn Rendezvous,
+    key: &str,
+) -> Result<RemoteRegion, FetchError> {
+    let bytes = store.get(key).await?;
+    Ok(engine.remote_region(&bytes).await?)
+}
+
+/// Why [`fetch_region`] failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FetchError {
+    /// The store did not deliver the descriptor.
+    #[error(transparent)]
+    Bootstrap(#[from] BootstrapError),
+    /// The descriptor was refused.
+    #[error(transparent)]
+    Fabric(#[from] Error),
+}
+
+#[allow(unused)]
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    fn is_send<T: Send>(_: T) {}
+    is::<Engine>();
+    is::<ImmCounter>();
+    is::<MemoryRegion>();
+    is::<RemoteRegion>();
+    is::<crate::OpFuture>();
+    is::<crate::WaitFor>();
+    is::<crate::RecvFuture>();
+    is::<crate::OpBatch>();
+    let _ = |e: Engine, r: RemoteRegion| {
+        is_send(async move { e.add_peer(&[]).await });
+        is_send(async move { e.remote_region(&[]).await });
+        is_send(async move { e.imm(&r, 1).await });
+    };
+}

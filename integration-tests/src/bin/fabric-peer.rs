@@ -1,0 +1,159 @@
+//! The second process of the integration tests. It meets the test through a `TcpStore`
+//! and plays one role:
+//!
+//! * `target --size N [--sentinel B] [--wait IMM=COUNT,...]`: registers N bytes filled with
+//!   B, publishes `target/desc` and `target/addr`, waits for the given counts of each
+//!   immediate, then publishes `target/hash` (hash of the whole region) and
+//!   `target/extra` (arrivals left over per immediate after a short settle, `imm=n,...`).
+//!   Waits for `target/exit` before leaving.
+//! * `writer --storm TOTAL,TASKS,DISTINCT,SEED`: fetches `writer/desc`, runs the counter
+//!   storm (TASKS concurrent tasks of imm-only writes), publishes `writer/done`.
+//! * `echo --count N`: adds the peer at `test/addr`, sends every received message back.
+//!
+//! On any failure it publishes `<role>/error` and exits non-zero.
+
+use std::time::Duration;
+
+use fabric_async::bootstrap::{Rendezvous, TcpStore};
+use fabric_async::{Engine, ImmCounterExt};
+use integration_tests::{hash, storm_plan};
+
+struct Args {
+    store: String,
+    provider: String,
+    role: String,
+    size: usize,
+    sentinel: u8,
+    wait: Vec<(u32, u64)>,
+    storm: (usize, usize, u32, u64),
+    count: usize,
+}
+
+fn parse() -> Args {
+    let mut a = Args {
+        store: String::new(),
+        provider: "tcp".into(),
+        role: String::new(),
+        size: 4096,
+        sentinel: 0,
+        wait: Vec::new(),
+        storm: (0, 1, 1, 1),
+        count: 0,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().unwrap_or_else(|| panic!("{k} needs a value"));
+        match k.as_str() {
+            "--store" => a.store = v(),
+            "--provider" => a.provider = v(),
+            "--size" => a.size = v().parse().expect("--size"),
+            "--sentinel" => a.sentinel = v().parse().expect("--sentinel"),
+            "--wait" => {
+                a.wait = v()
+                    .split(',')
+                    .map(|p| {
+                        let (i, n) = p.split_once('=').expect("IMM=COUNT");
+                        (i.parse().expect("imm"), n.parse().expect("count"))
+                    })
+                    .collect()
+            }
+            "--storm" => {
+                let p: Vec<u64> = v().split(',').map(|x| x.parse().expect("storm")).collect();
+                a.storm = (p[0] as usize, p[1] as usize, p[2] as u32, p[3]);
+            }
+            "--count" => a.count = v().parse().expect("--count"),
+            role if !role.starts_with("--") && a.role.is_empty() => a.role = role.to_string(),
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    a
+}
+
+#[tokio::main]
+async fn main() {
+    let a = parse();
+    let store = TcpStore::connect(a.store.parse().expect("store address")).await.expect("connect to the store");
+    let role = a.role.clone();
+    if let Err(e) = run(&a, &store).await {
+        eprintln!("fabric-peer {role}: {e}");
+        let _ = store.put(&format!("{role}/error"), e.into_bytes()).await;
+        std::process::exit(1);
+    }
+}
+
+async fn run(a: &Args, store: &TcpStore) -> Result<(), String> {
+    let engine = Engine::builder().provider(&a.provider).build().map_err(|e| e.to_string())?;
+    store.put(&format!("{}/addr", a.role), engine.address()).await.map_err(|e| e.to_string())?;
+    match a.role.as_str() {
+        "target" => target(a, store, &engine).await,
+        "writer" => writer(a, store, &engine).await,
+        "echo" => echo(a, store, &engine).await,
+        other => Err(format!("unknown role {other:?}")),
+    }
+}
+
+async fn target(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
+    let region = engine.register(vec![a.sentinel; a.size]).await.map_err(|e| e.to_string())?;
+    store.put("target/desc", region.descriptor().to_bytes()).await.map_err(|e| e.to_string())?;
+    for &(imm, count) in &a.wait {
+        if !engine.imm_counter(imm).wait_for_timeout(count, Duration::from_secs(120)).await {
+            let got = engine.imm_counter(imm).available();
+            return Err(format!("timed out waiting for {count} arrivals of imm {imm} (have {got})"));
+        }
+    }
+    // Let anything extra (a duplicate, a stray) land before reporting what is left over.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let extra: Vec<String> =
+        a.wait.iter().map(|&(imm, _)| format!("{imm}={}", engine.imm_counter(imm).available())).collect();
+    store.put("target/extra", extra.join(",").into_bytes()).await.map_err(|e| e.to_string())?;
+    store.put("target/hash", hash(&region.to_vec()).to_string().into_bytes()).await.map_err(|e| e.to_string())?;
+    store.get("target/exit").await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn writer(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
+    let desc = store.get("writer/desc").await.map_err(|e| e.to_string())?;
+    let dst = engine.remote_region(&desc).await.map_err(|e| e.to_string())?;
+    let (total, tasks, distinct, seed) = a.storm;
+    let plan = storm_plan(total, tasks, distinct, seed);
+    let mut handles = Vec::new();
+    for imms in plan {
+        let engine = engine.clone();
+        let dst = dst.clone();
+        handles.push(tokio::spawn(async move {
+            // Keep a bounded window of writes in flight per task.
+            let mut inflight = std::collections::VecDeque::new();
+            for imm in imms {
+                inflight.push_back(engine.imm(&dst, imm));
+                if inflight.len() >= 64 {
+                    inflight.pop_front().unwrap().await?;
+                }
+            }
+            for f in inflight {
+                f.await?;
+            }
+            Ok::<(), fabric_async::Error>(())
+        }));
+    }
+    for h in handles {
+        h.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    }
+    store.put("writer/done", b"ok".to_vec()).await.map_err(|e| e.to_string())?;
+    store.get("writer/exit").await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn echo(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
+    let addr = store.get("test/addr").await.map_err(|e| e.to_string())?;
+    let peer = engine.add_peer(&addr).await.map_err(|e| e.to_string())?;
+    store.put("echo/ready", b"ok".to_vec()).await.map_err(|e| e.to_string())?;
+    for _ in 0..a.count {
+        let (_from, msg) = tokio::time::timeout(Duration::from_secs(60), engine.recv())
+            .await
+            .map_err(|_| "timed out waiting for a message".to_string())?
+            .map_err(|e| e.to_string())?;
+        engine.send(peer, &msg).await.map_err(|e| e.to_string())?;
+    }
+    store.get("echo/exit").await.map_err(|e| e.to_string())?;
+    Ok(())
+}
