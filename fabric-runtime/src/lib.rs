@@ -3,5 +3,6 @@
 
 pub mod error;
 pub mod provider;
+pub mod pure;
 
 pub use error::{Error, Result, Side};
