@@ -24,6 +24,8 @@
 pub mod bootstrap;
 mod ext;
 
+pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};
+
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
 pub use fabric_runtime::{
     ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture,

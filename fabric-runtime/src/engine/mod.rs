@@ -446,7 +446,14 @@ impl Engine {
     pub async fn add_peer(&self, address: &[u8]) -> Result<PeerId> {
         let address = EngineAddress::from_bytes(address)?;
         address.check_transport(&self.shared().transport)?;
-        address.check_domains(self.shared().address.domains.len())?;
+        let ours = self.shared().address.domains.len();
+        if address.domains.len() != ours {
+            return Err(Error::Foreign {
+                what: "engine address",
+                found: format!("{} with {} NIC(s)", address.transport, address.domains.len()),
+                expected: format!("{} with {ours} NIC(s)", self.shared().transport),
+            });
+        }
         let (tx, rx) = futures::channel::oneshot::channel();
         match self.shared().submit(Submission::AddPeer { address, reply: tx }) {
             Ok(()) => ControlFuture::new(rx).await,

@@ -1,138 +1,748 @@
-//! TEMPORARY stand-in (replaced by the real encoding at merge).
+//! Engine addresses and region descriptors, and their wire encoding.
+//!
+//! Two small values cross process boundaries before any RDMA can happen:
+//!
+//! * an [`EngineAddress`] says how to reach an engine: its transport name and one opaque
+//!   address per NIC (domain), as given by [`Domain::address`](crate::provider::Domain::address);
+//! * a [`RegionDescriptor`] says how to write into one registered region of that engine: its
+//!   length and, for each of the owner's NICs, the remote address of byte 0 and the remote key.
+//!
+//! Both are sent by whatever means the application likes (a bootstrap store, a file, an RPC),
+//! so both have a compact, versioned binary form ([`EngineAddress::to_bytes`],
+//! [`RegionDescriptor::from_bytes`], ...). Decoding treats its input as hostile: it never
+//! panics, checks every length against its limit before using it (so a forged length cannot
+//! make it allocate more than the input plus a few kilobytes), and anything that is not
+//! exactly a valid encoding is [`Error::Malformed`] with a reason saying what was wrong.
+//!
+//! # Wire format (version 1)
+//!
+//! All integers are little-endian. `str16` is a `u16` length followed by that many UTF-8 bytes;
+//! `bytes32` is a `u32` length followed by that many bytes.
+//!
+//! ```text
+//! EngineAddress                         RegionDescriptor
+//! +---------------------------+         +---------------------------+
+//! | magic   "FABA"   4 bytes  |         | magic   "FABR"   4 bytes  |
+//! | version 1        u8       |         | version 1        u8       |
+//! | transport        str16    |         | transport        str16    |
+//! | domain count     u16      |         | region length    u64      |
+//! | per domain:               |         | domain count     u16      |
+//! |   address        bytes32  |         | per domain:               |
+//! +---------------------------+         |   address        bytes32  |
+//!                                       |   base           u64      |
+//!                                       |   key            u64      |
+//!                                       +---------------------------+
+//! ```
+//!
+//! Limits, enforced by decoding and by `validate`: a transport name is at most
+//! [`MAX_TRANSPORT_LEN`] bytes, a list holds at most [`MAX_DOMAINS`] domains and one NIC
+//! address is at most [`MAX_ADDRESS_LEN`] bytes. The encoding is canonical: if `from_bytes`
+//! accepts some bytes, `to_bytes` of the result gives back exactly those bytes.
+
+use serde::{Deserialize, Serialize};
+
 use crate::error::Error;
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+
+/// The most domains (NICs) an address or descriptor may list.
+pub const MAX_DOMAINS: usize = 64;
+/// The longest NIC address, in bytes.
+pub const MAX_ADDRESS_LEN: usize = 4096;
+/// The longest transport name, in bytes.
+pub const MAX_TRANSPORT_LEN: usize = 64;
+
+/// The wire format version written by this crate and the only one it reads.
+pub const WIRE_VERSION: u8 = 1;
+
+const ADDRESS_MAGIC: [u8; 4] = *b"FABA";
+const DESCRIPTOR_MAGIC: [u8; 4] = *b"FABR";
+
+const ADDRESS_WHAT: &str = "engine address";
+const DESCRIPTOR_WHAT: &str = "region descriptor";
+
+/// How to reach an engine: its transport and one opaque address per domain (NIC).
+///
+/// Produced by the engine, sent to peers with [`to_bytes`](Self::to_bytes), read back with
+/// [`from_bytes`](Self::from_bytes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EngineAddress {
+    /// The transport name, e.g. `"tcp;ofi_rxm"` or `"verbs"`. Peers must use the same one.
     pub transport: String,
+    /// One backend address per domain, in the engine's domain order.
     pub domains: Vec<Vec<u8>>,
 }
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+
+/// One domain's part of a [`RegionDescriptor`]: what a peer needs to write through that NIC.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DomainKey {
+    /// The owner's NIC address (the matching entry of its [`EngineAddress::domains`]).
     pub address: Vec<u8>,
+    /// The remote address of byte 0 of the region on this NIC.
     pub base: u64,
+    /// The remote key of the region on this NIC.
     pub key: u64,
 }
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+
+/// How to write into a registered region of a remote engine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionDescriptor {
+    /// The transport of the engine that registered the region.
     pub transport: String,
+    /// The region's length in bytes.
     pub len: u64,
+    /// One entry per domain of the owning engine, in its domain order.
     pub domains: Vec<DomainKey>,
 }
-fn put(v: &mut Vec<u8>, b: &[u8]) {
-    v.extend_from_slice(&(b.len() as u32).to_le_bytes());
-    v.extend_from_slice(b);
-}
-struct R<'a>(&'a [u8]);
-impl<'a> R<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], Error> {
-        if self.0.len() < n {
-            return Err(Error::Malformed { what: "x", reason: "truncated".into() });
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Ok(a)
-    }
-    fn u32(&mut self) -> Result<u32, Error> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
-    }
-    fn u64(&mut self) -> Result<u64, Error> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
-    }
-    fn bytes(&mut self) -> Result<Vec<u8>, Error> {
-        let n = self.u32()? as usize;
-        Ok(self.take(n)?.to_vec())
-    }
-}
+
 impl EngineAddress {
+    /// Checks the limits that decoding enforces, so that an address that passes can be sent
+    /// and read back. [`Error::Malformed`] says which limit is exceeded.
+    pub fn validate(&self) -> Result<(), Error> {
+        validate_common(
+            ADDRESS_WHAT,
+            &self.transport,
+            self.domains.iter().map(Vec::len),
+        )
+    }
+
+    /// Fails with [`Error::Foreign`] unless this address was made by transport `expected`.
+    pub fn check_transport(&self, expected: &str) -> Result<(), Error> {
+        check_transport(ADDRESS_WHAT, &self.transport, expected)
+    }
+
+    /// Encodes the address in the wire format described in the [module docs](self).
+    ///
+    /// Call [`validate`](Self::validate) first if the value may exceed the limits: the bytes of
+    /// an address that does not validate are rejected by [`from_bytes`](Self::from_bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = b"FADR".to_vec();
-        put(&mut v, self.transport.as_bytes());
-        v.extend_from_slice(&(self.domains.len() as u32).to_le_bytes());
-        for d in &self.domains {
-            put(&mut v, d);
+        let mut out = Vec::with_capacity(
+            4 + 1
+                + 2
+                + self.transport.len()
+                + 2
+                + self.domains.iter().map(|d| 4 + d.len()).sum::<usize>(),
+        );
+        out.extend_from_slice(&ADDRESS_MAGIC);
+        out.push(WIRE_VERSION);
+        put_str16(&mut out, &self.transport);
+        put_u16(&mut out, self.domains.len());
+        for address in &self.domains {
+            put_bytes32(&mut out, address);
         }
-        v
+        out
     }
-    pub fn from_bytes(b: &[u8]) -> Result<Self, Error> {
-        let mut r = R(b);
-        if r.take(4)? != b"FADR" {
-            return Err(Error::Malformed { what: "engine address", reason: "bad magic".into() });
-        }
-        let t = String::from_utf8(r.bytes()?)
-            .map_err(|_| Error::Malformed { what: "engine address", reason: "utf8".into() })?;
-        let n = r.u32()?;
-        let mut domains = vec![];
-        for _ in 0..n.min(64) {
-            domains.push(r.bytes()?);
-        }
-        Ok(Self { transport: t, domains })
-    }
-    pub fn check_transport(&self, e: &str) -> Result<(), Error> {
-        if self.transport == e {
-            Ok(())
-        } else {
-            Err(Error::Foreign { what: "engine address", found: self.transport.clone(), expected: e.into() })
-        }
-    }
-    pub fn check_domains(&self, n: usize) -> Result<(), Error> {
-        if self.domains.len() == n {
-            Ok(())
-        } else {
-            Err(Error::Foreign {
-                what: "engine address",
-                found: format!("{} NICs", self.domains.len()),
-                expected: format!("{n} NICs"),
-            })
-        }
+
+    /// Decodes bytes made by [`to_bytes`](Self::to_bytes).
+    ///
+    /// Any input that is not exactly one valid encoding (truncated, trailing bytes, wrong
+    /// magic, another version, a limit exceeded, a transport that is not UTF-8) is
+    /// [`Error::Malformed`] with `what = "engine address"`. Never panics.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
+        decode(ADDRESS_WHAT, bytes, |r| {
+            r.header(ADDRESS_MAGIC, DESCRIPTOR_MAGIC, DESCRIPTOR_WHAT)?;
+            let transport = r.transport()?;
+            let count = r.domain_count()?;
+            let mut domains = Vec::with_capacity(count);
+            for i in 0..count {
+                domains.push(r.address(i)?);
+            }
+            Ok(EngineAddress { transport, domains })
+        })
     }
 }
+
 impl RegionDescriptor {
+    /// Checks the limits that decoding enforces, so that a descriptor that passes can be sent
+    /// and read back. [`Error::Malformed`] says which limit is exceeded.
+    pub fn validate(&self) -> Result<(), Error> {
+        validate_common(
+            DESCRIPTOR_WHAT,
+            &self.transport,
+            self.domains.iter().map(|d| d.address.len()),
+        )
+    }
+
+    /// Fails with [`Error::Foreign`] unless this descriptor was made by transport `expected`.
+    pub fn check_transport(&self, expected: &str) -> Result<(), Error> {
+        check_transport(DESCRIPTOR_WHAT, &self.transport, expected)
+    }
+
+    /// Fails with [`Error::Foreign`] unless the descriptor lists exactly `expected` domains,
+    /// the number of domains of the engine that will use it. `found` and `expected` of the
+    /// error name the transport and the two counts.
+    pub fn check_domains(&self, expected: usize) -> Result<(), Error> {
+        let found = self.domains.len();
+        if found == expected {
+            return Ok(());
+        }
+        Err(Error::Foreign {
+            what: DESCRIPTOR_WHAT,
+            found: format!("{} with {} domain(s)", self.transport, found),
+            expected: format!("{} with {} domain(s)", self.transport, expected),
+        })
+    }
+
+    /// Encodes the descriptor in the wire format described in the [module docs](self).
+    ///
+    /// Call [`validate`](Self::validate) first if the value may exceed the limits: the bytes of
+    /// a descriptor that does not validate are rejected by [`from_bytes`](Self::from_bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = b"FDSC".to_vec();
-        put(&mut v, self.transport.as_bytes());
-        v.extend_from_slice(&self.len.to_le_bytes());
-        v.extend_from_slice(&(self.domains.len() as u32).to_le_bytes());
+        let per_domain: usize = self.domains.iter().map(|d| 4 + d.address.len() + 16).sum();
+        let mut out = Vec::with_capacity(4 + 1 + 2 + self.transport.len() + 8 + 2 + per_domain);
+        out.extend_from_slice(&DESCRIPTOR_MAGIC);
+        out.push(WIRE_VERSION);
+        put_str16(&mut out, &self.transport);
+        out.extend_from_slice(&self.len.to_le_bytes());
+        put_u16(&mut out, self.domains.len());
         for d in &self.domains {
-            put(&mut v, &d.address);
-            v.extend_from_slice(&d.base.to_le_bytes());
-            v.extend_from_slice(&d.key.to_le_bytes());
+            put_bytes32(&mut out, &d.address);
+            out.extend_from_slice(&d.base.to_le_bytes());
+            out.extend_from_slice(&d.key.to_le_bytes());
         }
-        v
+        out
     }
-    pub fn from_bytes(b: &[u8]) -> Result<Self, Error> {
-        let mut r = R(b);
-        if r.take(4)? != b"FDSC" {
-            return Err(Error::Malformed { what: "region descriptor", reason: "bad magic".into() });
-        }
-        let t = String::from_utf8(r.bytes()?)
-            .map_err(|_| Error::Malformed { what: "region descriptor", reason: "utf8".into() })?;
-        let len = r.u64()?;
-        let n = r.u32()?;
-        let mut domains = vec![];
-        for _ in 0..n.min(64) {
-            domains.push(DomainKey { address: r.bytes()?, base: r.u64()?, key: r.u64()? });
-        }
-        Ok(Self { transport: t, len, domains })
-    }
-    pub fn check_transport(&self, e: &str) -> Result<(), Error> {
-        if self.transport == e {
-            Ok(())
-        } else {
-            Err(Error::Foreign {
-                what: "region descriptor",
-                found: self.transport.clone(),
-                expected: e.into(),
+
+    /// Decodes bytes made by [`to_bytes`](Self::to_bytes).
+    ///
+    /// Any input that is not exactly one valid encoding (truncated, trailing bytes, wrong
+    /// magic, another version, a limit exceeded, a transport that is not UTF-8) is
+    /// [`Error::Malformed`] with `what = "region descriptor"`. Never panics.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
+        decode(DESCRIPTOR_WHAT, bytes, |r| {
+            r.header(DESCRIPTOR_MAGIC, ADDRESS_MAGIC, ADDRESS_WHAT)?;
+            let transport = r.transport()?;
+            let len = r.u64("region length")?;
+            let count = r.domain_count()?;
+            let mut domains = Vec::with_capacity(count);
+            for i in 0..count {
+                let address = r.address(i)?;
+                let base = r.u64("domain base address")?;
+                let key = r.u64("domain remote key")?;
+                domains.push(DomainKey { address, base, key });
+            }
+            Ok(RegionDescriptor {
+                transport,
+                len,
+                domains,
             })
+        })
+    }
+}
+
+fn check_transport(what: &'static str, found: &str, expected: &str) -> Result<(), Error> {
+    if found == expected {
+        Ok(())
+    } else {
+        Err(Error::Foreign {
+            what,
+            found: found.to_owned(),
+            expected: expected.to_owned(),
+        })
+    }
+}
+
+fn validate_common(
+    what: &'static str,
+    transport: &str,
+    address_lens: impl ExactSizeIterator<Item = usize>,
+) -> Result<(), Error> {
+    let malformed = |reason: String| Err(Error::Malformed { what, reason });
+    if transport.len() > MAX_TRANSPORT_LEN {
+        return malformed(format!(
+            "transport name is {} bytes, the limit is {MAX_TRANSPORT_LEN}",
+            transport.len()
+        ));
+    }
+    if address_lens.len() > MAX_DOMAINS {
+        return malformed(format!(
+            "{} domains listed, the limit is {MAX_DOMAINS}",
+            address_lens.len()
+        ));
+    }
+    for (i, len) in address_lens.enumerate() {
+        if len > MAX_ADDRESS_LEN {
+            return malformed(format!(
+                "address of domain {i} is {len} bytes, the limit is {MAX_ADDRESS_LEN}"
+            ));
         }
     }
-    pub fn check_domains(&self, n: usize) -> Result<(), Error> {
-        if self.domains.len() == n {
-            Ok(())
-        } else {
-            Err(Error::Foreign {
-                what: "region descriptor",
-                found: format!("{} NICs", self.domains.len()),
-                expected: format!("{n} NICs"),
-            })
+    Ok(())
+}
+
+// Lengths beyond the prefix width saturate; such values exceed the limits and are rejected
+// on decoding (and by `validate`), so saturation never yields a different valid value.
+fn put_u16(out: &mut Vec<u8>, n: usize) {
+    out.extend_from_slice(&u16::try_from(n).unwrap_or(u16::MAX).to_le_bytes());
+}
+
+fn put_str16(out: &mut Vec<u8>, s: &str) {
+    put_u16(out, s.len());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_bytes32(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&u32::try_from(b.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+/// Runs `body` over a reader of `bytes`, then insists that every byte was used.
+fn decode<T>(
+    what: &'static str,
+    bytes: &[u8],
+    body: impl FnOnce(&mut Reader<'_>) -> Result<T, String>,
+) -> Result<T, Error> {
+    let mut r = Reader { bytes, pos: 0 };
+    let value = body(&mut r).map_err(|reason| Error::Malformed { what, reason })?;
+    let left = bytes.len() - r.pos;
+    if left != 0 {
+        return Err(Error::Malformed {
+            what,
+            reason: format!(
+                "{left} trailing byte(s) after the end of the encoding at offset {}",
+                r.pos
+            ),
+        });
+    }
+    Ok(value)
+}
+
+/// A bounds-checked cursor. Every method returns a reason string on failure.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8], String> {
+        let left = self.bytes.len() - self.pos;
+        if n > left {
+            return Err(format!(
+                "truncated: the {field} at offset {} needs {n} byte(s), only {left} left",
+                self.pos
+            ));
         }
+        let out = &self.bytes[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self, field: &str) -> Result<[u8; N], String> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N, field)?);
+        Ok(out)
+    }
+
+    fn u16(&mut self, field: &str) -> Result<u16, String> {
+        self.array(field).map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self, field: &str) -> Result<u32, String> {
+        self.array(field).map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self, field: &str) -> Result<u64, String> {
+        self.array(field).map(u64::from_le_bytes)
+    }
+
+    /// Magic and version. `other` is the magic of the other kind of value, for a better message
+    /// when the two are mixed up.
+    fn header(&mut self, magic: [u8; 4], other: [u8; 4], other_what: &str) -> Result<(), String> {
+        let found: [u8; 4] = self.array("magic")?;
+        if found == other {
+            return Err(format!("these bytes are an encoded {other_what}"));
+        }
+        if found != magic {
+            return Err(format!(
+                "bad magic {:?}, expected {:?}",
+                found.escape_ascii().to_string(),
+                magic.escape_ascii().to_string()
+            ));
+        }
+        let [version] = self.array("version")?;
+        if version != WIRE_VERSION {
+            return Err(format!(
+                "unknown version {version}, this build reads version {WIRE_VERSION}"
+            ));
+        }
+        Ok(())
+    }
+
+    fn transport(&mut self) -> Result<String, String> {
+        let len = usize::from(self.u16("transport name length")?);
+        if len > MAX_TRANSPORT_LEN {
+            return Err(format!(
+                "transport name length {len} exceeds the limit of {MAX_TRANSPORT_LEN} bytes"
+            ));
+        }
+        let raw = self.take(len, "transport name")?;
+        match std::str::from_utf8(raw) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(e) => Err(format!("transport name is not UTF-8: {e}")),
+        }
+    }
+
+    fn domain_count(&mut self) -> Result<usize, String> {
+        let count = usize::from(self.u16("domain count")?);
+        if count > MAX_DOMAINS {
+            return Err(format!(
+                "domain count {count} exceeds the limit of {MAX_DOMAINS}"
+            ));
+        }
+        Ok(count)
+    }
+
+    fn address(&mut self, domain: usize) -> Result<Vec<u8>, String> {
+        let len = self.u32("domain address length")?;
+        // Compare in u64 so that the check holds on every pointer width.
+        if u64::from(len) > MAX_ADDRESS_LEN as u64 {
+            return Err(format!(
+                "address of domain {domain} is {len} bytes, the limit is {MAX_ADDRESS_LEN}"
+            ));
+        }
+        Ok(self.take(len as usize, "domain address")?.to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn address() -> EngineAddress {
+        EngineAddress {
+            transport: "tcp;ofi_rxm".into(),
+            domains: vec![vec![1, 2, 3, 4], vec![], vec![0xff; 40]],
+        }
+    }
+
+    fn descriptor() -> RegionDescriptor {
+        RegionDescriptor {
+            transport: "verbs".into(),
+            len: 1 << 33,
+            domains: vec![
+                DomainKey {
+                    address: vec![9; 16],
+                    base: 0x7f00_dead_beef,
+                    key: 0x1234,
+                },
+                DomainKey {
+                    address: vec![],
+                    base: 0,
+                    key: u64::MAX,
+                },
+            ],
+        }
+    }
+
+    fn malformed_reason(err: Error, expected_what: &str) -> String {
+        match err {
+            Error::Malformed { what, reason } => {
+                assert_eq!(what, expected_what);
+                reason
+            }
+            other => panic!("expected Malformed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn serde_traits_are_derived() {
+        fn assert_serde<T: Serialize + for<'de> Deserialize<'de>>() {}
+        assert_serde::<EngineAddress>();
+        assert_serde::<RegionDescriptor>();
+        assert_serde::<DomainKey>();
+    }
+
+    #[test]
+    fn round_trips() {
+        let cases = [
+            address(),
+            EngineAddress {
+                transport: String::new(),
+                domains: vec![],
+            },
+            EngineAddress {
+                transport: "x".repeat(MAX_TRANSPORT_LEN),
+                domains: vec![vec![7; MAX_ADDRESS_LEN]; MAX_DOMAINS],
+            },
+        ];
+        for a in cases {
+            a.validate().unwrap();
+            assert_eq!(EngineAddress::from_bytes(&a.to_bytes()).unwrap(), a);
+        }
+        let d = descriptor();
+        d.validate().unwrap();
+        assert_eq!(RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
+        let empty = RegionDescriptor {
+            transport: "shm".into(),
+            len: 0,
+            domains: vec![],
+        };
+        assert_eq!(
+            RegionDescriptor::from_bytes(&empty.to_bytes()).unwrap(),
+            empty
+        );
+    }
+
+    #[test]
+    fn encoding_is_compact_and_starts_with_magic() {
+        let bytes = address().to_bytes();
+        assert_eq!(&bytes[..5], b"FABA\x01");
+        assert_eq!(bytes.len(), 5 + 2 + 11 + 2 + (4 + 4) + 4 + (4 + 40));
+        let bytes = descriptor().to_bytes();
+        assert_eq!(&bytes[..5], b"FABR\x01");
+        assert_eq!(bytes.len(), 5 + 2 + 5 + 8 + 2 + (4 + 16 + 16) + (4 + 16));
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        let bytes = address().to_bytes();
+        for n in 0..bytes.len() {
+            let reason = malformed_reason(
+                EngineAddress::from_bytes(&bytes[..n]).unwrap_err(),
+                ADDRESS_WHAT,
+            );
+            assert!(reason.contains("truncated"), "{n}: {reason}");
+        }
+        let bytes = descriptor().to_bytes();
+        for n in 0..bytes.len() {
+            let reason = malformed_reason(
+                RegionDescriptor::from_bytes(&bytes[..n]).unwrap_err(),
+                DESCRIPTOR_WHAT,
+            );
+            assert!(reason.contains("truncated"), "{n}: {reason}");
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_are_an_error() {
+        let mut bytes = descriptor().to_bytes();
+        bytes.push(0);
+        let reason = malformed_reason(
+            RegionDescriptor::from_bytes(&bytes).unwrap_err(),
+            DESCRIPTOR_WHAT,
+        );
+        assert!(reason.contains("1 trailing byte"), "{reason}");
+    }
+
+    #[test]
+    fn bad_magic_and_version() {
+        let mut bytes = address().to_bytes();
+        bytes[0] = b'X';
+        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
+        assert!(reason.contains("bad magic"), "{reason}");
+
+        let mut bytes = address().to_bytes();
+        bytes[4] = 2;
+        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
+        assert!(reason.contains("unknown version 2"), "{reason}");
+
+        let mut bytes = descriptor().to_bytes();
+        bytes[4] = 0;
+        let reason = malformed_reason(
+            RegionDescriptor::from_bytes(&bytes).unwrap_err(),
+            DESCRIPTOR_WHAT,
+        );
+        assert!(reason.contains("unknown version 0"), "{reason}");
+    }
+
+    #[test]
+    fn mixing_up_address_and_descriptor_says_so() {
+        let reason = malformed_reason(
+            RegionDescriptor::from_bytes(&address().to_bytes()).unwrap_err(),
+            DESCRIPTOR_WHAT,
+        );
+        assert!(reason.contains("encoded engine address"), "{reason}");
+        let reason = malformed_reason(
+            EngineAddress::from_bytes(&descriptor().to_bytes()).unwrap_err(),
+            ADDRESS_WHAT,
+        );
+        assert!(reason.contains("encoded region descriptor"), "{reason}");
+    }
+
+    #[test]
+    fn absurd_lengths_are_rejected_before_reading() {
+        // Domain count over the limit.
+        let mut bytes = b"FABA\x01".to_vec();
+        bytes.extend_from_slice(&0u16.to_le_bytes());
+        bytes.extend_from_slice(&65u16.to_le_bytes());
+        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
+        assert!(reason.contains("domain count 65"), "{reason}");
+
+        // Transport length over the limit.
+        let mut bytes = b"FABR\x01".to_vec();
+        bytes.extend_from_slice(&65u16.to_le_bytes());
+        bytes.extend_from_slice(&[b'a'; 65]);
+        let reason = malformed_reason(
+            RegionDescriptor::from_bytes(&bytes).unwrap_err(),
+            DESCRIPTOR_WHAT,
+        );
+        assert!(reason.contains("transport name length 65"), "{reason}");
+
+        // Address length u32::MAX: must not try to allocate or read 4 GiB.
+        let mut bytes = b"FABA\x01".to_vec();
+        bytes.extend_from_slice(&0u16.to_le_bytes());
+        bytes.extend_from_slice(&1u16.to_le_bytes());
+        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
+        assert!(reason.contains("4294967295 bytes"), "{reason}");
+    }
+
+    #[test]
+    fn transport_must_be_utf8() {
+        let mut bytes = b"FABA\x01".to_vec();
+        bytes.extend_from_slice(&2u16.to_le_bytes());
+        bytes.extend_from_slice(&[0xc3, 0x28]);
+        bytes.extend_from_slice(&0u16.to_le_bytes());
+        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
+        assert!(reason.contains("not UTF-8"), "{reason}");
+    }
+
+    #[test]
+    fn values_over_the_limits_fail_validate_and_decode() {
+        let too_many = EngineAddress {
+            transport: "t".into(),
+            domains: vec![vec![]; MAX_DOMAINS + 1],
+        };
+        assert!(matches!(too_many.validate(), Err(Error::Malformed { .. })));
+        assert!(EngineAddress::from_bytes(&too_many.to_bytes()).is_err());
+
+        let long_transport = RegionDescriptor {
+            transport: "t".repeat(70_000),
+            len: 1,
+            domains: vec![],
+        };
+        assert!(matches!(
+            long_transport.validate(),
+            Err(Error::Malformed { .. })
+        ));
+        assert!(RegionDescriptor::from_bytes(&long_transport.to_bytes()).is_err());
+
+        let long_address = RegionDescriptor {
+            transport: "t".into(),
+            len: 1,
+            domains: vec![DomainKey {
+                address: vec![0; MAX_ADDRESS_LEN + 1],
+                base: 0,
+                key: 0,
+            }],
+        };
+        assert!(matches!(
+            long_address.validate(),
+            Err(Error::Malformed { .. })
+        ));
+        assert!(RegionDescriptor::from_bytes(&long_address.to_bytes()).is_err());
+    }
+
+    #[test]
+    fn check_transport_and_domains() {
+        let d = descriptor();
+        d.check_transport("verbs").unwrap();
+        match d.check_transport("tcp;ofi_rxm").unwrap_err() {
+            Error::Foreign {
+                what,
+                found,
+                expected,
+            } => {
+                assert_eq!(what, DESCRIPTOR_WHAT);
+                assert_eq!(found, "verbs");
+                assert_eq!(expected, "tcp;ofi_rxm");
+            }
+            other => panic!("{other:?}"),
+        }
+        let a = address();
+        a.check_transport("tcp;ofi_rxm").unwrap();
+        assert!(matches!(
+            a.check_transport("verbs"),
+            Err(Error::Foreign {
+                what: ADDRESS_WHAT,
+                ..
+            })
+        ));
+
+        d.check_domains(2).unwrap();
+        match d.check_domains(4).unwrap_err() {
+            Error::Foreign {
+                what,
+                found,
+                expected,
+            } => {
+                assert_eq!(what, DESCRIPTOR_WHAT);
+                assert_eq!(found, "verbs with 2 domain(s)");
+                assert_eq!(expected, "verbs with 4 domain(s)");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// xorshift64: deterministic, dependency-free.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            let mut x = self.0;
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            self.0 = x;
+            x
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    /// Decodes `input` both ways; whatever is accepted must re-encode to the same bytes.
+    fn check_input(input: &[u8]) -> usize {
+        let mut accepted = 0;
+        if let Ok(a) = EngineAddress::from_bytes(input) {
+            assert_eq!(a.to_bytes(), input);
+            accepted += 1;
+        }
+        if let Ok(d) = RegionDescriptor::from_bytes(input) {
+            assert_eq!(d.to_bytes(), input);
+            accepted += 1;
+        }
+        accepted
+    }
+
+    #[test]
+    fn fuzz_never_panics() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let seeds = [address().to_bytes(), descriptor().to_bytes()];
+        let mut accepted = 0;
+        let mut input = Vec::new();
+        for i in 0..100_000 {
+            input.clear();
+            match i % 4 {
+                // Pure noise.
+                0 => {
+                    let len = rng.below(128);
+                    input.extend((0..len).map(|_| rng.next() as u8));
+                }
+                // A valid header, then noise: exercises the length checks.
+                1 => {
+                    input.extend_from_slice(if rng.next() & 1 == 0 {
+                        b"FABA\x01"
+                    } else {
+                        b"FABR\x01"
+                    });
+                    let len = rng.below(128);
+                    input.extend((0..len).map(|_| rng.next() as u8));
+                }
+                // A valid encoding with a few bytes flipped, cut or extended.
+                _ => {
+                    input.extend_from_slice(&seeds[rng.below(2)]);
+                    for _ in 0..=rng.below(4) {
+                        let at = rng.below(input.len());
+                        input[at] = rng.next() as u8;
+                    }
+                    match rng.below(4) {
+                        0 => input.truncate(rng.below(input.len() + 1)),
+                        1 => input.extend((0..rng.below(8)).map(|_| rng.next() as u8)),
+                        _ => {}
+                    }
+                }
+            }
+            accepted += check_input(&input);
+        }
+        // Some mutations (of base, key, address bytes) stay valid; make sure the loop reached them.
+        assert!(accepted > 0);
     }
 }
