@@ -1,0 +1,145 @@
+//! Bad input gets a clear, typed error, and never a panic or a hang.
+
+use std::time::Duration;
+
+use fabric_async::bootstrap::Rendezvous;
+use fabric_async::{Engine, Error, MemoryLocation, PeerId, RegionDescriptor, Side};
+use integration_tests::{get, store, Peer};
+
+const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
+
+/// Every call below must answer quickly; a hang fails the test instead of stalling CI.
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), f).await.expect("answered within 30 s")
+}
+
+async fn pair(provider: &str) -> (Engine, Engine) {
+    let a = Engine::builder().provider(provider).build().expect("engine a");
+    let b = Engine::builder().provider(provider).build().expect("engine b");
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_bounds_on_either_side() {
+    let (a, b) = pair("tcp").await;
+    let src = a.alloc(4096).await.unwrap();
+    let theirs = b.alloc(1000).await.unwrap();
+    let dst = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
+    let e = bounded(a.write(&src, 4000, &dst, 0, 200)).await.unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { side: Side::Local, offset: 4000, len: 200, region_len: 4096 }), "{e}");
+    let e = bounded(a.write_imm(&src, 0, &dst, 900, 101, 1)).await.unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { side: Side::Remote, offset: 900, len: 101, region_len: 1000 }), "{e}");
+    let e = bounded(a.read(&src, 0, &dst, u64::MAX, 2)).await.unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { side: Side::Remote, .. }), "overflowing offsets are caught: {e}");
+    let e = src.write_at(4095, &[1, 2]).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { side: Side::Local, .. }));
+    // Exactly at the edge is fine.
+    bounded(a.write(&src, 3096, &dst, 0, 1000)).await.expect("in-bounds write");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_peer_and_oversized_message() {
+    let (a, b) = pair("tcp").await;
+    let e = bounded(a.send(PeerId(42), b"hello")).await.unwrap_err();
+    assert!(matches!(e, Error::UnknownPeer { peer: 42 }), "{e}");
+    let p = a.add_peer(&b.address()).await.unwrap();
+    assert_eq!(a.add_peer(&b.address()).await.unwrap(), p, "same address, same id");
+    let big = vec![0u8; a.max_msg_size() + 1];
+    let e = bounded(a.send(p, &big)).await.unwrap_err();
+    assert!(matches!(e, Error::MessageTooLarge { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_foreign_descriptors_and_addresses() {
+    let tcp = Engine::builder().provider("tcp").build().unwrap();
+    let shm = Engine::builder().provider("shm").build().unwrap();
+    let region = shm.alloc(4096).await.unwrap();
+    let good = region.descriptor().to_bytes();
+
+    let e = tcp.remote_region(b"definitely not a descriptor").await.unwrap_err();
+    assert!(matches!(e, Error::Malformed { .. }), "{e}");
+    let e = tcp.remote_region(&good[..good.len() - 3]).await.unwrap_err();
+    assert!(matches!(e, Error::Malformed { .. }), "truncated: {e}");
+    let e = tcp.remote_region(&good).await.unwrap_err();
+    assert!(matches!(e, Error::Foreign { .. }), "an shm descriptor on a tcp engine: {e}");
+    let e = tcp.add_peer(&shm.address()).await.unwrap_err();
+    assert!(matches!(e, Error::Foreign { .. }), "an shm address on a tcp engine: {e}");
+    let e = tcp.add_peer(&[0xff; 7]).await.unwrap_err();
+    assert!(matches!(e, Error::Malformed { .. }), "{e}");
+    // An address is not a descriptor.
+    let e = tcp.remote_region(&tcp.address()).await.unwrap_err();
+    assert!(matches!(e, Error::Malformed { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_provider_and_bad_config() {
+    let e = Engine::builder().provider("no-such-provider").build().unwrap_err();
+    assert!(matches!(e, Error::ProviderNotFound { .. }), "{e}");
+    let e = Engine::builder().messages(0, 8).build().unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e}");
+    let a = Engine::builder().provider("tcp").build().unwrap();
+    let e = a.register(Vec::new()).await.unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e}");
+    let e = a.alloc_in(4096, MemoryLocation::Cuda { ordinal: 0 }).await.unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
+    let (_server, store, addr) = store().await;
+    let mut peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096", "--wait", "9=1"]);
+    let a = Engine::builder().provider("tcp").build().unwrap();
+    let src = a.alloc(4096).await.unwrap();
+    let good = get(&store, "target/desc").await;
+    let mut desc = RegionDescriptor::from_bytes(&good).unwrap();
+    desc.domains[0].key ^= 0x5a5a_0000;
+    let forged = a.remote_region(&desc.to_bytes()).await.unwrap();
+    let e = bounded(a.write(&src, 0, &forged, 0, 64)).await.unwrap_err();
+    match &e {
+        Error::Completion { op: "write", message, .. } => assert!(!message.is_empty()),
+        other => panic!("expected a completion error, got {other}"),
+    }
+    // The engine and the connection survive a bad key.
+    let real = a.remote_region(&good).await.unwrap();
+    bounded(a.write_imm(&src, 0, &real, 0, 64, 9)).await.expect("a good write still works");
+    get(&store, "target/hash").await;
+    store.put("target/exit", vec![]).await.unwrap();
+    assert!(peer.wait_success(Duration::from_secs(20)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_peer_is_an_error_not_a_hang() {
+    let (_server, store, addr) = store().await;
+    let mut peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096"]);
+    let a = Engine::builder().provider("tcp").build().unwrap();
+    let src = a.alloc(4096).await.unwrap();
+    let dst = a.remote_region(&get(&store, "target/desc").await).await.unwrap();
+    peer.kill();
+    let e = bounded(a.write_imm(&src, 0, &dst, 0, 64, 1)).await.unwrap_err();
+    assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
+    // Later operations to the dead peer fail fast too.
+    let e = bounded(a.imm(&dst, 1)).await.unwrap_err();
+    assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_after_shutdown_fail_cleanly() {
+    let (a, b) = pair("tcp").await;
+    let src = a.alloc(4096).await.unwrap();
+    let theirs = b.alloc(4096).await.unwrap();
+    let dst = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
+    let recv = tokio::spawn({
+        let a = a.clone();
+        async move { a.recv().await }
+    });
+    a.shutdown();
+    let e = bounded(a.write(&src, 0, &dst, 0, 64)).await.unwrap_err();
+    assert!(matches!(e, Error::Shutdown), "{e}");
+    let e = a.alloc(4096).await.unwrap_err();
+    assert!(matches!(e, Error::Shutdown), "{e}");
+    let r = bounded(recv).await.unwrap();
+    assert!(matches!(r, Err(Error::Shutdown)), "a pending recv is told");
+    // Regions outliving their engine are freed safely.
+    drop(a);
+    drop(src);
+}
