@@ -65,22 +65,3 @@ pub enum FetchError {
     #[error(transparent)]
     Fabric(#[from] Error),
 }
-
-#[allow(unused)]
-fn _assert_send_sync() {
-    fn is<T: Send + Sync>() {}
-    fn is_send<T: Send>(_: T) {}
-    is::<Engine>();
-    is::<ImmCounter>();
-    is::<MemoryRegion>();
-    is::<RemoteRegion>();
-    is::<crate::OpFuture>();
-    is::<crate::WaitFor>();
-    is::<crate::RecvFuture>();
-    is::<crate::OpBatch>();
-    let _ = |e: Engine, r: RemoteRegion| {
-        is_send(async move { e.add_peer(&[]).await });
-        is_send(async move { e.remote_region(&[]).await });
-        is_send(async move { e.imm(&r, 1).await });
-    };
-}

@@ -19,7 +19,7 @@
 //!
 //! Bootstrapping (exchanging addresses and descriptors between processes) goes through the
 //! [`bootstrap::Rendezvous`] trait; [`bootstrap::TcpStore`] is a ready-made implementation.
-#![warn(missing_docs, missing_debug_implementations)]
+#![warn(missing_debug_implementations)]
 
 pub mod bootstrap;
 mod ext;

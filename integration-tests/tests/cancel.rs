@@ -3,7 +3,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
 use fabric_async::bootstrap::Rendezvous;

@@ -18,7 +18,8 @@ pub(crate) enum Notify {
     Future(Arc<OpState>),
     /// A synchronous-path [`OpBatch`] counts completions.
     Batch(Arc<BatchState>),
-    /// Nobody waits (fire and forget, internal).
+    /// Nobody waits.
+    #[cfg(test)]
     None,
 }
 
@@ -27,6 +28,7 @@ impl Notify {
         match self {
             Notify::Future(s) => s.complete(result),
             Notify::Batch(b) => b.complete(result),
+            #[cfg(test)]
             Notify::None => {}
         }
     }
@@ -203,16 +205,12 @@ pub(crate) type Reply<T> = futures::channel::oneshot::Sender<Result<T, Error>>;
 /// deregistered again, and an added peer stays added.
 #[must_use = "futures do nothing unless polled"]
 pub struct ControlFuture<T> {
-    rx: Result<futures::channel::oneshot::Receiver<Result<T, Error>>, Option<Error>>,
+    rx: futures::channel::oneshot::Receiver<Result<T, Error>>,
 }
 
 impl<T> ControlFuture<T> {
     pub(crate) fn new(rx: futures::channel::oneshot::Receiver<Result<T, Error>>) -> Self {
-        ControlFuture { rx: Ok(rx) }
-    }
-
-    pub(crate) fn failed(e: Error) -> Self {
-        ControlFuture { rx: Err(Some(e)) }
+        ControlFuture { rx }
     }
 }
 
@@ -226,13 +224,11 @@ impl<T> Future for ControlFuture<T> {
     type Output = Result<T, Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.get_mut().rx {
-            Err(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
-            Ok(rx) => match Pin::new(rx).poll(cx) {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Ok(r)) => Poll::Ready(r),
-                Poll::Ready(Err(_canceled)) => Poll::Ready(Err(Error::Shutdown)),
-            },
+        match Pin::new(&mut self.get_mut().rx).poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(r)) => Poll::Ready(r),
+            // The reactor dropped the request: it is gone.
+            Poll::Ready(Err(_canceled)) => Poll::Ready(Err(Error::Shutdown)),
         }
     }
 }
