@@ -111,15 +111,22 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
 async fn dead_peer_is_an_error_not_a_hang() {
     let (_server, store, addr) = store().await;
     let mut peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096"]);
-    let a = Engine::builder().provider("tcp").build().unwrap();
+    let a = Engine::builder().provider("tcp").op_timeout(Some(Duration::from_secs(2))).build().unwrap();
     let src = a.alloc(4096).await.unwrap();
     let dst = a.remote_region(&get(&store, "target/desc").await).await.unwrap();
     peer.kill();
     let e = bounded(a.write_imm(&src, 0, &dst, 0, 64, 1)).await.unwrap_err();
     assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
     // Later operations to the dead peer fail fast too.
+    let t = std::time::Instant::now();
     let e = bounded(a.imm(&dst, 1)).await.unwrap_err();
-    assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
+    assert!(matches!(e, Error::PeerUnreachable { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1), "a failed peer fails fast");
+    // The engine still serves others.
+    let b = Engine::builder().provider("tcp").build().unwrap();
+    let theirs = b.alloc(4096).await.unwrap();
+    let other = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
+    bounded(a.write(&src, 0, &other, 0, 4096)).await.expect("another peer still works");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

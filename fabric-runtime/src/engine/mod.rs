@@ -246,6 +246,7 @@ pub struct EngineBuilder {
     pub(crate) send_depth: usize,
     pub(crate) max_msg_size: usize,
     pub(crate) node: Option<String>,
+    pub(crate) op_timeout: Option<Duration>,
 }
 
 impl Default for EngineBuilder {
@@ -260,6 +261,7 @@ impl Default for EngineBuilder {
             send_depth: 64,
             max_msg_size: 8192,
             node: None,
+            op_timeout: Some(Duration::from_secs(30)),
         }
     }
 }
@@ -308,6 +310,17 @@ impl EngineBuilder {
     /// The local address to bind (for `tcp`/`udp`: an IP address; default `127.0.0.1`).
     pub fn node(mut self, node: impl Into<String>) -> Self {
         self.node = Some(node.into());
+        self
+    }
+
+    /// How long an operation may go without a completion before it fails with
+    /// [`Error::PeerUnreachable`] and its peer is marked failed (default 30 s; `None`: wait
+    /// forever). This is what turns a dead peer into an error instead of a hang on
+    /// transports that never report one (libfabric `tcp` keeps retrying a vanished peer).
+    /// The operation's memory stays pinned until the NIC lets go of it or the engine shuts
+    /// down, so a late completion can never touch freed memory.
+    pub fn op_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.op_timeout = timeout;
         self
     }
 

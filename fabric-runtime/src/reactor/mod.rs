@@ -33,6 +33,9 @@ use std::sync::Arc;
 const RECV_TAG: u64 = 1 << 63;
 /// Most completions taken from one domain per poll call.
 const POLL_BATCH: usize = 64;
+/// How often operation deadlines are checked (and the longest an `Event`-mode reactor with
+/// operations in flight sleeps).
+const DEADLINE_TICK: Duration = Duration::from_millis(100);
 
 /// An operation the engine has posted and not yet seen complete.
 struct InFlight {
@@ -43,6 +46,7 @@ struct InFlight {
     send_slot: Option<(usize, u32)>,
     peer: PeerId,
     name: &'static str,
+    posted: Instant,
 }
 
 /// Slab of in-flight operations. Tokens are `generation << 32 | index`, so a stale or
@@ -240,7 +244,17 @@ impl<D: Domain> Reactor<D> {
         }
         let mut last_activity = Instant::now();
         let mut idle_interval = Duration::from_micros(50);
+        let mut next_deadline_check = Instant::now();
         loop {
+            if let Some(limit) = self.cfg.op_timeout {
+                if self.slab.len > 0 {
+                    let now = Instant::now();
+                    if now >= next_deadline_check {
+                        self.expire(now, limit);
+                        next_deadline_check = now + DEADLINE_TICK;
+                    }
+                }
+            }
             let mut busy = false;
             if self.shared.has_items.load(Ordering::Acquire) {
                 let closing = self.take_submissions();
@@ -413,7 +427,7 @@ impl<D: Domain> Reactor<D> {
                     Submission::Send { notify, .. } => (notify, None),
                     _ => unreachable!(),
                 };
-                self.slab.insert(InFlight { notify, keep, send_slot, peer, name });
+                self.slab.insert(InFlight { notify, keep, send_slot, peer, name, posted: Instant::now() });
                 None
             }
             Err(PostError::Again) => {
@@ -518,6 +532,25 @@ impl<D: Domain> Reactor<D> {
         }
     }
 
+    /// Fails every operation that has waited longer than `limit` for its completion and
+    /// marks its peer failed. The slab entry stays (keeping its memory alive) until the
+    /// provider completes or shutdown cancels it.
+    fn expire(&mut self, now: Instant, limit: Duration) {
+        for (_, entry) in self.slab.entries.iter_mut() {
+            let Some(op) = entry else { continue };
+            if matches!(op.notify, Notify::None) || now.duration_since(op.posted) < limit {
+                continue;
+            }
+            let message = format!("no completion for a {} within {limit:?}; peer marked failed", op.name);
+            tracing::warn!(peer = op.peer.0, %message, "operation timed out");
+            if let Some(p) = self.peers.get_mut(op.peer.0 as usize) {
+                p.failed.get_or_insert_with(|| message.clone());
+            }
+            let notify = std::mem::replace(&mut op.notify, Notify::None);
+            notify.complete(Err(Error::PeerUnreachable { peer: op.peer.0, message }));
+        }
+    }
+
     fn finish(&mut self, op: InFlight, result: Result<()>) {
         if let Some((d, slot)) = op.send_slot {
             self.send_pools[d].free.push(slot);
@@ -547,6 +580,10 @@ impl<D: Domain> Reactor<D> {
             // Posts are waiting for queue space; completions will wake us, but stay safe
             // against a provider that frees space without one.
             timeout = Some(Duration::from_micros(100));
+        }
+        if self.cfg.op_timeout.is_some() && self.slab.len > 0 {
+            // Wake up to check deadlines even if the peer never answers.
+            timeout = Some(timeout.map_or(DEADLINE_TICK, |t| t.min(DEADLINE_TICK)));
         }
         {
             let mut q = lock(&self.shared.queue);
@@ -651,7 +688,14 @@ mod tests {
     use super::*;
 
     fn op() -> InFlight {
-        InFlight { notify: Notify::None, keep: None, send_slot: None, peer: PeerId(0), name: "write" }
+        InFlight {
+            notify: Notify::None,
+            keep: None,
+            send_slot: None,
+            peer: PeerId(0),
+            name: "write",
+            posted: Instant::now(),
+        }
     }
 
     #[test]
