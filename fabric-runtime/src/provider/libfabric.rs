@@ -532,19 +532,8 @@ impl LibfabricDomain {
         let info = match query.getinfo(cfg, true) {
             Ok(info) => info,
             Err(full_err) => {
-                return Err(match query.getinfo(cfg, false) {
-                    Ok(_) => Error::NoRemoteCqData {
-                        provider: prov_name,
-                        reason: format!(
-                            "it offers FI_EP_RDM but not RMA with {IMM_BYTES}-byte remote CQ \
-                             data under the required hints ({full_err})"
-                        ),
-                    },
-                    Err(min_err) => Error::ProviderNotFound {
-                        provider: prov_name,
-                        reason: min_err.to_string(),
-                    },
-                })
+                let minimal = query.getinfo(cfg, false).map(drop);
+                return Err(getinfo_failure(prov_name, full_err, minimal));
             }
         };
         let i = info.as_ptr();
@@ -752,6 +741,25 @@ impl LibfabricDomain {
     }
 }
 
+/// What a failed `fi_getinfo` with the full hints means, given the retry with minimal hints
+/// (`FI_EP_RDM` and the provider name only): the provider exists but cannot do what the engine
+/// needs (RMA with remote CQ data), or it does not exist here at all.
+fn getinfo_failure(provider: String, full_err: Error, minimal: Result<(), Error>) -> Error {
+    match minimal {
+        Ok(()) => Error::NoRemoteCqData {
+            provider,
+            reason: format!(
+                "it offers FI_EP_RDM but not RMA with {IMM_BYTES}-byte remote CQ data under the \
+                 required hints ({full_err})"
+            ),
+        },
+        Err(min_err) => Error::ProviderNotFound {
+            provider,
+            reason: min_err.to_string(),
+        },
+    }
+}
+
 /// `fi_addr_t` of a completion's source as a [`PeerHandle`].
 fn peer_of(src: sys::fi_addr_t) -> Option<PeerHandle> {
     (src != sys::FI_ADDR_NOTAVAIL).then_some(src)
@@ -910,8 +918,12 @@ impl Domain for LibfabricDomain {
         let handle = mr.as_ptr() as u64;
         self.mrs.insert(handle, mr);
         Ok(Registration {
-            // The descriptor is required with FI_MR_LOCAL and harmless (a hint) otherwise.
-            local: desc as u64,
+            // The contract: `local` is 0 when the provider needs no descriptor.
+            local: if self.mr_needs(sys::FI_MR_LOCAL) {
+                desc as u64
+            } else {
+                0
+            },
             remote_key: key,
             handle,
             remote_base: if self.mr_needs(sys::FI_MR_VIRT_ADDR) {
@@ -1209,6 +1221,19 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn getinfo_failures_are_classified() {
+        let nodata = || provider_error("fi_getinfo", sys::FI_ENODATA as i32);
+        assert!(matches!(
+            getinfo_failure("x".into(), nodata(), Ok(())),
+            Error::NoRemoteCqData { provider, .. } if provider == "x"
+        ));
+        assert!(matches!(
+            getinfo_failure("x".into(), nodata(), Err(nodata())),
+            Error::ProviderNotFound { provider, .. } if provider == "x"
+        ));
     }
 
     #[test]
