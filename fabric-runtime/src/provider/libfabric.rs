@@ -532,19 +532,8 @@ impl LibfabricDomain {
         let info = match query.getinfo(cfg, true) {
             Ok(info) => info,
             Err(full_err) => {
-                return Err(match query.getinfo(cfg, false) {
-                    Ok(_) => Error::NoRemoteCqData {
-                        provider: prov_name,
-                        reason: format!(
-                            "it offers FI_EP_RDM but not RMA with {IMM_BYTES}-byte remote CQ \
-                             data under the required hints ({full_err})"
-                        ),
-                    },
-                    Err(min_err) => Error::ProviderNotFound {
-                        provider: prov_name,
-                        reason: min_err.to_string(),
-                    },
-                })
+                let minimal = query.getinfo(cfg, false).map(drop);
+                return Err(getinfo_failure(prov_name, full_err, minimal));
             }
         };
         let i = info.as_ptr();
@@ -752,6 +741,89 @@ impl LibfabricDomain {
     }
 }
 
+/// What a failed `fi_getinfo` with the full hints means, given the retry with minimal hints
+/// (`FI_EP_RDM` and the provider name only): the provider exists but cannot do what the engine
+/// needs (RMA with remote CQ data), or it does not exist here at all.
+fn getinfo_failure(provider: String, full_err: Error, minimal: Result<(), Error>) -> Error {
+    match minimal {
+        Ok(()) => Error::NoRemoteCqData {
+            provider,
+            reason: format!(
+                "it offers FI_EP_RDM but not RMA with {IMM_BYTES}-byte remote CQ data under the \
+                 required hints ({full_err})"
+            ),
+        },
+        Err(min_err) => Error::ProviderNotFound {
+            provider,
+            reason: min_err.to_string(),
+        },
+    }
+}
+
+/// Checks that `peer` can safely be handed to `fi_av_insert` as one address in `format`,
+/// judged against our own address `ours`:
+///
+/// * `FI_ADDR_STR` (shm: `"fi_shm://PID:N:0\0"`, variable length): NUL-terminated (the provider
+///   reads up to the NUL), no interior NUL, ASCII, same `scheme://` prefix, at most
+///   `FI_NAME_MAX` bytes.
+/// * every other (binary, fixed-size) format: exactly our length; for `FI_SOCKADDR_IN` also
+///   the `AF_INET` family.
+fn validate_peer_address(
+    format: u32,
+    ours: &[u8],
+    peer: &[u8],
+    transport: &str,
+) -> Result<(), Error> {
+    let malformed = |reason: String| {
+        Err(Error::Malformed {
+            what: "peer address",
+            reason,
+        })
+    };
+    if format == sys::FI_ADDR_STR {
+        let max = sys::FI_NAME_MAX as usize;
+        if peer.is_empty() || peer.len() > max {
+            return malformed(format!(
+                "{} bytes, {transport} addresses are 1..={max}",
+                peer.len()
+            ));
+        }
+        let Some((&0, text)) = peer.split_last() else {
+            return malformed("string address is not NUL-terminated".into());
+        };
+        if text.contains(&0) || !text.is_ascii() {
+            return malformed("string address has a NUL or non-ASCII byte inside".into());
+        }
+        let scheme = |a: &[u8]| {
+            a.windows(3)
+                .position(|w| w == b"://")
+                .map(|i| a[..i + 3].to_vec())
+        };
+        let ours_text = ours.strip_suffix(&[0]).unwrap_or(ours);
+        if scheme(text).is_none() || scheme(text) != scheme(ours_text) {
+            return malformed(format!(
+                "{:?} is not a {transport} address",
+                String::from_utf8_lossy(text)
+            ));
+        }
+        return Ok(());
+    }
+    if peer.len() != ours.len() {
+        return malformed(format!(
+            "{} bytes, but {transport} addresses are {} bytes",
+            peer.len(),
+            ours.len()
+        ));
+    }
+    if format == sys::FI_SOCKADDR_IN {
+        let family = u16::from_ne_bytes([peer[0], peer[1]]);
+        if family != libc::AF_INET as u16 {
+            return malformed(format!("address family {family} is not AF_INET"));
+        }
+    }
+    Ok(())
+}
+
 /// `fi_addr_t` of a completion's source as a [`PeerHandle`].
 fn peer_of(src: sys::fi_addr_t) -> Option<PeerHandle> {
     (src != sys::FI_ADDR_NOTAVAIL).then_some(src)
@@ -910,8 +982,12 @@ impl Domain for LibfabricDomain {
         let handle = mr.as_ptr() as u64;
         self.mrs.insert(handle, mr);
         Ok(Registration {
-            // The descriptor is required with FI_MR_LOCAL and harmless (a hint) otherwise.
-            local: desc as u64,
+            // The contract: `local` is 0 when the provider needs no descriptor.
+            local: if self.mr_needs(sys::FI_MR_LOCAL) {
+                desc as u64
+            } else {
+                0
+            },
             remote_key: key,
             handle,
             remote_base: if self.mr_needs(sys::FI_MR_VIRT_ADDR) {
@@ -943,23 +1019,11 @@ impl Domain for LibfabricDomain {
             what: "peer address",
             reason,
         };
-        if addr.len() != self.address.len() {
-            return Err(malformed(format!(
-                "{} bytes, but {} addresses are {} bytes",
-                addr.len(),
-                self.transport,
-                self.address.len()
-            )));
-        }
-        if self.addr_format == sys::FI_SOCKADDR_IN {
-            let family = u16::from_ne_bytes([addr[0], addr[1]]);
-            if family != libc::AF_INET as u16 {
-                return Err(malformed(format!("address family {family} is not AF_INET")));
-            }
-        }
+        validate_peer_address(self.addr_format, &self.address, addr, &self.transport)?;
         let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
-        // SAFETY: av is open; addr holds exactly one address of this provider's length;
-        // fi_addr receives one entry. With FI_AV_TABLE the insert is synchronous.
+        // SAFETY: av is open; addr holds exactly one address of this provider's format,
+        // checked above (fixed-size formats have our length, string formats end in a NUL, so
+        // the provider never reads past the slice); fi_addr receives one entry. With FI_AV_TABLE the insert is synchronous.
         let ret = unsafe {
             sys::fabric_shim_fi_av_insert(
                 self.av.as_ptr(),
@@ -1209,6 +1273,42 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn peer_addresses_are_validated() {
+        let shm = b"fi_shm://123:4:0\0";
+        let ok = |a: &[u8]| validate_peer_address(sys::FI_ADDR_STR, shm, a, "shm");
+        assert!(
+            ok(b"fi_shm://123:10:0\0").is_ok(),
+            "longer string addresses are fine"
+        );
+        assert!(ok(b"fi_shm://123:4:0").is_err(), "no NUL");
+        assert!(ok(b"fi_shm://1\x0023:4:0\0").is_err(), "interior NUL");
+        assert!(ok(b"fi_sock://1.2.3.4\0").is_err(), "other scheme");
+        assert!(ok(b"\0").is_err());
+        assert!(ok(b"").is_err());
+        assert!(ok(&[b'a'; 300]).is_err());
+        let sin = [2u8, 0, 1, 2, 127, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0];
+        let ok = |a: &[u8]| validate_peer_address(sys::FI_SOCKADDR_IN, &sin, a, "tcp;ofi_rxm");
+        assert!(ok(&sin).is_ok());
+        assert!(ok(&sin[..15]).is_err());
+        let mut wrong = sin;
+        wrong[0] = 10;
+        assert!(ok(&wrong).is_err());
+    }
+
+    #[test]
+    fn getinfo_failures_are_classified() {
+        let nodata = || provider_error("fi_getinfo", sys::FI_ENODATA as i32);
+        assert!(matches!(
+            getinfo_failure("x".into(), nodata(), Ok(())),
+            Error::NoRemoteCqData { provider, .. } if provider == "x"
+        ));
+        assert!(matches!(
+            getinfo_failure("x".into(), nodata(), Err(nodata())),
+            Error::ProviderNotFound { provider, .. } if provider == "x"
+        ));
     }
 
     #[test]
