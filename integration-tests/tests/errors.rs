@@ -99,10 +99,22 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
         Error::Completion { op: "write", message, .. } => assert!(!message.is_empty()),
         other => panic!("expected a completion error, got {other}"),
     }
-    // The engine and the connection survive a bad key.
-    let real = a.remote_region(&good).await.unwrap();
-    bounded(a.write_imm(&src, 0, &real, 0, 64, 9)).await.expect("a good write still works");
+    // On tcp the target's provider drops the connection that carried the bad key, so this
+    // peer may now be marked failed: later operations get a typed error, never a hang.
+    if let Err(e) = bounded(a.imm(&forged, 9)).await {
+        assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
+    }
+    // The target itself is fine: a fresh engine writes to it.
+    let c = Engine::builder().provider("tcp").build().unwrap();
+    let src_c = c.alloc(4096).await.unwrap();
+    let real = c.remote_region(&good).await.unwrap();
+    bounded(c.write_imm(&src_c, 0, &real, 0, 64, 9)).await.expect("a good write from a new engine");
     get(&store, "target/hash").await;
+    // And the first engine still serves its other peers.
+    let b = Engine::builder().provider("tcp").build().unwrap();
+    let theirs = b.alloc(4096).await.unwrap();
+    let other = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
+    bounded(a.write(&src, 0, &other, 0, 4096)).await.expect("another peer still works");
     store.put("target/exit", vec![]).await.unwrap();
     assert!(peer.wait_success(Duration::from_secs(20)));
 }

@@ -128,6 +128,9 @@ impl Pool {
 struct PeerState {
     handles: Vec<PeerHandle>,
     failed: Option<String>,
+    /// Operations the NIC refused for now (full queue, connection still being set up), in
+    /// order, with the time they were submitted.
+    pending: VecDeque<(Instant, Submission)>,
 }
 
 struct Reactor<D: Domain> {
@@ -135,7 +138,9 @@ struct Reactor<D: Domain> {
     shared: Arc<Shared>,
     cfg: EngineBuilder,
     slab: Slab,
-    backlog: VecDeque<Submission>,
+    /// Peers with pending operations, in the order they got some. Each peer's operations
+    /// stay in order; a stuck peer does not hold back the others.
+    pending_peers: VecDeque<PeerId>,
     items: Vec<Submission>,
     completions: Vec<Completion>,
     peers: Vec<PeerState>,
@@ -173,7 +178,7 @@ pub(crate) fn spawn<D: Domain>(
         shared,
         cfg,
         slab: Slab::default(),
-        backlog: VecDeque::new(),
+        pending_peers: VecDeque::new(),
         items: Vec::with_capacity(1024),
         completions: Vec::with_capacity(POLL_BATCH),
         peers: Vec::new(),
@@ -247,7 +252,7 @@ impl<D: Domain> Reactor<D> {
         let mut next_deadline_check = Instant::now();
         loop {
             if let Some(limit) = self.cfg.op_timeout {
-                if self.slab.len > 0 {
+                if self.slab.len > 0 || self.has_pending() {
                     let now = Instant::now();
                     if now >= next_deadline_check {
                         self.expire(now, limit);
@@ -263,7 +268,9 @@ impl<D: Domain> Reactor<D> {
                 }
                 busy = true;
             }
-            busy |= self.post_backlog();
+            if self.has_pending() {
+                busy |= self.post_backlog();
+            }
             busy |= self.poll_domains();
             if busy {
                 idle_interval = Duration::from_micros(50);
@@ -303,12 +310,14 @@ impl<D: Domain> Reactor<D> {
     fn handle(&mut self, s: Submission) {
         match s {
             Submission::Op { .. } | Submission::Send { .. } => {
-                if self.backlog.is_empty() {
-                    if let Some(again) = self.try_post(s) {
-                        self.backlog.push_back(again);
+                let peer = s.peer();
+                match self.peers.get_mut(peer.0 as usize) {
+                    Some(p) if !p.pending.is_empty() => p.pending.push_back((Instant::now(), s)),
+                    _ => {
+                        if let Some(again) = self.try_post(s) {
+                            self.defer(peer, Instant::now(), again);
+                        }
                     }
-                } else {
-                    self.backlog.push_back(s);
                 }
             }
             Submission::Register { backing, location, reply } => {
@@ -369,7 +378,7 @@ impl<D: Domain> Reactor<D> {
         for (d, h) in handles.iter().enumerate() {
             self.handle_to_peer[d].insert(*h, id);
         }
-        self.peers.push(PeerState { handles, failed: None });
+        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new() });
         self.peer_by_addr.insert(key, id);
         self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
         Ok(id)
@@ -446,16 +455,44 @@ impl<D: Domain> Reactor<D> {
         }
     }
 
+    /// Queues an operation the NIC refused for now behind the peer's other pending ones.
+    fn defer(&mut self, peer: PeerId, since: Instant, s: Submission) {
+        let p = &mut self.peers[peer.0 as usize];
+        if p.pending.is_empty() {
+            self.pending_peers.push_back(peer);
+        }
+        p.pending.push_back((since, s));
+    }
+
+    /// Retries pending operations, peer by peer. Stops early when several peers in a row
+    /// are refused (the NIC queue itself is full).
     fn post_backlog(&mut self) -> bool {
         let mut posted = false;
-        while let Some(s) = self.backlog.pop_front() {
-            if let Some(again) = self.try_post(s) {
-                self.backlog.push_front(again);
-                break;
+        let mut refused = 0;
+        for _ in 0..self.pending_peers.len() {
+            let Some(peer) = self.pending_peers.pop_front() else { break };
+            let mut blocked = false;
+            while let Some((since, s)) = self.peers[peer.0 as usize].pending.pop_front() {
+                if let Some(again) = self.try_post(s) {
+                    self.peers[peer.0 as usize].pending.push_front((since, again));
+                    blocked = true;
+                    break;
+                }
+                posted = true;
             }
-            posted = true;
+            if blocked {
+                self.pending_peers.push_back(peer);
+                refused += 1;
+                if refused >= 4 {
+                    break;
+                }
+            }
         }
         posted
+    }
+
+    fn has_pending(&self) -> bool {
+        !self.pending_peers.is_empty()
     }
 
     fn poll_domains(&mut self) -> bool {
@@ -536,6 +573,22 @@ impl<D: Domain> Reactor<D> {
     /// marks its peer failed. The slab entry stays (keeping its memory alive) until the
     /// provider completes or shutdown cancels it.
     fn expire(&mut self, now: Instant, limit: Duration) {
+        // Operations that never even reached the NIC (a peer whose connection never comes
+        // up keeps refusing them).
+        for i in 0..self.pending_peers.len() {
+            let peer = self.pending_peers[i];
+            let p = &mut self.peers[peer.0 as usize];
+            if p.pending.front().is_some_and(|(since, _)| now.duration_since(*since) >= limit) {
+                let message = format!("operations could not be posted within {limit:?}; peer marked failed");
+                tracing::warn!(peer = peer.0, %message, "operations timed out");
+                p.failed.get_or_insert_with(|| message.clone());
+                for (_, s) in p.pending.drain(..) {
+                    fail(s, Error::PeerUnreachable { peer: peer.0, message: message.clone() });
+                }
+            }
+        }
+        let peers = &self.peers;
+        self.pending_peers.retain(|p| !peers[p.0 as usize].pending.is_empty());
         for (_, entry) in self.slab.entries.iter_mut() {
             let Some(op) = entry else { continue };
             if matches!(op.notify, Notify::None) || now.duration_since(op.posted) < limit {
@@ -576,7 +629,7 @@ impl<D: Domain> Reactor<D> {
                 None => timeout = Some(idle_interval),
             }
         }
-        if !self.backlog.is_empty() && timeout.is_none() {
+        if self.has_pending() && timeout.is_none() {
             // Posts are waiting for queue space; completions will wake us, but stay safe
             // against a provider that frees space without one.
             timeout = Some(Duration::from_micros(100));
@@ -625,8 +678,10 @@ impl<D: Domain> Reactor<D> {
                 Submission::Deregister { regs, backing } => self.deregister(regs, backing),
             }
         }
-        for s in std::mem::take(&mut self.backlog) {
-            fail(s, Error::Shutdown);
+        for p in self.peers.iter_mut() {
+            for (_, s) in p.pending.drain(..) {
+                fail(s, Error::Shutdown);
+            }
         }
         // Give in-flight operations a chance to finish normally.
         let deadline = Instant::now() + self.cfg.shutdown_grace;
@@ -666,6 +721,16 @@ impl<D: Domain> Reactor<D> {
         };
         drop(graveyard);
         drop(keep);
+    }
+}
+
+impl Submission {
+    fn peer(&self) -> PeerId {
+        match self {
+            Submission::Op { req, .. } => req.peer,
+            Submission::Send { peer, .. } => *peer,
+            _ => unreachable!("only operations have a peer"),
+        }
     }
 }
 
