@@ -3,19 +3,24 @@
 # bindgen. Runs apt-get only when something is missing. Needs root (or sudo).
 set -euo pipefail
 pkgs=(libfabric-dev libfabric-bin pkg-config libclang-dev clang)
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   echo "installing: ${missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
+if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
 if ! command -v cargo >/dev/null; then
-  echo "cargo not found: install Rust first (https://rustup.rs)" >&2
-  exit 1
+  echo "cargo not found: installing Rust with rustup"
+  command -v curl >/dev/null || { $SUDO apt-get install -y -qq curl ca-certificates; }
+  curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal
+  echo "Rust installed: open a new shell (or 'source \$HOME/.cargo/env') to use cargo directly"
 fi
 pkg-config --atleast-version=1.17 libfabric || { echo "libfabric >= 1.17 is required" >&2; exit 1; }

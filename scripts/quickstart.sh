@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+export PATH="$HOME/.cargo/bin:$PATH"
 cargo run --release --example quickstart -- "$@"

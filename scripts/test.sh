@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+export PATH="$HOME/.cargo/bin:$PATH"
 export FI_TCP_IFACE=lo   # libfabric traffic stays on loopback
 cargo test --workspace --all-targets
 cargo test --workspace --doc

@@ -82,11 +82,7 @@ pub enum BootstrapError {
 
     /// A key or value is over its limit ([`MAX_KEY_LEN`], [`MAX_VALUE_LEN`]). Nothing was sent.
     #[error("{what} is {len} bytes, the limit is {max}")]
-    TooLarge {
-        what: &'static str,
-        len: usize,
-        max: usize,
-    },
+    TooLarge { what: &'static str, len: usize, max: usize },
 
     /// [`all_gather`] was called with `rank >= world`.
     #[error("rank {rank} is not below the world size {world}")]
@@ -96,17 +92,11 @@ pub enum BootstrapError {
 impl BootstrapError {
     fn io(context: impl Into<String>, source: io::Error) -> Self {
         let source = if source.kind() == io::ErrorKind::UnexpectedEof {
-            io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the store server closed the connection",
-            )
+            io::Error::new(io::ErrorKind::UnexpectedEof, "the store server closed the connection")
         } else {
             source
         };
-        BootstrapError::Io {
-            context: context.into(),
-            source,
-        }
+        BootstrapError::Io { context: context.into(), source }
     }
 }
 
@@ -192,9 +182,7 @@ pub struct TcpStoreServer {
 
 impl fmt::Debug for TcpStoreServer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TcpStoreServer")
-            .field("local_addr", &self.local_addr)
-            .finish()
+        f.debug_struct("TcpStoreServer").field("local_addr", &self.local_addr).finish()
     }
 }
 
@@ -207,10 +195,7 @@ struct Keys {
 
 impl Keys {
     fn put(&self, key: String, value: Bytes) {
-        self.map
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, value);
+        self.map.lock().unwrap_or_else(|e| e.into_inner()).insert(key, value);
         self.changed.notify_waiters();
     }
 
@@ -414,10 +399,7 @@ impl TcpStore {
     /// # Cancel safety
     ///
     /// Dropping the future closes any connection being opened; nothing else happened.
-    pub async fn connect_timeout(
-        addr: SocketAddr,
-        timeout: Duration,
-    ) -> Result<TcpStore, BootstrapError> {
+    pub async fn connect_timeout(addr: SocketAddr, timeout: Duration) -> Result<TcpStore, BootstrapError> {
         let deadline = Instant::now() + timeout;
         let mut backoff = Duration::from_millis(10);
         loop {
@@ -433,9 +415,7 @@ impl TcpStore {
                 }
                 Ok(Err(OpenError::Protocol(msg))) => return Err(BootstrapError::Protocol(msg)),
                 Ok(Err(OpenError::Io(e))) => e,
-                Err(_elapsed) => {
-                    io::Error::new(io::ErrorKind::TimedOut, "connection attempt timed out")
-                }
+                Err(_elapsed) => io::Error::new(io::ErrorKind::TimedOut, "connection attempt timed out"),
             };
             if Instant::now() + backoff >= deadline {
                 return Err(BootstrapError::io(
@@ -470,18 +450,12 @@ impl TcpStore {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(OpenError::Protocol(msg))) => Err(BootstrapError::Protocol(msg)),
             Ok(Err(OpenError::Io(e))) => Err(BootstrapError::io(context(), e)),
-            Err(_) => Err(BootstrapError::io(
-                context(),
-                io::ErrorKind::TimedOut.into(),
-            )),
+            Err(_) => Err(BootstrapError::io(context(), io::ErrorKind::TimedOut.into())),
         }
     }
 
     fn checkin(&self, conn: BufReader<TcpStream>) {
-        self.idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(conn);
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(conn);
     }
 
     /// One request on one connection. The connection goes back to the pool only after a
@@ -501,8 +475,7 @@ impl TcpStore {
         if let Some(value) = value {
             header.extend_from_slice(&len_u32(value.len()).to_le_bytes());
         }
-        let io_err =
-            |e| BootstrapError::io(format!("{opname} {key:?} at TcpStore {}", self.addr), e);
+        let io_err = |e| BootstrapError::io(format!("{opname} {key:?} at TcpStore {}", self.addr), e);
         let s = conn.get_mut();
         s.write_all(&header).await.map_err(io_err)?;
         if let Some(value) = value {
@@ -511,14 +484,9 @@ impl TcpStore {
         let status = conn.read_u8().await.map_err(io_err)?;
         let reply = match status {
             STATUS_OK if op == OP_GET => {
-                match read_limited(&mut conn, "value", MAX_VALUE_LEN)
-                    .await
-                    .map_err(io_err)?
-                {
+                match read_limited(&mut conn, "value", MAX_VALUE_LEN).await.map_err(io_err)? {
                     Ok(value) => Some(value),
-                    Err(msg) => {
-                        return Err(BootstrapError::Protocol(format!("server sent a {msg}")))
-                    }
+                    Err(msg) => return Err(BootstrapError::Protocol(format!("server sent a {msg}"))),
                 }
             }
             STATUS_OK => None,
@@ -527,9 +495,7 @@ impl TcpStore {
                     Ok(Ok(msg)) => String::from_utf8_lossy(&msg).into_owned(),
                     _ => "(unreadable error message)".to_owned(),
                 };
-                return Err(BootstrapError::Protocol(format!(
-                    "server rejected {opname} {key:?}: {msg}"
-                )));
+                return Err(BootstrapError::Protocol(format!("server rejected {opname} {key:?}: {msg}")));
             }
             other => {
                 return Err(BootstrapError::Protocol(format!(
@@ -564,11 +530,7 @@ async fn open(addr: SocketAddr) -> Result<BufReader<TcpStream>, OpenError> {
 
 fn check_key(key: &str) -> Result<(), BootstrapError> {
     if key.len() > MAX_KEY_LEN {
-        return Err(BootstrapError::TooLarge {
-            what: "key",
-            len: key.len(),
-            max: MAX_KEY_LEN,
-        });
+        return Err(BootstrapError::TooLarge { what: "key", len: key.len(), max: MAX_KEY_LEN });
     }
     Ok(())
 }
@@ -587,11 +549,7 @@ impl Rendezvous for TcpStore {
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), BootstrapError> {
         check_key(key)?;
         if value.len() > MAX_VALUE_LEN {
-            return Err(BootstrapError::TooLarge {
-                what: "value",
-                len: value.len(),
-                max: MAX_VALUE_LEN,
-            });
+            return Err(BootstrapError::TooLarge { what: "value", len: value.len(), max: MAX_VALUE_LEN });
         }
         self.request(OP_PUT, key, Some(&value)).await.map(drop)
     }
@@ -607,15 +565,12 @@ impl Rendezvous for TcpStore {
     async fn get(&self, key: &str) -> Result<Vec<u8>, BootstrapError> {
         check_key(key)?;
         let request = self.request(OP_GET, key, None);
-        let reply =
-            match self.get_timeout {
-                None => request.await?,
-                Some(t) => tokio::time::timeout(t, request).await.map_err(|_| {
-                    BootstrapError::Timeout {
-                        key: key.to_owned(),
-                    }
-                })??,
-            };
+        let reply = match self.get_timeout {
+            None => request.await?,
+            Some(t) => tokio::time::timeout(t, request)
+                .await
+                .map_err(|_| BootstrapError::Timeout { key: key.to_owned() })??,
+        };
         reply.ok_or_else(|| BootstrapError::Protocol("GET reply without a value".into()))
     }
 }
@@ -641,13 +596,7 @@ mod tests {
 
     async fn read_error(s: &mut TcpStream) -> String {
         assert_eq!(s.read_u8().await.unwrap(), STATUS_ERR);
-        String::from_utf8(
-            read_limited(s, "msg", MAX_ERROR_LEN)
-                .await
-                .unwrap()
-                .unwrap(),
-        )
-        .unwrap()
+        String::from_utf8(read_limited(s, "msg", MAX_ERROR_LEN).await.unwrap().unwrap()).unwrap()
     }
 
     #[tokio::test]
@@ -698,7 +647,10 @@ mod tests {
                 tokio::time::sleep(Duration::from_secs(5)).await;
             });
             let err = TcpStore::connect_timeout(addr, Duration::from_secs(5)).await.unwrap_err();
-            assert!(matches!(err, BootstrapError::Protocol(ref m) if m.contains("not a fabric TcpStore")), "{err}");
+            assert!(
+                matches!(err, BootstrapError::Protocol(ref m) if m.contains("not a fabric TcpStore")),
+                "{err}"
+            );
         })
         .await
         .unwrap();

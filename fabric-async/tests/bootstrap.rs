@@ -100,23 +100,17 @@ async fn four_clients_all_gather() {
                     let mine = format!("addr-of-{rank}").into_bytes();
                     let first = all_gather(&store, "addr", rank, world, mine).await.unwrap();
                     // A second exchange under a fresh prefix.
-                    let second = all_gather(&store, "desc/0", rank, world, vec![rank as u8; 1000])
-                        .await
-                        .unwrap();
+                    let second =
+                        all_gather(&store, "desc/0", rank, world, vec![rank as u8; 1000]).await.unwrap();
                     (first, second)
                 })
             })
             .collect();
         for task in tasks {
             let (first, second) = task.await.unwrap();
-            let expected: Vec<Vec<u8>> = (0..world)
-                .map(|r| format!("addr-of-{r}").into_bytes())
-                .collect();
+            let expected: Vec<Vec<u8>> = (0..world).map(|r| format!("addr-of-{r}").into_bytes()).collect();
             assert_eq!(first, expected);
-            assert_eq!(
-                second,
-                (0..world).map(|r| vec![r as u8; 1000]).collect::<Vec<_>>()
-            );
+            assert_eq!(second, (0..world).map(|r| vec![r as u8; 1000]).collect::<Vec<_>>());
         }
     })
     .await;
@@ -128,10 +122,7 @@ async fn all_gather_rejects_bad_rank() {
         let server = TcpStoreServer::bind(localhost()).await.unwrap();
         let store = TcpStore::connect(server.local_addr()).await.unwrap();
         let err = all_gather(&store, "p", 4, 4, vec![]).await.unwrap_err();
-        assert!(
-            matches!(err, BootstrapError::InvalidRank { rank: 4, world: 4 }),
-            "{err}"
-        );
+        assert!(matches!(err, BootstrapError::InvalidRank { rank: 4, world: 4 }), "{err}");
     })
     .await;
 }
@@ -140,10 +131,8 @@ async fn all_gather_rejects_bad_rank() {
 async fn get_times_out_and_store_stays_usable() {
     bounded(async {
         let server = TcpStoreServer::bind(localhost()).await.unwrap();
-        let store = TcpStore::connect(server.local_addr())
-            .await
-            .unwrap()
-            .with_timeout(Duration::from_millis(200));
+        let store =
+            TcpStore::connect(server.local_addr()).await.unwrap().with_timeout(Duration::from_millis(200));
         let err = store.get("missing").await.unwrap_err();
         match &err {
             BootstrapError::Timeout { key } => assert_eq!(key, "missing"),
@@ -206,10 +195,7 @@ async fn server_drop_fails_clients_instead_of_hanging() {
 async fn connect_retries_until_the_server_starts() {
     bounded(async {
         // Find a free port, release it, and start the server there a little later.
-        let addr = std::net::TcpListener::bind(localhost())
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        let addr = std::net::TcpListener::bind(localhost()).unwrap().local_addr().unwrap();
         let client = tokio::spawn(TcpStore::connect_timeout(addr, Duration::from_secs(10)));
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(!client.is_finished());
@@ -225,14 +211,9 @@ async fn connect_retries_until_the_server_starts() {
 #[tokio::test]
 async fn connect_gives_up_after_its_timeout() {
     bounded(async {
-        let addr = std::net::TcpListener::bind(localhost())
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        let addr = std::net::TcpListener::bind(localhost()).unwrap().local_addr().unwrap();
         let started = std::time::Instant::now();
-        let err = TcpStore::connect_timeout(addr, Duration::from_millis(300))
-            .await
-            .unwrap_err();
+        let err = TcpStore::connect_timeout(addr, Duration::from_millis(300)).await.unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(5));
         match &err {
             BootstrapError::Io { context, .. } => assert!(context.contains("gave up"), "{err}"),
@@ -248,11 +229,7 @@ async fn dropped_get_leaves_store_usable() {
         let server = TcpStoreServer::bind(localhost()).await.unwrap();
         let store = TcpStore::connect(server.local_addr()).await.unwrap();
         // Cancel a waiting get by timing it out from the outside.
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), store.get("later"))
-                .await
-                .is_err()
-        );
+        assert!(tokio::time::timeout(Duration::from_millis(100), store.get("later")).await.is_err());
         store.put("later", b"v".to_vec()).await.unwrap();
         assert_eq!(store.get("later").await.unwrap(), b"v");
     })

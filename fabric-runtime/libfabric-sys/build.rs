@@ -11,10 +11,7 @@ fn main() {
     println!("cargo:rerun-if-changed=shim/shim.h");
     println!("cargo:rerun-if-changed=wrapper.h");
 
-    let lib = match pkg_config::Config::new()
-        .atleast_version(MIN_VERSION)
-        .probe("libfabric")
-    {
+    let lib = match pkg_config::Config::new().atleast_version(MIN_VERSION).probe("libfabric") {
         Ok(lib) => lib,
         Err(e) => panic!(
             "\n\nfabric-libfabric-sys needs libfabric >= {MIN_VERSION} with its headers and a \
@@ -49,12 +46,9 @@ fn main() {
     for p in &lib.include_paths {
         builder = builder.clang_arg(format!("-I{}", p.display()));
     }
-    let bindings = builder
-        .generate()
-        .expect("bindgen failed on libfabric's headers (is libclang-dev installed?)");
+    let bindings =
+        builder.generate().expect("bindgen failed on libfabric's headers (is libclang-dev installed?)");
 
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
-    bindings
-        .write_to_file(out.join("bindings.rs"))
-        .expect("could not write bindings.rs");
+    bindings.write_to_file(out.join("bindings.rs")).expect("could not write bindings.rs");
 }

@@ -26,12 +26,7 @@ impl fmt::Display for Side {
 pub enum Error {
     /// A range falls outside its registered region. Nothing was posted.
     #[error("{side} range {offset}+{len} is out of bounds of a {region_len}-byte region")]
-    OutOfBounds {
-        side: Side,
-        offset: u64,
-        len: u64,
-        region_len: u64,
-    },
+    OutOfBounds { side: Side, offset: u64, len: u64, region_len: u64 },
 
     /// The peer id was never added to this engine.
     #[error("unknown peer {peer}")]
@@ -48,11 +43,7 @@ pub enum Error {
 
     /// A well-formed descriptor or address from a transport this engine does not speak.
     #[error("foreign {what}: made by transport {found:?}, this engine uses {expected:?}")]
-    Foreign {
-        what: &'static str,
-        found: String,
-        expected: String,
-    },
+    Foreign { what: &'static str, found: String, expected: String },
 
     /// The provider exists but cannot deliver a 32-bit immediate with a remote write.
     #[error("provider {provider:?} cannot deliver remote CQ data (immediates): {reason}")]
@@ -64,27 +55,15 @@ pub enum Error {
 
     /// The operation completed with an error at the NIC. `message` is the provider's text.
     #[error("{op} failed: {message} (errno {errno})")]
-    Completion {
-        op: &'static str,
-        errno: i32,
-        message: String,
-    },
+    Completion { op: &'static str, errno: i32, message: String },
 
     /// A call into the provider failed.
     #[error("{call} failed: {message} (errno {errno})")]
-    Provider {
-        call: &'static str,
-        errno: i32,
-        message: String,
-    },
+    Provider { call: &'static str, errno: i32, message: String },
 
     /// Registering memory failed.
     #[error("registering {len} bytes of {location} memory failed: {message}")]
-    RegisterMemory {
-        len: usize,
-        location: String,
-        message: String,
-    },
+    RegisterMemory { len: usize, location: String, message: String },
 
     /// A message is larger than the transport's two-sided limit.
     #[error("message of {len} bytes exceeds the {max}-byte limit")]

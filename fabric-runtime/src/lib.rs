@@ -7,16 +7,16 @@
 
 // Under `--cfg loom` only the lock-free counter is compiled, against loom's atomics.
 pub mod counter;
-pub mod error;
-pub(crate) mod sync;
 #[cfg(not(loom))]
 pub mod engine;
+pub mod error;
 #[cfg(not(loom))]
 pub mod provider;
 #[cfg(not(loom))]
 pub mod pure;
 #[cfg(not(loom))]
 pub(crate) mod reactor;
+pub(crate) mod sync;
 
 pub use counter::{ImmCounter, WaitFor};
 #[cfg(not(loom))]

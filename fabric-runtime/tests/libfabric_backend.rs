@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use fabric_runtime::provider::libfabric::{LibfabricConfig, LibfabricDomain};
 use fabric_runtime::provider::{
-    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
-    RemoteSlice,
+    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration, RemoteSlice,
 };
 use fabric_runtime::Error;
 
@@ -33,10 +32,7 @@ struct Mem {
 impl Mem {
     fn new(len: usize) -> Mem {
         let b = vec![0u8; len].into_boxed_slice();
-        Mem {
-            ptr: Box::into_raw(b) as *mut u8,
-            len,
-        }
+        Mem { ptr: Box::into_raw(b) as *mut u8, len }
     }
     fn addr(&self, off: usize) -> u64 {
         assert!(off <= self.len);
@@ -78,27 +74,15 @@ impl Side {
         let mem = Mem::new(BUF);
         // SAFETY: mem outlives the registration (deregistered in close()).
         let reg = unsafe { d.register(mem.addr(0), BUF, MemoryLocation::Host) }.expect("register");
-        Side {
-            d,
-            mem,
-            reg,
-            got: Vec::new(),
-        }
+        Side { d, mem, reg, got: Vec::new() }
     }
 
     fn local(&self, off: usize, len: usize) -> LocalSlice {
-        LocalSlice {
-            addr: self.mem.addr(off),
-            len,
-            desc: self.reg.local,
-        }
+        LocalSlice { addr: self.mem.addr(off), len, desc: self.reg.local }
     }
 
     fn remote(&self, off: usize) -> RemoteSlice {
-        RemoteSlice {
-            addr: self.reg.remote_base + off as u64,
-            key: self.reg.remote_key,
-        }
+        RemoteSlice { addr: self.reg.remote_base + off as u64, key: self.reg.remote_key }
     }
 
     fn poll(&mut self) {
@@ -132,10 +116,7 @@ fn pump(a: &mut Side, b: &mut Side, what: &str, done: impl Fn(&Side, &Side) -> b
             b.got
         );
     }
-    panic!(
-        "gave up waiting for {what} after {MAX_SPINS} polls; a got {:?}, b got {:?}",
-        a.got, b.got
-    );
+    panic!("gave up waiting for {what} after {MAX_SPINS} polls; a got {:?}, b got {:?}", a.got, b.got);
 }
 
 /// Posts on `a`, polling both sides while the queue is full.
@@ -157,9 +138,7 @@ fn post(a: &mut Side, b: &mut Side, token: u64, op: Op) {
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
 fn connect(a: &mut Side, b: &mut Side) -> (PeerHandle, PeerHandle) {
@@ -177,20 +156,13 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
     let (a_to_b, b_to_a) = connect(&mut a, &mut b);
 
     // Two-sided: b posts a receive first.
-    let op = Op::Recv {
-        local: b.local(2048, 256),
-    };
+    let op = Op::Recv { local: b.local(2048, 256) };
     post(&mut b, &mut a, 100, op);
 
     // 1. Write with immediate.
     let p1 = pattern(1, 1024);
     a.mem.write(0, &p1);
-    let op = Op::Write {
-        peer: a_to_b,
-        local: a.local(0, 1024),
-        remote: b.remote(0),
-        imm: Some(0xdead_beef),
-    };
+    let op = Op::Write { peer: a_to_b, local: a.local(0, 1024), remote: b.remote(0), imm: Some(0xdead_beef) };
     post(&mut a, &mut b, 1, op);
     pump(&mut a, &mut b, "write+imm", |a, b| {
         a.has(&Completion::Done { token: 1 }) && b.has(&Completion::Imm { imm: 0xdead_beef })
@@ -200,24 +172,14 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
     // 2. Plain write: no completion at the target, so wait for the bytes.
     let p2 = pattern(2, 512);
     a.mem.write(1024, &p2);
-    let op = Op::Write {
-        peer: a_to_b,
-        local: a.local(1024, 512),
-        remote: b.remote(1024),
-        imm: None,
-    };
+    let op = Op::Write { peer: a_to_b, local: a.local(1024, 512), remote: b.remote(1024), imm: None };
     post(&mut a, &mut b, 2, op);
     pump(&mut a, &mut b, "plain write", |a, b| {
         a.has(&Completion::Done { token: 2 }) && b.mem.read(1024, 512) == p2
     });
 
     // 3. Imm-only (zero-byte) write.
-    let op = Op::Write {
-        peer: a_to_b,
-        local: a.local(0, 0),
-        remote: b.remote(0),
-        imm: Some(42),
-    };
+    let op = Op::Write { peer: a_to_b, local: a.local(0, 0), remote: b.remote(0), imm: Some(42) };
     post(&mut a, &mut b, 3, op);
     pump(&mut a, &mut b, "imm-only write", |a, b| {
         a.has(&Completion::Done { token: 3 }) && b.has(&Completion::Imm { imm: 42 })
@@ -226,11 +188,7 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
     // 3b. Imm-only with a null local slice (no buffer at all).
     let op = Op::Write {
         peer: a_to_b,
-        local: LocalSlice {
-            addr: 0,
-            len: 0,
-            desc: 0,
-        },
+        local: LocalSlice { addr: 0, len: 0, desc: 0 },
         remote: b.remote(0),
         imm: Some(43),
     };
@@ -242,39 +200,22 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
     // 4. Read from b into a.
     let p4 = pattern(4, 100);
     b.mem.write(3000, &p4);
-    let op = Op::Read {
-        peer: a_to_b,
-        local: a.local(3000, 100),
-        remote: b.remote(3000),
-    };
+    let op = Op::Read { peer: a_to_b, local: a.local(3000, 100), remote: b.remote(3000) };
     post(&mut a, &mut b, 4, op);
-    pump(&mut a, &mut b, "read", |a, _| {
-        a.has(&Completion::Done { token: 4 })
-    });
+    pump(&mut a, &mut b, "read", |a, _| a.has(&Completion::Done { token: 4 }));
     assert_eq!(a.mem.read(3000, 100), p4, "read bytes");
 
     // 5. Send a -> b into the receive posted at the start.
     let p5 = pattern(5, 100);
     a.mem.write(2048, &p5);
-    let op = Op::Send {
-        peer: a_to_b,
-        local: a.local(2048, 100),
-    };
+    let op = Op::Send { peer: a_to_b, local: a.local(2048, 100) };
     post(&mut a, &mut b, 5, op);
     pump(&mut a, &mut b, "send/recv", |a, b| {
         a.has(&Completion::Done { token: 5 })
-            && b.got
-                .iter()
-                .any(|c| matches!(c, Completion::Recv { token: 100, .. }))
+            && b.got.iter().any(|c| matches!(c, Completion::Recv { token: 100, .. }))
     });
-    let recv = b
-        .got
-        .iter()
-        .find(|c| matches!(c, Completion::Recv { .. }))
-        .unwrap();
-    let Completion::Recv { len, src, .. } = recv else {
-        unreachable!()
-    };
+    let recv = b.got.iter().find(|c| matches!(c, Completion::Recv { .. })).unwrap();
+    let Completion::Recv { len, src, .. } = recv else { unreachable!() };
     // tcp;ofi_rxm reports no source without the FI_SOURCE capability (not requested).
     assert_eq!(*len, 100);
     if let Some(src) = src {
@@ -290,11 +231,7 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
                 Completion::Done { token } | Completion::Recv { token, .. } => {
                     assert!(seen.insert(*token), "token {token} completed twice");
                 }
-                Completion::Failed {
-                    token,
-                    errno,
-                    message,
-                } => {
+                Completion::Failed { token, errno, message } => {
                     panic!("token {token} failed: {message} ({errno})")
                 }
                 Completion::Imm { .. } => {}
@@ -302,11 +239,7 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
         }
         assert_eq!(seen, tokens.into_iter().collect::<HashSet<_>>());
     }
-    let imms: Vec<_> = b
-        .got
-        .iter()
-        .filter(|c| matches!(c, Completion::Imm { .. }))
-        .collect();
+    let imms: Vec<_> = b.got.iter().filter(|c| matches!(c, Completion::Imm { .. })).collect();
     assert_eq!(imms.len(), 3, "b got {:?}", b.got);
     assert!(!a.got.iter().any(|c| matches!(c, Completion::Imm { .. })));
     a.got.clear();
@@ -329,23 +262,14 @@ fn tcp_write_imm_read_send_and_wait_fd() {
     }
     // a writes; b's fd must become readable while b does not poll.
     a.mem.write(0, &pattern(9, 64));
-    let op = Op::Write {
-        peer: a_to_b,
-        local: a.local(0, 64),
-        remote: b.remote(0),
-        imm: Some(77),
-    };
+    let op = Op::Write { peer: a_to_b, local: a.local(0, 64), remote: b.remote(0), imm: Some(77) };
     // SAFETY: registered memory that outlives the operation.
     unsafe { a.d.post(7, &op) }.expect("post");
     let start = Instant::now();
     let mut readable = false;
     while start.elapsed() < DEADLINE {
         a.poll();
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd, 20 ms timeout.
         let r = unsafe { libc::poll(&mut pfd, 1, 20) };
         assert!(r >= 0, "poll(2) failed");
@@ -354,10 +278,7 @@ fn tcp_write_imm_read_send_and_wait_fd() {
             break;
         }
     }
-    assert!(
-        readable,
-        "tcp CQ wait fd never became readable after the peer's write"
-    );
+    assert!(readable, "tcp CQ wait fd never became readable after the peer's write");
     b.d.ack_wakeup();
     pump(&mut a, &mut b, "imm after wakeup", |a, b| {
         a.has(&Completion::Done { token: 7 }) && b.has(&Completion::Imm { imm: 77 })
@@ -404,10 +325,7 @@ fn bad_peer_addresses_are_malformed() {
         let good = d.address();
         for bad in [vec![], vec![1, 2, 3], vec![0xff; good.len() + 1]] {
             match d.add_peer(&bad) {
-                Err(Error::Malformed {
-                    what: "peer address",
-                    ..
-                }) => {}
+                Err(Error::Malformed { what: "peer address", .. }) => {}
                 other => panic!("{provider}: {bad:?} gave {other:?}"),
             }
         }
@@ -430,14 +348,7 @@ fn send_larger_than_max_is_refused() {
     let max = a.d.max_msg_size();
     assert!(max <= 8192);
     let big = Mem::new(max + 1);
-    let op = Op::Send {
-        peer: a_to_b,
-        local: LocalSlice {
-            addr: big.addr(0),
-            len: max + 1,
-            desc: 0,
-        },
-    };
+    let op = Op::Send { peer: a_to_b, local: LocalSlice { addr: big.addr(0), len: max + 1, desc: 0 } };
     // SAFETY: refused before the provider sees it.
     match unsafe { a.d.post(1, &op) } {
         Err(PostError::Failed(Error::MessageTooLarge { len, max: m })) => {
@@ -456,9 +367,7 @@ fn drop_with_open_registration_and_pending_recv() {
         let mut a = Side::open(provider);
         let mut b = Side::open(provider);
         connect(&mut a, &mut b);
-        let op = Op::Recv {
-            local: a.local(0, 64),
-        };
+        let op = Op::Recv { local: a.local(0, 64) };
         // SAFETY: a.mem outlives a.d (fields drop in order: d first, then mem).
         unsafe { a.d.post(1, &op) }.expect("post recv");
         a.poll();
@@ -502,9 +411,7 @@ fn poll_respects_max() {
         _ => u32::MAX,
     });
     assert_eq!(got, want);
-    pump(&mut a, &mut b, "all writes done", |a, _| {
-        (0..5).all(|t| a.has(&Completion::Done { token: t }))
-    });
+    pump(&mut a, &mut b, "all writes done", |a, _| (0..5).all(|t| a.has(&Completion::Done { token: t })));
     a.close();
     b.close();
 }
@@ -514,28 +421,14 @@ fn bad_remote_key(provider: &str, read: bool) -> Completion {
     let mut a = Side::open(provider);
     let mut b = Side::open(provider);
     let (a_to_b, _) = connect(&mut a, &mut b);
-    let remote = RemoteSlice {
-        addr: b.reg.remote_base,
-        key: b.reg.remote_key ^ 0x5a5a,
-    };
+    let remote = RemoteSlice { addr: b.reg.remote_base, key: b.reg.remote_key ^ 0x5a5a };
     let op = if read {
-        Op::Read {
-            peer: a_to_b,
-            local: a.local(0, 8),
-            remote,
-        }
+        Op::Read { peer: a_to_b, local: a.local(0, 8), remote }
     } else {
-        Op::Write {
-            peer: a_to_b,
-            local: a.local(0, 8),
-            remote,
-            imm: Some(5),
-        }
+        Op::Write { peer: a_to_b, local: a.local(0, 8), remote, imm: Some(5) }
     };
     post(&mut a, &mut b, 9, op);
-    pump(&mut a, &mut b, "completion of the bad op", |a, _| {
-        !a.got.is_empty()
-    });
+    pump(&mut a, &mut b, "completion of the bad op", |a, _| !a.got.is_empty());
     // Keep polling a little: no second completion may follow.
     for _ in 0..1000 {
         a.poll();
@@ -557,11 +450,7 @@ fn bad_remote_key(provider: &str, read: bool) -> Completion {
 fn bad_remote_key_gives_one_completion() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     match bad_remote_key("tcp", true) {
-        Completion::Failed {
-            token: 9,
-            errno,
-            message,
-        } => {
+        Completion::Failed { token: 9, errno, message } => {
             assert!(errno > 0, "errno {errno}");
             assert!(!message.is_empty());
         }
@@ -570,10 +459,7 @@ fn bad_remote_key_gives_one_completion() {
     for (p, read) in [("tcp", false), ("shm", false), ("shm", true)] {
         let c = bad_remote_key(p, read);
         assert!(
-            matches!(
-                c,
-                Completion::Done { token: 9 } | Completion::Failed { token: 9, .. }
-            ),
+            matches!(c, Completion::Done { token: 9 } | Completion::Failed { token: 9, .. }),
             "{p} read={read}: {c:?}"
         );
     }

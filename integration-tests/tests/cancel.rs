@@ -75,7 +75,11 @@ async fn cancel(provider: &str) {
         let (o, l) = (off as usize, len as usize);
         expected[o..o + l].copy_from_slice(&data[o..o + l]);
     }
-    assert_eq!(get_str(&store, "target/hash").await, hash(&expected).to_string(), "{provider}: region differs");
+    assert_eq!(
+        get_str(&store, "target/hash").await,
+        hash(&expected).to_string(),
+        "{provider}: region differs"
+    );
     assert_eq!(get_str(&store, "target/extra").await, "5=0");
     store.put("target/exit", vec![]).await.unwrap();
     assert!(peer.wait_success(Duration::from_secs(20)));

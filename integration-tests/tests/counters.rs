@@ -31,7 +31,11 @@ async fn storm(provider: &str, total: usize, tasks: usize, distinct: u32) {
     // Put them back by not consuming: re-check with a fresh window instead.
     for (&imm, &n) in counts.iter().skip(1) {
         let c = engine.imm_counter(imm);
-        assert!(c.wait_for_timeout(n, Duration::from_secs(30)).await, "{provider}: imm {imm}: wanted {n}, have {}", c.available());
+        assert!(
+            c.wait_for_timeout(n, Duration::from_secs(30)).await,
+            "{provider}: imm {imm}: wanted {n}, have {}",
+            c.available()
+        );
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     for &imm in counts.keys() {

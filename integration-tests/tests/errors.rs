@@ -26,11 +26,20 @@ async fn out_of_bounds_on_either_side() {
     let theirs = b.alloc(1000).await.unwrap();
     let dst = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
     let e = bounded(a.write(&src, 4000, &dst, 0, 200)).await.unwrap_err();
-    assert!(matches!(e, Error::OutOfBounds { side: Side::Local, offset: 4000, len: 200, region_len: 4096 }), "{e}");
+    assert!(
+        matches!(e, Error::OutOfBounds { side: Side::Local, offset: 4000, len: 200, region_len: 4096 }),
+        "{e}"
+    );
     let e = bounded(a.write_imm(&src, 0, &dst, 900, 101, 1)).await.unwrap_err();
-    assert!(matches!(e, Error::OutOfBounds { side: Side::Remote, offset: 900, len: 101, region_len: 1000 }), "{e}");
+    assert!(
+        matches!(e, Error::OutOfBounds { side: Side::Remote, offset: 900, len: 101, region_len: 1000 }),
+        "{e}"
+    );
     let e = bounded(a.read(&src, 0, &dst, u64::MAX, 2)).await.unwrap_err();
-    assert!(matches!(e, Error::OutOfBounds { side: Side::Remote, .. }), "overflowing offsets are caught: {e}");
+    assert!(
+        matches!(e, Error::OutOfBounds { side: Side::Remote, .. }),
+        "overflowing offsets are caught: {e}"
+    );
     let e = src.write_at(4095, &[1, 2]).unwrap_err();
     assert!(matches!(e, Error::OutOfBounds { side: Side::Local, .. }));
     // Exactly at the edge is fine.

@@ -11,8 +11,12 @@ async fn transfer(provider: &str, size: usize) {
     let (_server, store, addr) = store().await;
     let chunks = size.div_ceil(CHUNK);
     let wait = format!("1={chunks}");
-    let mut peer =
-        Peer::spawn(PEER, addr, provider, &["target", "--size", &size.to_string(), "--sentinel", "0", "--wait", &wait]);
+    let mut peer = Peer::spawn(
+        PEER,
+        addr,
+        provider,
+        &["target", "--size", &size.to_string(), "--sentinel", "0", "--wait", &wait],
+    );
     let engine = Engine::builder().provider(provider).build().expect("engine");
     let mut data = vec![0u8; size];
     fill_pattern(&mut data, size as u64, 0);

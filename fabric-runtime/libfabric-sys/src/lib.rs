@@ -3,12 +3,7 @@
 //! that are `static inline` in its headers and therefore have no symbol to link against.
 //!
 //! There is no safe API here; `fabric-runtime`'s libfabric backend is the only user.
-#![allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    dead_code
-)]
+#![allow(non_camel_case_types, non_snake_case, non_upper_case_globals, dead_code)]
 #![allow(clippy::all)]
 #![allow(unsafe_op_in_unsafe_fn)]
 

@@ -55,7 +55,7 @@ impl fmt::Display for PeerId {
 }
 
 /// How the reactor thread waits for work. Chosen when the engine is built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum ReactorMode {
     /// Sleep on the completion queue's wait fd and the submission eventfd when idle: about
@@ -63,6 +63,7 @@ pub enum ReactorMode {
     /// no wait fd (libfabric `shm`, EFA) the reactor instead polls at an interval that backs
     /// off from 50 µs to `EngineBuilder::idle_poll_interval` (1 ms by default), so an
     /// arrival on an idle engine is seen within that interval.
+    #[default]
     Event,
     /// Spin for `spin` after the last activity, then behave like `Event`.
     Adaptive {
@@ -71,12 +72,6 @@ pub enum ReactorMode {
     },
     /// Spin continuously (one core at 100%): the lowest latency, for MoE paths.
     BusyPoll,
-}
-
-impl Default for ReactorMode {
-    fn default() -> Self {
-        ReactorMode::Event
-    }
 }
 
 /// One operation as the reactor will post it.

@@ -32,9 +32,7 @@ use std::ptr::{self, NonNull};
 
 use libfabric_sys as sys;
 
-use super::{
-    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
-};
+use super::{Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration};
 use crate::error::Error;
 
 /// Default largest two-sided message, in bytes.
@@ -50,20 +48,14 @@ const MR_MODE_OFFERED: u32 = sys::FI_MR_LOCAL
 
 /// Capabilities asked for. `FI_REMOTE_CQ_DATA` is deliberately absent: it is an operation
 /// flag, and putting it in caps makes `fi_getinfo` fail with -61 (TESTBEDS.md §1).
-const CAPS: u64 = (sys::FI_MSG
-    | sys::FI_RMA
-    | sys::FI_WRITE
-    | sys::FI_REMOTE_WRITE
-    | sys::FI_READ
-    | sys::FI_REMOTE_READ) as u64;
+const CAPS: u64 =
+    (sys::FI_MSG | sys::FI_RMA | sys::FI_WRITE | sys::FI_REMOTE_WRITE | sys::FI_READ | sys::FI_REMOTE_READ)
+        as u64;
 
 /// Access flags of every registration: local send/recv/read/write and remote read/write.
-const MR_ACCESS: u64 = (sys::FI_SEND
-    | sys::FI_RECV
-    | sys::FI_READ
-    | sys::FI_WRITE
-    | sys::FI_REMOTE_READ
-    | sys::FI_REMOTE_WRITE) as u64;
+const MR_ACCESS: u64 =
+    (sys::FI_SEND | sys::FI_RECV | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE)
+        as u64;
 
 /// Bytes of immediate data the engine needs (a `u32`).
 const IMM_BYTES: usize = 4;
@@ -145,20 +137,13 @@ fn strerror(errno: i32) -> String {
 
 /// [`Error::Provider`] for a failed `call` with positive `errno`.
 fn provider_error(call: &'static str, errno: i32) -> Error {
-    Error::Provider {
-        call,
-        errno,
-        message: strerror(errno),
-    }
+    Error::Provider { call, errno, message: strerror(errno) }
 }
 
 /// Maps a libfabric return code: negative is an error (`-FI_E*`), anything else is returned.
 fn check(call: &'static str, ret: isize) -> Result<isize, Error> {
     if ret < 0 {
-        Err(provider_error(
-            call,
-            i32::try_from(-ret).unwrap_or(i32::MAX),
-        ))
+        Err(provider_error(call, i32::try_from(-ret).unwrap_or(i32::MAX)))
     } else {
         Ok(ret)
     }
@@ -180,9 +165,7 @@ impl Info {
     fn alloc() -> Result<Info, Error> {
         // SAFETY: fi_allocinfo has no preconditions; it returns NULL on allocation failure.
         let p = unsafe { sys::fabric_shim_fi_allocinfo() };
-        NonNull::new(p)
-            .map(Info)
-            .ok_or_else(|| provider_error("fi_allocinfo", libc::ENOMEM))
+        NonNull::new(p).map(Info).ok_or_else(|| provider_error("fi_allocinfo", libc::ENOMEM))
     }
 
     fn as_ptr(&self) -> *mut sys::fi_info {
@@ -216,14 +199,7 @@ macro_rules! fid_object {
         }
     )*};
 }
-fid_object!(
-    sys::fid_fabric,
-    sys::fid_domain,
-    sys::fid_ep,
-    sys::fid_cq,
-    sys::fid_av,
-    sys::fid_mr
-);
+fid_object!(sys::fid_fabric, sys::fid_domain, sys::fid_ep, sys::fid_cq, sys::fid_av, sys::fid_mr);
 
 /// An open libfabric object, closed with `fi_close` on drop (errors are logged: drop never
 /// panics).
@@ -235,13 +211,11 @@ struct Fid<T: FidObject> {
 impl<T: FidObject> Fid<T> {
     /// Wraps the object an `fi_*_open`-style call just returned.
     fn new(ptr: *mut T, what: &'static str) -> Result<Fid<T>, Error> {
-        NonNull::new(ptr)
-            .map(|ptr| Fid { ptr, what })
-            .ok_or_else(|| Error::Provider {
-                call: what,
-                errno: 0,
-                message: "provider returned a NULL object".into(),
-            })
+        NonNull::new(ptr).map(|ptr| Fid { ptr, what }).ok_or_else(|| Error::Provider {
+            call: what,
+            errno: 0,
+            message: "provider returned a NULL object".into(),
+        })
     }
 
     fn as_ptr(&self) -> *mut T {
@@ -288,19 +262,12 @@ struct CtxPool {
 
 impl CtxPool {
     fn new() -> CtxPool {
-        CtxPool {
-            chunks: Vec::new(),
-            free: Vec::new(),
-        }
+        CtxPool { chunks: Vec::new(), free: Vec::new() }
     }
 
     fn grow(&mut self) {
         let chunk: Box<[OpCtx]> = (0..CTX_CHUNK)
-            .map(|_| OpCtx {
-                fi: sys::fi_context2::default(),
-                token: 0,
-                in_flight: false,
-            })
+            .map(|_| OpCtx { fi: sys::fi_context2::default(), token: 0, in_flight: false })
             .collect();
         let base = Box::into_raw(chunk) as *mut OpCtx;
         // SAFETY: Box::into_raw never returns NULL.
@@ -351,10 +318,7 @@ impl CtxPool {
         // the provider is done with it since it reported its completion.
         let (token, in_flight) = unsafe {
             let p = slot.as_ptr();
-            let r = (
-                ptr::addr_of!((*p).token).read(),
-                ptr::addr_of!((*p).in_flight).read(),
-            );
+            let r = (ptr::addr_of!((*p).token).read(), ptr::addr_of!((*p).in_flight).read());
             ptr::addr_of_mut!((*p).in_flight).write(false);
             r
         };
@@ -513,19 +477,10 @@ impl Query {
         // SAFETY: node is NULL or a live C string, service is NULL, hints is a valid fi_info,
         // out receives a list we own (wrapped in Info below).
         let ret = unsafe {
-            sys::fi_getinfo(
-                sys::fabric_shim_version(),
-                node,
-                ptr::null(),
-                self.flags,
-                h,
-                &mut out,
-            )
+            sys::fi_getinfo(sys::fabric_shim_version(), node, ptr::null(), self.flags, h, &mut out)
         };
         check("fi_getinfo", ret as isize)?;
-        NonNull::new(out)
-            .map(Info)
-            .ok_or_else(|| provider_error("fi_getinfo", sys::FI_ENODATA as i32))
+        NonNull::new(out).map(Info).ok_or_else(|| provider_error("fi_getinfo", sys::FI_ENODATA as i32))
     }
 }
 
@@ -593,13 +548,7 @@ impl LibfabricDomain {
             } else {
                 CStr::from_ptr(prov).to_string_lossy().into_owned()
             };
-            (
-                (*d).cq_data_size,
-                (*d).mr_mode as u32,
-                (*i).addr_format,
-                (*(*i).ep_attr).max_msg_size,
-                resolved,
-            )
+            ((*d).cq_data_size, (*d).mr_mode as u32, (*i).addr_format, (*(*i).ep_attr).max_msg_size, resolved)
         };
         if cq_data_size < IMM_BYTES {
             return Err(Error::NoRemoteCqData {
@@ -617,20 +566,15 @@ impl LibfabricDomain {
 
         let mut domain = ptr::null_mut();
         // SAFETY: fabric is open, info is the fi_info it was opened from.
-        let ret =
-            unsafe { sys::fabric_shim_fi_domain(fabric.as_ptr(), i, &mut domain, ptr::null_mut()) };
+        let ret = unsafe { sys::fabric_shim_fi_domain(fabric.as_ptr(), i, &mut domain, ptr::null_mut()) };
         check("fi_domain", ret as isize)?;
         let domain = Fid::new(domain, "fi_domain")?;
 
-        let mut av_attr = sys::fi_av_attr {
-            type_: sys::FI_AV_TABLE,
-            ..Default::default()
-        };
+        let mut av_attr = sys::fi_av_attr { type_: sys::FI_AV_TABLE, ..Default::default() };
         let mut av = ptr::null_mut();
         // SAFETY: domain is open, av_attr is a valid attribute struct for the call's duration.
-        let ret = unsafe {
-            sys::fabric_shim_fi_av_open(domain.as_ptr(), &mut av_attr, &mut av, ptr::null_mut())
-        };
+        let ret =
+            unsafe { sys::fabric_shim_fi_av_open(domain.as_ptr(), &mut av_attr, &mut av, ptr::null_mut()) };
         check("fi_av_open", ret as isize)?;
         let av = Fid::new(av, "fi_av_open")?;
 
@@ -638,26 +582,16 @@ impl LibfabricDomain {
 
         let mut ep = ptr::null_mut();
         // SAFETY: domain is open, info is the fi_info it was opened from.
-        let ret =
-            unsafe { sys::fabric_shim_fi_endpoint(domain.as_ptr(), i, &mut ep, ptr::null_mut()) };
+        let ret = unsafe { sys::fabric_shim_fi_endpoint(domain.as_ptr(), i, &mut ep, ptr::null_mut()) };
         check("fi_endpoint", ret as isize)?;
         let ep = Fid::new(ep, "fi_endpoint")?;
 
         // SAFETY: ep, av and cq are open objects of the same domain.
         unsafe {
-            check(
-                "fi_ep_bind(av)",
-                sys::fabric_shim_fi_ep_bind(ep.as_ptr(), av.fid(), 0) as isize,
-            )?;
+            check("fi_ep_bind(av)", sys::fabric_shim_fi_ep_bind(ep.as_ptr(), av.fid(), 0) as isize)?;
             let flags = (sys::FI_TRANSMIT | sys::FI_RECV) as u64;
-            check(
-                "fi_ep_bind(cq)",
-                sys::fabric_shim_fi_ep_bind(ep.as_ptr(), cq.fid(), flags) as isize,
-            )?;
-            check(
-                "fi_enable",
-                sys::fabric_shim_fi_enable(ep.as_ptr()) as isize,
-            )?;
+            check("fi_ep_bind(cq)", sys::fabric_shim_fi_ep_bind(ep.as_ptr(), cq.fid(), flags) as isize)?;
+            check("fi_enable", sys::fabric_shim_fi_enable(ep.as_ptr()) as isize)?;
         }
 
         let address = getname(&ep)?;
@@ -692,32 +626,17 @@ impl LibfabricDomain {
     }
 
     /// Converts one CQ entry into completions (appended to `out`).
-    fn classify(
-        &mut self,
-        e: &sys::fi_cq_data_entry,
-        src: sys::fi_addr_t,
-        out: &mut VecDeque<Completion>,
-    ) {
+    fn classify(&mut self, e: &sys::fi_cq_data_entry, src: sys::fi_addr_t, out: &mut VecDeque<Completion>) {
         let flags = e.flags;
-        let ctx_token = if e.op_context.is_null() {
-            None
-        } else {
-            self.ctxs.complete(e.op_context)
-        };
+        let ctx_token = if e.op_context.is_null() { None } else { self.ctxs.complete(e.op_context) };
         if flags & sys::FI_REMOTE_CQ_DATA as u64 != 0 {
             // Target side of a write with immediate. rxm reports len 0, shm/udp len N: ignore
             // len; cq_data_size may be 8, the engine's immediate is the low 32 bits.
-            out.push_back(Completion::Imm {
-                imm: (e.data & 0xffff_ffff) as u32,
-            });
+            out.push_back(Completion::Imm { imm: (e.data & 0xffff_ffff) as u32 });
             // A provider may have consumed a posted receive for it: that receive completes here.
             if let Some(token) = ctx_token {
                 out.push_back(if flags & sys::FI_RECV as u64 != 0 {
-                    Completion::Recv {
-                        token,
-                        len: 0,
-                        src: peer_of(src),
-                    }
+                    Completion::Recv { token, len: 0, src: peer_of(src) }
                 } else {
                     Completion::Done { token }
                 });
@@ -729,11 +648,7 @@ impl LibfabricDomain {
             return;
         };
         if flags & sys::FI_RECV as u64 != 0 {
-            out.push_back(Completion::Recv {
-                token,
-                len: e.len,
-                src: peer_of(src),
-            });
+            out.push_back(Completion::Recv { token, len: e.len, src: peer_of(src) });
         } else {
             out.push_back(Completion::Done { token });
         }
@@ -766,17 +681,9 @@ impl LibfabricDomain {
                 CStr::from_ptr(p).to_string_lossy().into_owned()
             }
         };
-        let token = if err.op_context.is_null() {
-            None
-        } else {
-            self.ctxs.complete(err.op_context)
-        };
+        let token = if err.op_context.is_null() { None } else { self.ctxs.complete(err.op_context) };
         match token {
-            Some(token) => out.push_back(Completion::Failed {
-                token,
-                errno: err.err,
-                message,
-            }),
+            Some(token) => out.push_back(Completion::Failed { token, errno: err.err, message }),
             None => tracing::warn!(
                 errno = err.err,
                 prov_errno = err.prov_errno,
@@ -800,10 +707,7 @@ fn getinfo_failure(provider: String, full_err: Error, minimal: Result<(), Error>
                  required hints ({full_err})"
             ),
         },
-        Err(min_err) => Error::ProviderNotFound {
-            provider,
-            reason: min_err.to_string(),
-        },
+        Err(min_err) => Error::ProviderNotFound { provider, reason: min_err.to_string() },
     }
 }
 
@@ -815,25 +719,12 @@ fn getinfo_failure(provider: String, full_err: Error, minimal: Result<(), Error>
 ///   `FI_NAME_MAX` bytes.
 /// * every other (binary, fixed-size) format: exactly our length; for `FI_SOCKADDR_IN` also
 ///   the `AF_INET` family.
-fn validate_peer_address(
-    format: u32,
-    ours: &[u8],
-    peer: &[u8],
-    transport: &str,
-) -> Result<(), Error> {
-    let malformed = |reason: String| {
-        Err(Error::Malformed {
-            what: "peer address",
-            reason,
-        })
-    };
+fn validate_peer_address(format: u32, ours: &[u8], peer: &[u8], transport: &str) -> Result<(), Error> {
+    let malformed = |reason: String| Err(Error::Malformed { what: "peer address", reason });
     if format == sys::FI_ADDR_STR {
         let max = sys::FI_NAME_MAX as usize;
         if peer.is_empty() || peer.len() > max {
-            return malformed(format!(
-                "{} bytes, {transport} addresses are 1..={max}",
-                peer.len()
-            ));
+            return malformed(format!("{} bytes, {transport} addresses are 1..={max}", peer.len()));
         }
         let Some((&0, text)) = peer.split_last() else {
             return malformed("string address is not NUL-terminated".into());
@@ -841,17 +732,10 @@ fn validate_peer_address(
         if text.contains(&0) || !text.is_ascii() {
             return malformed("string address has a NUL or non-ASCII byte inside".into());
         }
-        let scheme = |a: &[u8]| {
-            a.windows(3)
-                .position(|w| w == b"://")
-                .map(|i| a[..i + 3].to_vec())
-        };
+        let scheme = |a: &[u8]| a.windows(3).position(|w| w == b"://").map(|i| a[..i + 3].to_vec());
         let ours_text = ours.strip_suffix(&[0]).unwrap_or(ours);
         if scheme(text).is_none() || scheme(text) != scheme(ours_text) {
-            return malformed(format!(
-                "{:?} is not a {transport} address",
-                String::from_utf8_lossy(text)
-            ));
+            return malformed(format!("{:?} is not a {transport} address", String::from_utf8_lossy(text)));
         }
         return Ok(());
     }
@@ -880,16 +764,11 @@ fn peer_of(src: sys::fi_addr_t) -> Option<PeerHandle> {
 /// busy-poll only (`FI_WAIT_NONE`: shm fails `fi_cq_open` with -38, udp fails `FI_GETWAIT`).
 fn open_cq(domain: &Fid<sys::fid_domain>) -> Result<(Fid<sys::fid_cq>, Option<RawFd>), Error> {
     let open = |wait_obj| -> Result<Fid<sys::fid_cq>, Error> {
-        let mut attr = sys::fi_cq_attr {
-            format: sys::FI_CQ_FORMAT_DATA,
-            wait_obj,
-            ..Default::default()
-        };
+        let mut attr = sys::fi_cq_attr { format: sys::FI_CQ_FORMAT_DATA, wait_obj, ..Default::default() };
         let mut cq = ptr::null_mut();
         // SAFETY: domain is open; attr is valid for the duration of the call.
-        let ret = unsafe {
-            sys::fabric_shim_fi_cq_open(domain.as_ptr(), &mut attr, &mut cq, ptr::null_mut())
-        };
+        let ret =
+            unsafe { sys::fabric_shim_fi_cq_open(domain.as_ptr(), &mut attr, &mut cq, ptr::null_mut()) };
         check("fi_cq_open", ret as isize)?;
         Fid::new(cq, "fi_cq_open")
     };
@@ -922,8 +801,7 @@ fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
     for _ in 0..2 {
         let mut len = buf.len();
         // SAFETY: ep is open and enabled; buf is writable for len bytes; len is updated.
-        let ret =
-            unsafe { sys::fabric_shim_fi_getname(ep.fid(), buf.as_mut_ptr().cast(), &mut len) };
+        let ret = unsafe { sys::fabric_shim_fi_getname(ep.fid(), buf.as_mut_ptr().cast(), &mut len) };
         if ret == -(sys::FI_ETOOSMALL as c_int) && len > buf.len() {
             buf.resize(len, 0);
             continue;
@@ -956,21 +834,12 @@ impl Domain for LibfabricDomain {
     ) -> Result<Registration, Error> {
         if location != MemoryLocation::Host {
             // Debian's libfabric has no CUDA support (FI_HMEM_CUDA registration gives -38).
-            return Err(Error::Unsupported(format!(
-                "registering {location} memory with libfabric"
-            )));
+            return Err(Error::Unsupported(format!("registering {location} memory with libfabric")));
         }
-        let reg_err = |e: Error| Error::RegisterMemory {
-            len,
-            location: location.to_string(),
-            message: e.to_string(),
-        };
+        let reg_err =
+            |e: Error| Error::RegisterMemory { len, location: location.to_string(), message: e.to_string() };
         // Without FI_MR_PROV_KEY the application picks the keys; unique per domain.
-        let requested_key = if self.mr_needs(sys::FI_MR_PROV_KEY) {
-            0
-        } else {
-            self.next_key
-        };
+        let requested_key = if self.mr_needs(sys::FI_MR_PROV_KEY) { 0 } else { self.next_key };
         let mut mr = ptr::null_mut();
         // SAFETY: the caller guarantees addr..addr+len is valid until deregister; domain is open.
         let ret = unsafe {
@@ -987,8 +856,7 @@ impl Domain for LibfabricDomain {
             )
         };
         check("fi_mr_reg", ret as isize).map_err(reg_err)?;
-        let mr =
-            NonNull::new(mr).ok_or_else(|| reg_err(provider_error("fi_mr_reg", libc::EINVAL)))?;
+        let mr = NonNull::new(mr).ok_or_else(|| reg_err(provider_error("fi_mr_reg", libc::EINVAL)))?;
         let close = |mr: NonNull<sys::fid_mr>| {
             // SAFETY: mr was just opened and is not known to anyone else.
             unsafe { sys::fabric_shim_fi_close(sys::fid_mr::fid(mr.as_ptr())) };
@@ -996,16 +864,8 @@ impl Domain for LibfabricDomain {
         if self.mr_needs(sys::FI_MR_ENDPOINT) {
             // SAFETY: mr and ep are open objects of this domain.
             let r = unsafe {
-                check(
-                    "fi_mr_bind",
-                    sys::fabric_shim_fi_mr_bind(mr.as_ptr(), self.ep.fid(), 0) as isize,
-                )
-                .and_then(|_| {
-                    check(
-                        "fi_mr_enable",
-                        sys::fabric_shim_fi_mr_enable(mr.as_ptr()) as isize,
-                    )
-                })
+                check("fi_mr_bind", sys::fabric_shim_fi_mr_bind(mr.as_ptr(), self.ep.fid(), 0) as isize)
+                    .and_then(|_| check("fi_mr_enable", sys::fabric_shim_fi_mr_enable(mr.as_ptr()) as isize))
             };
             if let Err(e) = r {
                 close(mr);
@@ -1016,12 +876,8 @@ impl Domain for LibfabricDomain {
             self.next_key += 1;
         }
         // SAFETY: mr is open and registered (and enabled where needed).
-        let (desc, key) = unsafe {
-            (
-                sys::fabric_shim_fi_mr_desc(mr.as_ptr()),
-                sys::fabric_shim_fi_mr_key(mr.as_ptr()),
-            )
-        };
+        let (desc, key) =
+            unsafe { (sys::fabric_shim_fi_mr_desc(mr.as_ptr()), sys::fabric_shim_fi_mr_key(mr.as_ptr())) };
         if key == sys::FI_KEY_NOTAVAIL {
             close(mr);
             return Err(reg_err(provider_error("fi_mr_key", sys::FI_ENOKEY as i32)));
@@ -1030,18 +886,10 @@ impl Domain for LibfabricDomain {
         self.mrs.insert(handle, mr);
         Ok(Registration {
             // The contract: `local` is 0 when the provider needs no descriptor.
-            local: if self.mr_needs(sys::FI_MR_LOCAL) {
-                desc as u64
-            } else {
-                0
-            },
+            local: if self.mr_needs(sys::FI_MR_LOCAL) { desc as u64 } else { 0 },
             remote_key: key,
             handle,
-            remote_base: if self.mr_needs(sys::FI_MR_VIRT_ADDR) {
-                addr
-            } else {
-                0
-            },
+            remote_base: if self.mr_needs(sys::FI_MR_VIRT_ADDR) { addr } else { 0 },
         })
     }
 
@@ -1062,10 +910,7 @@ impl Domain for LibfabricDomain {
     }
 
     fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error> {
-        let malformed = |reason: String| Error::Malformed {
-            what: "peer address",
-            reason,
-        };
+        let malformed = |reason: String| Error::Malformed { what: "peer address", reason };
         validate_peer_address(self.addr_format, &self.address, addr, &self.transport)?;
         let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
         // SAFETY: av is open; addr holds exactly one address of this provider's format,
@@ -1110,12 +955,7 @@ impl Domain for LibfabricDomain {
         // is a pool slot that stays put and unused until its completion is read; ep is open.
         let (call, ret) = unsafe {
             match *op {
-                Op::Write {
-                    peer,
-                    ref local,
-                    remote,
-                    imm: Some(imm),
-                } => (
+                Op::Write { peer, ref local, remote, imm: Some(imm) } => (
                     "fi_writedata",
                     sys::fabric_shim_fi_writedata(
                         ep,
@@ -1129,12 +969,7 @@ impl Domain for LibfabricDomain {
                         ctx,
                     ),
                 ),
-                Op::Write {
-                    peer,
-                    ref local,
-                    remote,
-                    imm: None,
-                } => (
+                Op::Write { peer, ref local, remote, imm: None } => (
                     "fi_write",
                     sys::fabric_shim_fi_write(
                         ep,
@@ -1147,11 +982,7 @@ impl Domain for LibfabricDomain {
                         ctx,
                     ),
                 ),
-                Op::Read {
-                    peer,
-                    ref local,
-                    remote,
-                } => (
+                Op::Read { peer, ref local, remote } => (
                     "fi_read",
                     sys::fabric_shim_fi_read(
                         ep,
@@ -1164,10 +995,9 @@ impl Domain for LibfabricDomain {
                         ctx,
                     ),
                 ),
-                Op::Send { peer, ref local } => (
-                    "fi_send",
-                    sys::fabric_shim_fi_send(ep, buf(local), local.len, desc(local), peer, ctx),
-                ),
+                Op::Send { peer, ref local } => {
+                    ("fi_send", sys::fabric_shim_fi_send(ep, buf(local), local.len, desc(local), peer, ctx))
+                }
                 Op::Recv { ref local } => (
                     "fi_recv",
                     sys::fabric_shim_fi_recv(
@@ -1189,9 +1019,7 @@ impl Domain for LibfabricDomain {
             }
             _ => {
                 self.ctxs.untake(slot);
-                Err(PostError::Failed(
-                    check(call, ret).expect_err("ret is negative"),
-                ))
+                Err(PostError::Failed(check(call, ret).expect_err("ret is negative")))
             }
         }
     }
@@ -1254,8 +1082,7 @@ impl Domain for LibfabricDomain {
         }
         let mut fids = [self.cq.fid()];
         // SAFETY: fabric and cq are open; fids holds one valid fid for the call's duration.
-        let ret =
-            unsafe { sys::fabric_shim_fi_trywait(self.fabric.as_ptr(), fids.as_mut_ptr(), 1) };
+        let ret = unsafe { sys::fabric_shim_fi_trywait(self.fabric.as_ptr(), fids.as_mut_ptr(), 1) };
         match ret as isize {
             0 => true,
             EAGAIN => false,
@@ -1309,11 +1136,7 @@ mod tests {
     fn check_maps_negative_codes() {
         assert_eq!(check("x", 3).unwrap(), 3);
         match check("fi_x", -(sys::FI_EAGAIN as isize)) {
-            Err(Error::Provider {
-                call,
-                errno,
-                message,
-            }) => {
+            Err(Error::Provider { call, errno, message }) => {
                 assert_eq!(call, "fi_x");
                 assert_eq!(errno, sys::FI_EAGAIN as i32);
                 assert!(!message.is_empty());
@@ -1326,10 +1149,7 @@ mod tests {
     fn peer_addresses_are_validated() {
         let shm = b"fi_shm://123:4:0\0";
         let ok = |a: &[u8]| validate_peer_address(sys::FI_ADDR_STR, shm, a, "shm");
-        assert!(
-            ok(b"fi_shm://123:10:0\0").is_ok(),
-            "longer string addresses are fine"
-        );
+        assert!(ok(b"fi_shm://123:10:0\0").is_ok(), "longer string addresses are fine");
         assert!(ok(b"fi_shm://123:4:0").is_err(), "no NUL");
         assert!(ok(b"fi_shm://1\x0023:4:0\0").is_err(), "interior NUL");
         assert!(ok(b"fi_sock://1.2.3.4\0").is_err(), "other scheme");
@@ -1370,10 +1190,7 @@ mod tests {
         let mut x = 0u64;
         assert_eq!(pool.complete((&mut x as *mut u64).cast()), None);
         // Unaligned pointer into a chunk.
-        assert_eq!(
-            pool.complete(a.as_ptr().cast::<u8>().wrapping_add(1).cast()),
-            None
-        );
+        assert_eq!(pool.complete(a.as_ptr().cast::<u8>().wrapping_add(1).cast()), None);
         assert_eq!(pool.complete(a.as_ptr().cast()), Some(7));
         for t in 0..(3 * CTX_CHUNK as u64) {
             let _ = pool.take(t);

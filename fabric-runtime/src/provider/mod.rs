@@ -102,18 +102,9 @@ pub enum Op {
     /// One-sided write of `local` into `remote` at `peer`. `imm: Some(v)` carries the 32-bit
     /// immediate `v` that appears as [`Completion::Imm`] at the target. `local.len == 0` with
     /// an immediate is an imm-only write.
-    Write {
-        peer: PeerHandle,
-        local: LocalSlice,
-        remote: RemoteSlice,
-        imm: Option<u32>,
-    },
+    Write { peer: PeerHandle, local: LocalSlice, remote: RemoteSlice, imm: Option<u32> },
     /// One-sided read of `remote` at `peer` into `local`.
-    Read {
-        peer: PeerHandle,
-        local: LocalSlice,
-        remote: RemoteSlice,
-    },
+    Read { peer: PeerHandle, local: LocalSlice, remote: RemoteSlice },
     /// Two-sided send of a small message.
     Send { peer: PeerHandle, local: LocalSlice },
     /// Post a receive buffer for any peer's [`Op::Send`].
@@ -136,20 +127,12 @@ pub enum Completion {
     /// For a `Recv`, see [`Completion::Recv`] instead.
     Done { token: u64 },
     /// The operation posted with `token` failed. `message` is the provider's own text.
-    Failed {
-        token: u64,
-        errno: i32,
-        message: String,
-    },
+    Failed { token: u64, errno: i32, message: String },
     /// A remote peer's write carrying immediate `imm` has landed in our memory.
     Imm { imm: u32 },
     /// The receive posted with `token` got a message of `len` bytes from `src` (the sender's
     /// handle, if the backend can tell).
-    Recv {
-        token: u64,
-        len: usize,
-        src: Option<PeerHandle>,
-    },
+    Recv { token: u64, len: usize, src: Option<PeerHandle> },
 }
 
 /// The contract every NIC backend implements. See the module docs.

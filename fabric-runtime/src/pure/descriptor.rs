@@ -97,11 +97,7 @@ impl EngineAddress {
     /// Checks the limits that decoding enforces, so that an address that passes can be sent
     /// and read back. [`Error::Malformed`] says which limit is exceeded.
     pub fn validate(&self) -> Result<(), Error> {
-        validate_common(
-            ADDRESS_WHAT,
-            &self.transport,
-            self.domains.iter().map(Vec::len),
-        )
+        validate_common(ADDRESS_WHAT, &self.transport, self.domains.iter().map(Vec::len))
     }
 
     /// Fails with [`Error::Foreign`] unless this address was made by transport `expected`.
@@ -115,11 +111,7 @@ impl EngineAddress {
     /// an address that does not validate are rejected by [`from_bytes`](Self::from_bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(
-            4 + 1
-                + 2
-                + self.transport.len()
-                + 2
-                + self.domains.iter().map(|d| 4 + d.len()).sum::<usize>(),
+            4 + 1 + 2 + self.transport.len() + 2 + self.domains.iter().map(|d| 4 + d.len()).sum::<usize>(),
         );
         out.extend_from_slice(&ADDRESS_MAGIC);
         out.push(WIRE_VERSION);
@@ -154,11 +146,7 @@ impl RegionDescriptor {
     /// Checks the limits that decoding enforces, so that a descriptor that passes can be sent
     /// and read back. [`Error::Malformed`] says which limit is exceeded.
     pub fn validate(&self) -> Result<(), Error> {
-        validate_common(
-            DESCRIPTOR_WHAT,
-            &self.transport,
-            self.domains.iter().map(|d| d.address.len()),
-        )
+        validate_common(DESCRIPTOR_WHAT, &self.transport, self.domains.iter().map(|d| d.address.len()))
     }
 
     /// Fails with [`Error::Foreign`] unless this descriptor was made by transport `expected`.
@@ -219,11 +207,7 @@ impl RegionDescriptor {
                 let key = r.u64("domain remote key")?;
                 domains.push(DomainKey { address, base, key });
             }
-            Ok(RegionDescriptor {
-                transport,
-                len,
-                domains,
-            })
+            Ok(RegionDescriptor { transport, len, domains })
         })
     }
 }
@@ -232,11 +216,7 @@ fn check_transport(what: &'static str, found: &str, expected: &str) -> Result<()
     if found == expected {
         Ok(())
     } else {
-        Err(Error::Foreign {
-            what,
-            found: found.to_owned(),
-            expected: expected.to_owned(),
-        })
+        Err(Error::Foreign { what, found: found.to_owned(), expected: expected.to_owned() })
     }
 }
 
@@ -253,10 +233,7 @@ fn validate_common(
         ));
     }
     if address_lens.len() > MAX_DOMAINS {
-        return malformed(format!(
-            "{} domains listed, the limit is {MAX_DOMAINS}",
-            address_lens.len()
-        ));
+        return malformed(format!("{} domains listed, the limit is {MAX_DOMAINS}", address_lens.len()));
     }
     for (i, len) in address_lens.enumerate() {
         if len > MAX_ADDRESS_LEN {
@@ -296,10 +273,7 @@ fn decode<T>(
     if left != 0 {
         return Err(Error::Malformed {
             what,
-            reason: format!(
-                "{left} trailing byte(s) after the end of the encoding at offset {}",
-                r.pos
-            ),
+            reason: format!("{left} trailing byte(s) after the end of the encoding at offset {}", r.pos),
         });
     }
     Ok(value)
@@ -359,9 +333,7 @@ impl<'a> Reader<'a> {
         }
         let [version] = self.array("version")?;
         if version != WIRE_VERSION {
-            return Err(format!(
-                "unknown version {version}, this build reads version {WIRE_VERSION}"
-            ));
+            return Err(format!("unknown version {version}, this build reads version {WIRE_VERSION}"));
         }
         Ok(())
     }
@@ -383,9 +355,7 @@ impl<'a> Reader<'a> {
     fn domain_count(&mut self) -> Result<usize, String> {
         let count = usize::from(self.u16("domain count")?);
         if count > MAX_DOMAINS {
-            return Err(format!(
-                "domain count {count} exceeds the limit of {MAX_DOMAINS}"
-            ));
+            return Err(format!("domain count {count} exceeds the limit of {MAX_DOMAINS}"));
         }
         Ok(count)
     }
@@ -394,9 +364,7 @@ impl<'a> Reader<'a> {
         let len = self.u32("domain address length")?;
         // Compare in u64 so that the check holds on every pointer width.
         if u64::from(len) > MAX_ADDRESS_LEN as u64 {
-            return Err(format!(
-                "address of domain {domain} is {len} bytes, the limit is {MAX_ADDRESS_LEN}"
-            ));
+            return Err(format!("address of domain {domain} is {len} bytes, the limit is {MAX_ADDRESS_LEN}"));
         }
         Ok(self.take(len as usize, "domain address")?.to_vec())
     }
@@ -418,16 +386,8 @@ mod tests {
             transport: "verbs".into(),
             len: 1 << 33,
             domains: vec![
-                DomainKey {
-                    address: vec![9; 16],
-                    base: 0x7f00_dead_beef,
-                    key: 0x1234,
-                },
-                DomainKey {
-                    address: vec![],
-                    base: 0,
-                    key: u64::MAX,
-                },
+                DomainKey { address: vec![9; 16], base: 0x7f00_dead_beef, key: 0x1234 },
+                DomainKey { address: vec![], base: 0, key: u64::MAX },
             ],
         }
     }
@@ -454,10 +414,7 @@ mod tests {
     fn round_trips() {
         let cases = [
             address(),
-            EngineAddress {
-                transport: String::new(),
-                domains: vec![],
-            },
+            EngineAddress { transport: String::new(), domains: vec![] },
             EngineAddress {
                 transport: "x".repeat(MAX_TRANSPORT_LEN),
                 domains: vec![vec![7; MAX_ADDRESS_LEN]; MAX_DOMAINS],
@@ -470,15 +427,8 @@ mod tests {
         let d = descriptor();
         d.validate().unwrap();
         assert_eq!(RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
-        let empty = RegionDescriptor {
-            transport: "shm".into(),
-            len: 0,
-            domains: vec![],
-        };
-        assert_eq!(
-            RegionDescriptor::from_bytes(&empty.to_bytes()).unwrap(),
-            empty
-        );
+        let empty = RegionDescriptor { transport: "shm".into(), len: 0, domains: vec![] };
+        assert_eq!(RegionDescriptor::from_bytes(&empty.to_bytes()).unwrap(), empty);
     }
 
     #[test]
@@ -495,18 +445,13 @@ mod tests {
     fn every_truncation_is_an_error() {
         let bytes = address().to_bytes();
         for n in 0..bytes.len() {
-            let reason = malformed_reason(
-                EngineAddress::from_bytes(&bytes[..n]).unwrap_err(),
-                ADDRESS_WHAT,
-            );
+            let reason = malformed_reason(EngineAddress::from_bytes(&bytes[..n]).unwrap_err(), ADDRESS_WHAT);
             assert!(reason.contains("truncated"), "{n}: {reason}");
         }
         let bytes = descriptor().to_bytes();
         for n in 0..bytes.len() {
-            let reason = malformed_reason(
-                RegionDescriptor::from_bytes(&bytes[..n]).unwrap_err(),
-                DESCRIPTOR_WHAT,
-            );
+            let reason =
+                malformed_reason(RegionDescriptor::from_bytes(&bytes[..n]).unwrap_err(), DESCRIPTOR_WHAT);
             assert!(reason.contains("truncated"), "{n}: {reason}");
         }
     }
@@ -515,10 +460,7 @@ mod tests {
     fn trailing_bytes_are_an_error() {
         let mut bytes = descriptor().to_bytes();
         bytes.push(0);
-        let reason = malformed_reason(
-            RegionDescriptor::from_bytes(&bytes).unwrap_err(),
-            DESCRIPTOR_WHAT,
-        );
+        let reason = malformed_reason(RegionDescriptor::from_bytes(&bytes).unwrap_err(), DESCRIPTOR_WHAT);
         assert!(reason.contains("1 trailing byte"), "{reason}");
     }
 
@@ -536,10 +478,7 @@ mod tests {
 
         let mut bytes = descriptor().to_bytes();
         bytes[4] = 0;
-        let reason = malformed_reason(
-            RegionDescriptor::from_bytes(&bytes).unwrap_err(),
-            DESCRIPTOR_WHAT,
-        );
+        let reason = malformed_reason(RegionDescriptor::from_bytes(&bytes).unwrap_err(), DESCRIPTOR_WHAT);
         assert!(reason.contains("unknown version 0"), "{reason}");
     }
 
@@ -550,10 +489,8 @@ mod tests {
             DESCRIPTOR_WHAT,
         );
         assert!(reason.contains("encoded engine address"), "{reason}");
-        let reason = malformed_reason(
-            EngineAddress::from_bytes(&descriptor().to_bytes()).unwrap_err(),
-            ADDRESS_WHAT,
-        );
+        let reason =
+            malformed_reason(EngineAddress::from_bytes(&descriptor().to_bytes()).unwrap_err(), ADDRESS_WHAT);
         assert!(reason.contains("encoded region descriptor"), "{reason}");
     }
 
@@ -570,10 +507,7 @@ mod tests {
         let mut bytes = b"FABR\x01".to_vec();
         bytes.extend_from_slice(&65u16.to_le_bytes());
         bytes.extend_from_slice(&[b'a'; 65]);
-        let reason = malformed_reason(
-            RegionDescriptor::from_bytes(&bytes).unwrap_err(),
-            DESCRIPTOR_WHAT,
-        );
+        let reason = malformed_reason(RegionDescriptor::from_bytes(&bytes).unwrap_err(), DESCRIPTOR_WHAT);
         assert!(reason.contains("transport name length 65"), "{reason}");
 
         // Address length u32::MAX: must not try to allocate or read 4 GiB.
@@ -597,37 +531,20 @@ mod tests {
 
     #[test]
     fn values_over_the_limits_fail_validate_and_decode() {
-        let too_many = EngineAddress {
-            transport: "t".into(),
-            domains: vec![vec![]; MAX_DOMAINS + 1],
-        };
+        let too_many = EngineAddress { transport: "t".into(), domains: vec![vec![]; MAX_DOMAINS + 1] };
         assert!(matches!(too_many.validate(), Err(Error::Malformed { .. })));
         assert!(EngineAddress::from_bytes(&too_many.to_bytes()).is_err());
 
-        let long_transport = RegionDescriptor {
-            transport: "t".repeat(70_000),
-            len: 1,
-            domains: vec![],
-        };
-        assert!(matches!(
-            long_transport.validate(),
-            Err(Error::Malformed { .. })
-        ));
+        let long_transport = RegionDescriptor { transport: "t".repeat(70_000), len: 1, domains: vec![] };
+        assert!(matches!(long_transport.validate(), Err(Error::Malformed { .. })));
         assert!(RegionDescriptor::from_bytes(&long_transport.to_bytes()).is_err());
 
         let long_address = RegionDescriptor {
             transport: "t".into(),
             len: 1,
-            domains: vec![DomainKey {
-                address: vec![0; MAX_ADDRESS_LEN + 1],
-                base: 0,
-                key: 0,
-            }],
+            domains: vec![DomainKey { address: vec![0; MAX_ADDRESS_LEN + 1], base: 0, key: 0 }],
         };
-        assert!(matches!(
-            long_address.validate(),
-            Err(Error::Malformed { .. })
-        ));
+        assert!(matches!(long_address.validate(), Err(Error::Malformed { .. })));
         assert!(RegionDescriptor::from_bytes(&long_address.to_bytes()).is_err());
     }
 
@@ -636,11 +553,7 @@ mod tests {
         let d = descriptor();
         d.check_transport("verbs").unwrap();
         match d.check_transport("tcp;ofi_rxm").unwrap_err() {
-            Error::Foreign {
-                what,
-                found,
-                expected,
-            } => {
+            Error::Foreign { what, found, expected } => {
                 assert_eq!(what, DESCRIPTOR_WHAT);
                 assert_eq!(found, "verbs");
                 assert_eq!(expected, "tcp;ofi_rxm");
@@ -649,21 +562,11 @@ mod tests {
         }
         let a = address();
         a.check_transport("tcp;ofi_rxm").unwrap();
-        assert!(matches!(
-            a.check_transport("verbs"),
-            Err(Error::Foreign {
-                what: ADDRESS_WHAT,
-                ..
-            })
-        ));
+        assert!(matches!(a.check_transport("verbs"), Err(Error::Foreign { what: ADDRESS_WHAT, .. })));
 
         d.check_domains(2).unwrap();
         match d.check_domains(4).unwrap_err() {
-            Error::Foreign {
-                what,
-                found,
-                expected,
-            } => {
+            Error::Foreign { what, found, expected } => {
                 assert_eq!(what, DESCRIPTOR_WHAT);
                 assert_eq!(found, "verbs with 2 domain(s)");
                 assert_eq!(expected, "verbs with 4 domain(s)");
@@ -718,11 +621,7 @@ mod tests {
                 }
                 // A valid header, then noise: exercises the length checks.
                 1 => {
-                    input.extend_from_slice(if rng.next() & 1 == 0 {
-                        b"FABA\x01"
-                    } else {
-                        b"FABR\x01"
-                    });
+                    input.extend_from_slice(if rng.next() & 1 == 0 { b"FABA\x01" } else { b"FABR\x01" });
                     let len = rng.below(128);
                     input.extend((0..len).map(|_| rng.next() as u8));
                 }

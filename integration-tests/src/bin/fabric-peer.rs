@@ -72,7 +72,8 @@ fn parse() -> Args {
 #[tokio::main]
 async fn main() {
     let a = parse();
-    let store = TcpStore::connect(a.store.parse().expect("store address")).await.expect("connect to the store");
+    let store =
+        TcpStore::connect(a.store.parse().expect("store address")).await.expect("connect to the store");
     let role = a.role.clone();
     if let Err(e) = run(&a, &store).await {
         eprintln!("fabric-peer {role}: {e}");
@@ -106,7 +107,10 @@ async fn target(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), Strin
     let extra: Vec<String> =
         a.wait.iter().map(|&(imm, _)| format!("{imm}={}", engine.imm_counter(imm).available())).collect();
     store.put("target/extra", extra.join(",").into_bytes()).await.map_err(|e| e.to_string())?;
-    store.put("target/hash", hash(&region.to_vec()).to_string().into_bytes()).await.map_err(|e| e.to_string())?;
+    store
+        .put("target/hash", hash(&region.to_vec()).to_string().into_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
     store.get("target/exit").await.map_err(|e| e.to_string())?;
     Ok(())
 }

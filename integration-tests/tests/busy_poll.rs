@@ -1,0 +1,102 @@
+//! The synchronous fast path for dedicated busy-poll threads, and every reactor mode moving
+//! real bytes.
+
+use std::time::Duration;
+
+use fabric_async::bootstrap::Rendezvous;
+use fabric_async::{Engine, OpBatch, ReactorMode};
+use integration_tests::{fill_pattern, get, get_str, hash, providers, store, Peer};
+
+const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
+
+/// Writer side: a plain thread posts without futures and spins on the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_post_and_spin_until_done() {
+    for p in providers() {
+        let n = 1000u64;
+        let (_server, store, addr) = store().await;
+        let size = 64 * 1024;
+        let wait = format!("11={n},12=50");
+        let mut peer = Peer::spawn(PEER, addr, &p, &["target", "--size", &size.to_string(), "--wait", &wait]);
+        let engine = Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).build().unwrap();
+        let mut data = vec![0u8; size];
+        fill_pattern(&mut data, 77, 0);
+        let src = engine.register(data.clone()).await.unwrap();
+        let dst = engine.remote_region(&get(&store, "target/desc").await).await.unwrap();
+        let (e2, s2, d2) = (engine.clone(), src.clone(), dst.clone());
+        tokio::task::spawn_blocking(move || {
+            let batch = OpBatch::new();
+            let chunk = (size as u64) / n.min(64);
+            for i in 0..n {
+                let off = (i % 64) * chunk;
+                e2.post_write_imm(&batch, &s2, off, &d2, off, chunk, 11).expect("post");
+            }
+            for _ in 0..50 {
+                e2.post_imm(&batch, &d2, 12).expect("post imm");
+            }
+            assert!(batch.spin_until(n + 50, Duration::from_secs(60)).expect("no failures"), "all complete");
+            assert_eq!(batch.completed(), n + 50);
+            assert_eq!(batch.failed(), 0);
+        })
+        .await
+        .unwrap();
+        assert_eq!(get_str(&store, "target/hash").await, hash(&data).to_string(), "{p}");
+        assert_eq!(get_str(&store, "target/extra").await, "11=0,12=0", "{p}: exact counts");
+        store.put("target/exit", vec![]).await.unwrap();
+        assert!(peer.wait_success(Duration::from_secs(20)));
+    }
+}
+
+/// Receiver side: a plain thread spin-waits on a counter (no waker, no syscall).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receiver_spin_waits_on_a_counter() {
+    let (_server, store, addr) = store().await;
+    let engine = Engine::builder().provider("tcp").mode(ReactorMode::BusyPoll).build().unwrap();
+    let region = engine.alloc(4096).await.unwrap();
+    store.put("writer/desc", region.descriptor().to_bytes()).await.unwrap();
+    // 400 imm-only writes, all with imm 100 (one distinct value).
+    let mut peer = Peer::spawn(PEER, addr, "tcp", &["writer", "--storm", "400,4,1,3"]);
+    let counter = engine.imm_counter(100);
+    let got = tokio::task::spawn_blocking(move || {
+        let mut rounds = 0;
+        while rounds < 4 && counter.spin_wait(100, Duration::from_secs(60)) {
+            rounds += 1;
+        }
+        (rounds, counter.available())
+    })
+    .await
+    .unwrap();
+    assert_eq!(got, (4, 0), "four rounds of 100, nothing left over");
+    assert_eq!(get_str(&store, "writer/done").await, "ok");
+    store.put("writer/exit", vec![]).await.unwrap();
+    assert!(peer.wait_success(Duration::from_secs(20)));
+}
+
+/// Every reactor mode moves bytes and wakes futures, on every provider.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_moves_bytes() {
+    let modes = [
+        ReactorMode::Event,
+        ReactorMode::Adaptive { spin: Duration::from_micros(200) },
+        ReactorMode::BusyPoll,
+    ];
+    for p in providers() {
+        for mode in modes {
+            let (_server, store, addr) = store().await;
+            let size = 300_000;
+            let mut peer =
+                Peer::spawn(PEER, addr, &p, &["target", "--size", &size.to_string(), "--wait", "4=3"]);
+            let engine = Engine::builder().provider(p.as_str()).mode(mode).build().unwrap();
+            let mut data = vec![0u8; size];
+            fill_pattern(&mut data, 5, 0);
+            let src = engine.register(data.clone()).await.unwrap();
+            let dst = engine.remote_region(&get(&store, "target/desc").await).await.unwrap();
+            for i in 0..3u64 {
+                engine.write_imm(&src, i * 100_000, &dst, i * 100_000, 100_000, 4).await.unwrap();
+            }
+            assert_eq!(get_str(&store, "target/hash").await, hash(&data).to_string(), "{p} {mode:?}");
+            store.put("target/exit", vec![]).await.unwrap();
+            assert!(peer.wait_success(Duration::from_secs(20)));
+        }
+    }
+}
