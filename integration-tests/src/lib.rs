@@ -111,8 +111,9 @@ impl Peer {
     }
 
     /// Waits up to `timeout` for the process to exit by itself; returns whether it did and
-    /// succeeded.
-    pub fn wait_success(&mut self, timeout: Duration) -> bool {
+    /// succeeded. Async, so that a store served by the same (possibly current-thread)
+    /// runtime keeps answering the peer meanwhile.
+    pub async fn wait_success(&mut self, timeout: Duration) -> bool {
         let Some(c) = self.child.as_mut() else { return false };
         let deadline = std::time::Instant::now() + timeout;
         loop {
@@ -122,7 +123,7 @@ impl Peer {
                     return status.success();
                 }
                 Ok(None) if std::time::Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20))
+                    tokio::time::sleep(Duration::from_millis(20)).await
                 }
                 _ => return false,
             }

@@ -9,6 +9,23 @@ use integration_tests::{fill_pattern, get, get_str, hash, providers, store, Peer
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 
+/// Whether some `fabric-reactor` thread of this process may run only on `cpus`
+/// (`Cpus_allowed_list` in /proc). Waits briefly: the thread pins itself when it starts.
+fn reactor_pinned_to(cpus: &str) -> bool {
+    for _ in 0..100 {
+        for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+            let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(str::trim);
+            if comm.trim() == "fabric-reactor" && allowed == Some(cpus) {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
 /// Writer side: a plain thread posts without futures and spins on the batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_post_and_spin_until_done() {
@@ -18,7 +35,9 @@ async fn sync_post_and_spin_until_done() {
         let size = 64 * 1024;
         let wait = format!("11={n},12=50");
         let mut peer = Peer::spawn(PEER, addr, &p, &["target", "--size", &size.to_string(), "--wait", &wait]);
-        let engine = Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).build().unwrap();
+        let engine =
+            Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).pin_core(0).build().unwrap();
+        assert!(reactor_pinned_to("0"), "the busy-poll reactor runs on core 0 only");
         let mut data = vec![0u8; size];
         fill_pattern(&mut data, 77, 0);
         let src = engine.register(data.clone()).await.unwrap();
@@ -43,7 +62,7 @@ async fn sync_post_and_spin_until_done() {
         assert_eq!(get_str(&store, "target/hash").await, hash(&data).to_string(), "{p}");
         assert_eq!(get_str(&store, "target/extra").await, "11=0,12=0", "{p}: exact counts");
         store.put("target/exit", vec![]).await.unwrap();
-        assert!(peer.wait_success(Duration::from_secs(20)));
+        assert!(peer.wait_success(Duration::from_secs(20)).await);
     }
 }
 
@@ -69,7 +88,7 @@ async fn receiver_spin_waits_on_a_counter() {
     assert_eq!(got, (4, 0), "four rounds of 100, nothing left over");
     assert_eq!(get_str(&store, "writer/done").await, "ok");
     store.put("writer/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(Duration::from_secs(20)));
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
 }
 
 /// Every reactor mode moves bytes and wakes futures, on every provider.
@@ -96,7 +115,7 @@ async fn every_mode_moves_bytes() {
             }
             assert_eq!(get_str(&store, "target/hash").await, hash(&data).to_string(), "{p} {mode:?}");
             store.put("target/exit", vec![]).await.unwrap();
-            assert!(peer.wait_success(Duration::from_secs(20)));
+            assert!(peer.wait_success(Duration::from_secs(20)).await);
         }
     }
 }

@@ -82,7 +82,7 @@ async fn cancel(provider: &str) {
     );
     assert_eq!(get_str(&store, "target/extra").await, "5=0");
     store.put("target/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(Duration::from_secs(20)));
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

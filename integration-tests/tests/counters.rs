@@ -43,7 +43,7 @@ async fn storm(provider: &str, total: usize, tasks: usize, distinct: u32) {
         assert_eq!(engine.imm_counter(imm).total_arrived(), counts[&imm], "{provider}: imm {imm} total");
     }
     store.put("writer/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(Duration::from_secs(20)));
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,5 +95,5 @@ async fn timed_out_wait_consumes_nothing_and_early_arrivals_count() {
     }
     assert!(c2.wait_for_timeout(100, Duration::from_secs(10)).await);
     store.put("writer/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(Duration::from_secs(20)));
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
 }

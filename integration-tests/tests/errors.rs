@@ -125,7 +125,7 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
     let other = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
     bounded(a.write(&src, 0, &other, 0, 4096)).await.expect("another peer still works");
     store.put("target/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(Duration::from_secs(20)));
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,7 +24,7 @@ async fn idle_cpu(provider: &str, mode: ReactorMode) -> f64 {
     tokio::time::sleep(IDLE).await;
     let used = process_cpu_time() - before;
     store.put("target/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(Duration::from_secs(20)));
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
     drop(engine);
     used.as_secs_f64() / IDLE.as_secs_f64()
 }

@@ -32,6 +32,6 @@ async fn send_recv_echo() {
             assert_eq!(&back[..], &msg[..], "{p}: message {i} of {len} bytes");
         }
         store.put("echo/exit", vec![]).await.unwrap();
-        assert!(peer.wait_success(Duration::from_secs(20)));
+        assert!(peer.wait_success(Duration::from_secs(20)).await);
     }
 }

@@ -33,7 +33,7 @@ async fn transfer(provider: &str, size: usize) {
     assert_eq!(get_str(&store, "target/hash").await, expected.to_string(), "{provider}: {size} bytes differ");
     assert_eq!(get_str(&store, "target/extra").await, "1=0", "exactly one arrival per write");
     store.put("target/exit", vec![]).await.unwrap();
-    assert!(peer.wait_success(std::time::Duration::from_secs(20)), "peer exits cleanly");
+    assert!(peer.wait_success(std::time::Duration::from_secs(20)).await, "peer exits cleanly");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

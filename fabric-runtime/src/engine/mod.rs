@@ -324,24 +324,22 @@ impl EngineBuilder {
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
         }
-        match self.provider.as_str() {
-            #[cfg(feature = "libfabric")]
-            _ => {
-                let cfg = crate::provider::libfabric::LibfabricConfig {
-                    provider: self.provider.clone(),
-                    node: self.node.clone(),
-                    max_msg_size: self.max_msg_size,
-                    ..Default::default()
-                };
-                let domain = crate::provider::libfabric::LibfabricDomain::open(&cfg)?;
-                Engine::start(vec![domain], self)
-            }
-            #[cfg(not(feature = "libfabric"))]
-            other => Err(Error::ProviderNotFound {
-                provider: other.into(),
-                reason: "fabric-runtime was built without the `libfabric` feature".into(),
-            }),
+        #[cfg(feature = "libfabric")]
+        {
+            let cfg = crate::provider::libfabric::LibfabricConfig {
+                provider: self.provider.clone(),
+                node: self.node.clone(),
+                max_msg_size: self.max_msg_size,
+                ..Default::default()
+            };
+            let domain = crate::provider::libfabric::LibfabricDomain::open(&cfg)?;
+            Engine::start(vec![domain], self)
         }
+        #[cfg(not(feature = "libfabric"))]
+        Err(Error::ProviderNotFound {
+            provider: self.provider,
+            reason: "fabric-runtime was built without the `libfabric` feature".into(),
+        })
     }
 }
 

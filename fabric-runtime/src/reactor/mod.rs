@@ -668,14 +668,8 @@ impl<D: Domain> Reactor<D> {
         let items = std::mem::take(&mut lock(&self.shared.queue).items);
         for s in items {
             match s {
-                Submission::Op { .. } | Submission::Send { .. } => fail(s, Error::Shutdown),
-                Submission::Register { reply, .. } => {
-                    let _ = reply.send(Err(Error::Shutdown));
-                }
-                Submission::AddPeer { reply, .. } => {
-                    let _ = reply.send(Err(Error::Shutdown));
-                }
                 Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+                other => fail(other, Error::Shutdown),
             }
         }
         for p in self.peers.iter_mut() {

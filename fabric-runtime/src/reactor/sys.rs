@@ -10,8 +10,8 @@ use crate::error::Error;
 /// Runs a libc call and maps `-1` to the thread's `errno` (the `syscall!` of mio).
 macro_rules! syscall {
     ($fn:ident ( $($arg:expr),* $(,)? )) => {{
-        // SAFETY: every call site passes arguments that satisfy the callee's contract, as
-        // its own comment says.
+        // SAFETY: each call site states, in its own `SAFETY:` comment, why its arguments
+        // satisfy the callee's contract.
         let res = unsafe { libc::$fn($($arg),*) };
         if res == -1 { Err(io::Error::last_os_error()) } else { Ok(res) }
     }};
@@ -25,7 +25,7 @@ pub(crate) struct EventFd {
 
 impl EventFd {
     pub(crate) fn new() -> Result<EventFd, Error> {
-        // eventfd takes no pointers.
+        // SAFETY: eventfd takes no pointers.
         let fd = syscall!(eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)).map_err(|e| {
             Error::Provider { call: "eventfd", errno: e.raw_os_error().unwrap_or(0), message: e.to_string() }
         })?;
@@ -35,14 +35,14 @@ impl EventFd {
 
     pub(crate) fn notify(&self) {
         let one: u64 = 1;
-        // The pointer is to a live u64 of the 8 bytes passed. EAGAIN (counter saturated)
-        // still leaves the fd readable, which is all we need.
+        // SAFETY: the pointer is to a live u64 of the 8 bytes passed. EAGAIN (counter
+        // saturated) still leaves the fd readable, which is all we need.
         let _ = syscall!(write(self.fd.as_raw_fd(), (&one as *const u64).cast(), 8));
     }
 
     pub(crate) fn drain(&self) {
         let mut buf: u64 = 0;
-        // The pointer is to a live, writable u64 of the 8 bytes passed.
+        // SAFETY: the pointer is to a live, writable u64 of the 8 bytes passed.
         let _ = syscall!(read(self.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8));
     }
 
@@ -59,8 +59,8 @@ pub(crate) fn wait(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::R
         tv_nsec: d.subsec_nanos() as libc::c_long,
     });
     let ts_ptr = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // `fds` is a live slice of pollfd of the length passed; `ts_ptr` is null or points to a
-    // live timespec; a null sigmask keeps the current one.
+    // SAFETY: `fds` is a live slice of pollfd of the length passed; `ts_ptr` is null or
+    // points to a live timespec; a null sigmask keeps the current one.
     match syscall!(ppoll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ts_ptr, std::ptr::null())) {
         Ok(n) => Ok(n as usize),
         Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
@@ -77,6 +77,6 @@ pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `core` is below CPU_SETSIZE (checked), so CPU_SET stays inside `set`.
     unsafe { libc::CPU_SET(core, &mut set) };
-    // Pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
+    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
     syscall!(sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)).map(|_| ())
 }
