@@ -183,7 +183,7 @@ async fn receiver(o: Opts, store_addr: String) -> Result<(), BoxError> {
     let mut expected = vec![0u8; o.size];
     let mut got = vec![0u8; o.size];
     for round in 0..o.rounds {
-        if !counter.wait_for_timeout(chunks, Duration::from_secs(60)).await {
+        if !counter.wait_for_timeout(chunks, Duration::from_secs(60)).await? {
             return Err(
                 format!("round {round}: only {} of {chunks} writes arrived", counter.available()).into()
             );

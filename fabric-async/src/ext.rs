@@ -10,20 +10,24 @@ use crate::{Engine, Error, ImmCounter, MemoryRegion, RemoteRegion};
 /// Deadlines for counter waits.
 #[async_trait]
 pub trait ImmCounterExt {
-    /// Waits until `n` arrivals are available and consumes them, or gives up after
-    /// `timeout` and returns `false` having consumed nothing.
+    /// Waits until `n` arrivals are available and consumes them (`Ok(true)`), or gives up
+    /// after `timeout` having consumed nothing (`Ok(false)`). `Err(Error::Shutdown)` if the
+    /// engine shut down first.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe, like [`ImmCounter::wait_for`]: a timed-out or dropped wait consumes
     /// nothing.
-    async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool;
+    async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> Result<bool, Error>;
 }
 
 #[async_trait]
 impl ImmCounterExt for ImmCounter {
-    async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> bool {
-        tokio::time::timeout(timeout, self.wait_for(n)).await.is_ok()
+    async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> Result<bool, Error> {
+        match tokio::time::timeout(timeout, self.wait_for(n)).await {
+            Ok(r) => r.map(|()| true),
+            Err(_elapsed) => Ok(false),
+        }
     }
 }
 

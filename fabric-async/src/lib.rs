@@ -13,7 +13,7 @@
 //! let src = engine.alloc(1 << 20).await?;              // registered, zeroed, 4 KiB aligned
 //! let dst = engine.remote_region(&peer_descriptor).await?; // a peer's region
 //! engine.write_imm(&src, 0, &dst, 0, 1 << 20, 7).await?;   // bytes, then imm 7 at the peer
-//! // On the peer: engine.imm_counter(7).wait_for(1).await;
+//! // On the peer: engine.imm_counter(7).wait_for(1).await?;
 //! # Ok(()) }
 //! ```
 //!

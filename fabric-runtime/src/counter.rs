@@ -10,6 +10,8 @@
 //!   them, so a loop of rounds needs no reset. Waiters are served first come, first served:
 //!   a waiter is granted when its `n` are available and every waiter queued before it has
 //!   been granted. A dropped wait consumes nothing (a grant it never observed is returned).
+//!   When the engine shuts down, waits that cannot be satisfied resolve with
+//!   `Err(Error::Shutdown)` instead of hanging.
 //! * [`ImmCounter::try_consume`] and [`ImmCounter::spin_wait`] are the synchronous versions
 //!   for busy-poll threads: no waker, no allocation, no syscall. They only take arrivals when
 //!   no async waiter is queued (async waiters keep their place in line).
@@ -29,6 +31,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use crate::error::Error;
 use crate::sync::{lock, Arc, AtomicU64, Mutex, Ordering};
 
 /// Shared state of one immediate value's counter.
@@ -57,6 +60,10 @@ struct Waiter {
 
 /// Flag bit of `CounterCell::state`: async waiters are queued.
 const QUEUED: u64 = 1 << 63;
+/// Flag bit of `CounterCell::state`: the engine has shut down; no arrival will come.
+const CLOSED: u64 = 1 << 62;
+/// The count bits of `CounterCell::state`.
+const COUNT: u64 = !(QUEUED | CLOSED);
 
 impl CounterCell {
     pub(crate) fn new(imm: u32) -> Self {
@@ -69,7 +76,24 @@ impl CounterCell {
     }
 
     fn available(&self) -> u64 {
-        self.state.load(Ordering::Acquire) & !QUEUED
+        self.state.load(Ordering::Acquire) & COUNT
+    }
+
+    fn is_closed(&self) -> bool {
+        self.state.load(Ordering::Acquire) & CLOSED != 0
+    }
+
+    /// The engine shut down: wakes every waiter that has not been granted, so it can
+    /// resolve with `Error::Shutdown`. Arrivals already counted stay consumable.
+    pub(crate) fn close(&self) {
+        self.state.fetch_or(CLOSED, Ordering::AcqRel);
+        let wake: Vec<Waker> = {
+            let mut q = lock(&self.waiters);
+            q.list.iter_mut().filter(|w| !w.granted).filter_map(|w| w.waker.take()).collect()
+        };
+        for w in wake {
+            w.wake();
+        }
     }
 
     fn has_waiters(&self) -> bool {
@@ -97,7 +121,7 @@ impl CounterCell {
     fn take(&self, n: u64) -> bool {
         let mut cur = self.state.load(Ordering::Acquire);
         loop {
-            if cur & !QUEUED < n {
+            if cur & COUNT < n {
                 return false;
             }
             match self.state.compare_exchange_weak(cur, cur - n, Ordering::AcqRel, Ordering::Acquire) {
@@ -172,7 +196,8 @@ impl ImmCounter {
     /// Waits until `n` arrivals are available, then consumes them.
     ///
     /// `wait_for(0)` is ready at once. Many tasks may wait on one counter with different
-    /// `n`; they are served first come, first served.
+    /// `n`; they are served first come, first served. Resolves with [`Error::Shutdown`] if
+    /// the engine shuts down before `n` arrivals are available (nothing is consumed then).
     ///
     /// # Cancel safety
     ///
@@ -193,9 +218,9 @@ impl ImmCounter {
         self.cell.take(n)
     }
 
-    /// Spins on this thread until `n` arrivals can be consumed, or `timeout` passes (returns
-    /// `false`, consuming nothing). For dedicated busy-poll threads; never call it on an
-    /// async runtime's worker thread.
+    /// Spins on this thread until `n` arrivals can be consumed, or `timeout` passes or the
+    /// engine shuts down (returns `false`, consuming nothing). For dedicated busy-poll
+    /// threads; never call it on an async runtime's worker thread.
     pub fn spin_wait(&self, n: u64, timeout: Duration) -> bool {
         let start = Instant::now();
         let mut spins = 0u32;
@@ -205,7 +230,7 @@ impl ImmCounter {
             }
             spins = spins.wrapping_add(1);
             // Reading the clock costs ~20 ns; look at it every 256 spins only.
-            if spins % 256 == 0 && start.elapsed() >= timeout {
+            if spins % 256 == 0 && (start.elapsed() >= timeout || self.cell.is_closed()) {
                 return false;
             }
             std::hint::spin_loop();
@@ -240,12 +265,12 @@ impl fmt::Debug for WaitFor {
 }
 
 impl Future for WaitFor {
-    type Output = ();
+    type Output = Result<(), Error>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         if this.done {
-            return Poll::Ready(());
+            return Poll::Ready(Ok(()));
         }
         let cell = &*this.cell;
         match this.id {
@@ -253,7 +278,7 @@ impl Future for WaitFor {
                 // Fast path: nobody queued ahead of us and enough available.
                 if this.n == 0 || (!cell.has_waiters() && cell.take(this.n)) {
                     this.done = true;
-                    return Poll::Ready(());
+                    return Poll::Ready(Ok(()));
                 }
                 let mut wake = Vec::new();
                 let mut q = lock(&cell.waiters);
@@ -265,9 +290,10 @@ impl Future for WaitFor {
                 // granting here (after setting it, under the lock) closes that window.
                 cell.grant(&mut q, &mut wake);
                 let granted = q.list.iter().any(|w| w.id == id && w.granted);
-                if granted {
+                let closed = !granted && cell.is_closed();
+                if granted || closed {
                     cell.remove(&mut q, id);
-                    this.done = true;
+                    this.done = granted;
                 }
                 drop(q);
                 // Our own waker may be in `wake`; others are waiters granted alongside us.
@@ -275,7 +301,9 @@ impl Future for WaitFor {
                     w.wake();
                 }
                 if this.done {
-                    Poll::Ready(())
+                    Poll::Ready(Ok(()))
+                } else if closed {
+                    Poll::Ready(Err(Error::Shutdown))
                 } else {
                     this.id = Some(id);
                     Poll::Pending
@@ -285,14 +313,19 @@ impl Future for WaitFor {
                 let mut q = lock(&cell.waiters);
                 let Some(w) = q.list.iter_mut().find(|w| w.id == id) else {
                     // Unreachable by construction; treat as granted rather than hang.
+                    this.id = None;
                     this.done = true;
-                    return Poll::Ready(());
+                    return Poll::Ready(Ok(()));
                 };
                 if w.granted {
                     cell.remove(&mut q, id);
                     this.id = None;
                     this.done = true;
-                    Poll::Ready(())
+                    Poll::Ready(Ok(()))
+                } else if cell.is_closed() {
+                    cell.remove(&mut q, id);
+                    this.id = None;
+                    Poll::Ready(Err(Error::Shutdown))
                 } else {
                     match &mut w.waker {
                         Some(old) if old.will_wake(cx.waker()) => {}
@@ -339,7 +372,7 @@ mod tests {
     fn poll(f: &mut WaitFor) -> Poll<()> {
         let w = noop_waker();
         let mut cx = Context::from_waker(&w);
-        Pin::new(f).poll(&mut cx)
+        Pin::new(f).poll(&mut cx).map(|r| r.expect("not shut down"))
     }
 
     #[test]
@@ -429,6 +462,23 @@ mod tests {
     }
 
     #[test]
+    fn close_fails_pending_waits_and_keeps_counted_arrivals() {
+        let c = counter();
+        c.cell.arrive(2);
+        let mut big = c.wait_for(5);
+        assert!(poll(&mut big).is_pending());
+        c.cell.close();
+        let w = noop_waker();
+        let r = Pin::new(&mut big).poll(&mut Context::from_waker(&w));
+        assert!(matches!(r, Poll::Ready(Err(Error::Shutdown))));
+        drop(big);
+        // A new wait after shutdown: what arrived is still there, more never comes.
+        assert!(futures::executor::block_on(c.wait_for(2)).is_ok());
+        assert!(matches!(futures::executor::block_on(c.wait_for(1)), Err(Error::Shutdown)));
+        assert!(!c.spin_wait(1, Duration::from_secs(10)), "spin_wait gives up at once");
+    }
+
+    #[test]
     fn concurrent_arrivals_and_waiters_are_exact() {
         let c = counter();
         let threads: Vec<_> = (0..4)
@@ -446,7 +496,7 @@ mod tests {
                 let c = c.clone();
                 std::thread::spawn(move || {
                     for _ in 0..1000 {
-                        futures::executor::block_on(c.wait_for(10));
+                        futures::executor::block_on(c.wait_for(10)).unwrap();
                     }
                 })
             })
@@ -473,9 +523,21 @@ mod loom_tests {
             let cell = Arc::new(CounterCell::new(1));
             let c = ImmCounter::from_cell(cell.clone());
             let t = thread::spawn(move || cell.arrive(1));
-            block_on(c.wait_for(1));
+            block_on(c.wait_for(1)).unwrap();
             t.join().unwrap();
             assert_eq!(c.available(), 0);
+        });
+    }
+
+    /// A waiter queueing itself while the engine shuts down never hangs.
+    #[test]
+    fn close_races_waiter() {
+        loom::model(|| {
+            let cell = Arc::new(CounterCell::new(1));
+            let c = ImmCounter::from_cell(cell.clone());
+            let t = thread::spawn(move || cell.close());
+            assert!(block_on(c.wait_for(1)).is_err());
+            t.join().unwrap();
         });
     }
 
@@ -493,7 +555,7 @@ mod loom_tests {
             drop(a);
             t.join().unwrap();
             assert_eq!(c.available(), 1);
-            block_on(c.wait_for(1));
+            block_on(c.wait_for(1)).unwrap();
             assert_eq!(c.available(), 0);
         });
     }

@@ -27,12 +27,12 @@ async fn storm(provider: &str, total: usize, tasks: usize, distinct: u32) {
     let (&first_imm, &first_n) = counts.iter().next().unwrap();
     let first = engine.imm_counter(first_imm);
     // A wait for one more than will ever arrive times out and consumes nothing.
-    assert!(first.wait_for_timeout(first_n, Duration::from_secs(30)).await);
+    assert!(first.wait_for_timeout(first_n, Duration::from_secs(30)).await.unwrap());
     // Put them back by not consuming: re-check with a fresh window instead.
     for (&imm, &n) in counts.iter().skip(1) {
         let c = engine.imm_counter(imm);
         assert!(
-            c.wait_for_timeout(n, Duration::from_secs(30)).await,
+            c.wait_for_timeout(n, Duration::from_secs(30)).await.unwrap(),
             "{provider}: imm {imm}: wanted {n}, have {}",
             c.available()
         );
@@ -84,7 +84,8 @@ async fn timed_out_wait_consumes_nothing_and_early_arrivals_count() {
     assert_eq!(c.available(), 100, "a timed-out wait consumes nothing");
     // Several waiters with different n on one counter: 30 + 70 = 100.
     let (a, b) = tokio::join!(c.wait_for(30), c.wait_for(70));
-    let _ = (a, b);
+    a.unwrap();
+    b.unwrap();
     assert_eq!(c.available(), 0);
     // select!: the counter loses to a ready branch without losing arrivals.
     let c2 = engine.imm_counter(101);
@@ -93,7 +94,7 @@ async fn timed_out_wait_consumes_nothing_and_early_arrivals_count() {
         _ = std::future::ready(()) => {}
         _ = c2.wait_for(50) => panic!("not polled first"),
     }
-    assert!(c2.wait_for_timeout(100, Duration::from_secs(10)).await);
+    assert!(c2.wait_for_timeout(100, Duration::from_secs(10)).await.unwrap());
     store.put("writer/exit", vec![]).await.unwrap();
     assert!(peer.wait_success(Duration::from_secs(20)).await);
 }

@@ -44,6 +44,10 @@ async fn out_of_bounds_on_either_side() {
     assert!(matches!(e, Error::OutOfBounds { side: Side::Local, .. }));
     // Exactly at the edge is fine.
     bounded(a.write(&src, 3096, &dst, 0, 1000)).await.expect("in-bounds write");
+    // A remote region resolved by another engine is refused (its peer id means nothing here).
+    let b_view = b.remote_region(&src.descriptor().to_bytes()).await.unwrap();
+    let e = bounded(a.write(&src, 0, &b_view, 0, 8)).await.unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,7 +164,14 @@ async fn operations_after_shutdown_fail_cleanly() {
         let a = a.clone();
         async move { a.recv().await }
     });
+    let counter = a.imm_counter(5);
+    let wait = tokio::spawn(async move { counter.wait_for(1).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
     a.shutdown();
+    let r = bounded(wait).await.unwrap();
+    assert!(matches!(r, Err(Error::Shutdown)), "a pending counter wait is released: {r:?}");
+    let r = bounded(a.imm_counter(6).wait_for(1)).await;
+    assert!(matches!(r, Err(Error::Shutdown)), "and so is a new one");
     let e = bounded(a.write(&src, 0, &dst, 0, 64)).await.unwrap_err();
     assert!(matches!(e, Error::Shutdown), "{e}");
     let e = a.alloc(4096).await.unwrap_err();

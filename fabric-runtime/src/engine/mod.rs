@@ -158,6 +158,14 @@ impl Inbox {
     }
 }
 
+/// Every immediate value's counter, created on first use (an arrival or a call).
+#[derive(Default)]
+pub(crate) struct CounterTable {
+    map: HashMap<u32, Arc<CounterCell>>,
+    /// The engine has shut down: counters are born closed.
+    closed: bool,
+}
+
 /// State shared by the engine handle, its futures and its reactor thread.
 pub(crate) struct Shared {
     pub(crate) transport: String,
@@ -167,7 +175,7 @@ pub(crate) struct Shared {
     /// Hint that `queue.items` is non-empty, so a spinning reactor need not take the lock.
     pub(crate) has_items: AtomicBool,
     pub(crate) wake: EventFd,
-    pub(crate) counters: Mutex<HashMap<u32, Arc<CounterCell>>>,
+    pub(crate) counters: Mutex<CounterTable>,
     /// Number of peers added so far (peer ids are `0..npeers`).
     pub(crate) npeers: AtomicU32,
     pub(crate) inbox: Mutex<Inbox>,
@@ -225,7 +233,30 @@ impl Shared {
     }
 
     pub(crate) fn counter_cell(&self, imm: u32) -> Arc<CounterCell> {
-        lock(&self.counters).entry(imm).or_insert_with(|| Arc::new(CounterCell::new(imm))).clone()
+        let mut t = lock(&self.counters);
+        let closed = t.closed;
+        t.map
+            .entry(imm)
+            .or_insert_with(|| {
+                let c = CounterCell::new(imm);
+                if closed {
+                    c.close();
+                }
+                Arc::new(c)
+            })
+            .clone()
+    }
+
+    /// Shutdown: every counter, present and future, stops waiting for arrivals.
+    pub(crate) fn close_counters(&self) {
+        let cells: Vec<Arc<CounterCell>> = {
+            let mut t = lock(&self.counters);
+            t.closed = true;
+            t.map.values().cloned().collect()
+        };
+        for c in cells {
+            c.close();
+        }
     }
 }
 
@@ -409,7 +440,7 @@ impl Engine {
             }),
             has_items: AtomicBool::new(false),
             wake: EventFd::new()?,
-            counters: Mutex::new(HashMap::new()),
+            counters: Mutex::new(CounterTable::default()),
             npeers: AtomicU32::new(0),
             inbox: Mutex::new(Inbox::default()),
         });
@@ -528,7 +559,7 @@ impl Engine {
             domains: desc.domains.iter().map(|d| d.address.clone()).collect(),
         };
         let peer = self.add_peer(&owner.to_bytes()).await?;
-        Ok(RemoteRegion { peer, desc: Arc::new(desc) })
+        Ok(RemoteRegion { peer, engine: Arc::as_ptr(self.shared()) as usize, desc: Arc::new(desc) })
     }
 
     /// The arrival counter of immediate `imm`. Arrivals that landed before this call are
@@ -547,6 +578,9 @@ impl Engine {
         kind: OpKind,
     ) -> Result<(OpReq, Option<Arc<RegionShared>>)> {
         let shared = self.shared();
+        if dst.engine != Arc::as_ptr(shared) as usize {
+            return Err(Error::Config("the remote region was made by another engine".into()));
+        }
         if dst.peer.0 >= shared.npeers.load(Ordering::Acquire) {
             return Err(Error::UnknownPeer { peer: dst.peer.0 });
         }
@@ -680,7 +714,9 @@ impl Engine {
     }
 
     /// Waits for the next two-sided message from any peer. Gives the sender's id when the
-    /// engine knows it as a peer.
+    /// engine knows it as a peer and the transport reports it. Messages are kept in arrival
+    /// order, without a limit, until received; after shutdown, waiting `recv`s resolve with
+    /// [`Error::Shutdown`] once the inbox is empty.
     ///
     /// # Cancel safety
     ///

@@ -243,6 +243,8 @@ pub(crate) fn check_range(side: Side, offset: u64, len: u64, region_len: u64) ->
 #[derive(Clone, Debug)]
 pub struct RemoteRegion {
     pub(crate) peer: PeerId,
+    /// Identity of the engine that resolved `peer` (peer ids mean nothing elsewhere).
+    pub(crate) engine: usize,
     pub(crate) desc: Arc<RegionDescriptor>,
 }
 

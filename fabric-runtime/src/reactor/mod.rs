@@ -689,6 +689,7 @@ impl<D: Domain> Reactor<D> {
             keep.push(op.keep);
             op.notify.complete(Err(Error::Shutdown));
         }
+        self.shared.close_counters();
         let waiters = {
             let mut inbox = lock(&self.shared.inbox);
             inbox.closed = true;

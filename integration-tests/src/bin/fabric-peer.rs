@@ -97,7 +97,12 @@ async fn target(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), Strin
     let region = engine.register(vec![a.sentinel; a.size]).await.map_err(|e| e.to_string())?;
     store.put("target/desc", region.descriptor().to_bytes()).await.map_err(|e| e.to_string())?;
     for &(imm, count) in &a.wait {
-        if !engine.imm_counter(imm).wait_for_timeout(count, Duration::from_secs(120)).await {
+        if !engine
+            .imm_counter(imm)
+            .wait_for_timeout(count, Duration::from_secs(120))
+            .await
+            .map_err(|e| e.to_string())?
+        {
             let got = engine.imm_counter(imm).available();
             return Err(format!("timed out waiting for {count} arrivals of imm {imm} (have {got})"));
         }
