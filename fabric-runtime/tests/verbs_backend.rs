@@ -2,7 +2,14 @@
 //! process on the same device, talking over loopback RC QPs. Needs an RDMA device (Soft-RoCE
 //! `rxe0` in the VM of `scripts/rxe-vm.sh`); without one every test prints a `SKIPPED` line
 //! and passes. Device: `$FABRIC_VERBS_DEVICE`, else `$RXE_VM_DEVICE`, else the first with an
-//! ACTIVE port.
+//! ACTIVE port. Through the VM:
+//!
+//! ```text
+//! cargo test -p fabric-runtime --features verbs --test verbs_backend --no-run
+//! scripts/rxe-vm.sh run -- target/debug/deps/verbs_backend-HASH --nocapture
+//! ```
+//!
+//! `VERBS_IMM_BURST` sets the size of the imm-only burst (default 5000).
 #![cfg(feature = "verbs")]
 
 use std::time::{Duration, Instant};
@@ -106,7 +113,8 @@ fn has(got: &[Completion], c: &Completion) -> bool {
 
 #[test]
 fn write_imm_write_read_send_recv_between_two_domains() {
-    let (Some(mut a), Some(mut b)) = (open(), open()) else { return };
+    let Some(mut a) = open() else { return };
+    let Some(mut b) = open() else { return };
     println!("device {:?}", a.device());
     let abuf = Buf::new(&mut a, 64 * 1024);
     let bbuf = Buf::new(&mut b, 64 * 1024);
@@ -212,7 +220,8 @@ fn write_imm_write_read_send_recv_between_two_domains() {
 
 #[test]
 fn one_sided_add_and_bad_key() {
-    let (Some(mut a), Some(mut c)) = (open(), open()) else { return };
+    let Some(mut a) = open() else { return };
+    let Some(mut c) = open() else { return };
     let abuf = Buf::new(&mut a, 16384);
     let cbuf = Buf::new(&mut c, 16384);
     // Only `a` adds `c`: `c` learns of `a` from the handshake.
