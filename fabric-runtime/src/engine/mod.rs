@@ -294,7 +294,8 @@ impl Default for EngineBuilder {
 
 impl EngineBuilder {
     /// The transport: `"tcp"` (default; loopback unless `node` says otherwise), `"shm"`,
-    /// `"udp"` (slow, for small tests), `"efa"`, or any libfabric provider name. The
+    /// `"udp"` (slow, for small tests), `"efa"`, or any libfabric provider name; or
+    /// `"verbs"` / `"verbs:DEVICE"` for the ibverbs backend (cargo feature `verbs`). The
     /// environment variable `FABRIC_PROVIDER` sets the default.
     pub fn provider(mut self, name: impl Into<String>) -> Self {
         self.provider = name.into();
@@ -354,6 +355,21 @@ impl EngineBuilder {
     pub fn build(self) -> Result<Engine> {
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
+        }
+        if self.provider == "verbs" || self.provider.starts_with("verbs:") {
+            #[cfg(feature = "verbs")]
+            {
+                let mut cfg = crate::provider::verbs::VerbsConfig::from_provider_name(&self.provider)
+                    .ok_or_else(|| Error::Config(format!("bad verbs provider name {:?}", self.provider)))?;
+                cfg.max_msg_size = self.max_msg_size;
+                let domain = crate::provider::verbs::VerbsDomain::open(&cfg)?;
+                return Engine::start(vec![domain], self);
+            }
+            #[cfg(not(feature = "verbs"))]
+            return Err(Error::ProviderNotFound {
+                provider: self.provider,
+                reason: "fabric-runtime was built without the `verbs` feature".into(),
+            });
         }
         #[cfg(feature = "libfabric")]
         {

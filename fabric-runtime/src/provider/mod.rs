@@ -44,6 +44,8 @@ use crate::error::Error;
 
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 /// The index of a peer inside one backend domain (a libfabric `fi_addr_t`, or the index of a
 /// verbs queue pair). Chosen by the backend in [`Domain::add_peer`].
