@@ -17,6 +17,9 @@
 #       Boots one VM, runs CMD inside (same working directory, selected environment, rxe0 up,
 #       `ulimit -l unlimited`), streams its stdout+stderr (merged) to our stdout and exits with
 #       CMD's exit code. Runs `setup` first if the cache is missing.
+#   rxe-vm.sh selftest [--timeout SECS]
+#       One VM: shows rxe0, its RoCEv2 IPv4 GID, and runs perftest ib_write_bw (64 KiB) and
+#       ib_write_lat (2 B) over loopback QPs on rxe0. Ends with "1 passed, 0 failed" or fails.
 #   rxe-vm.sh cargo-runner BINARY [ARGS...]
 #       Same as `run -- BINARY ARGS...`, for cargo's runner setting: one VM per test binary:
 #         cargo test --config 'target.x86_64-unknown-linux-gnu.runner="scripts/rxe-vm.sh cargo-runner"'
@@ -33,7 +36,8 @@
 #                     RDMAV_* CARGO_MANIFEST_DIR CARGO_PKG_NAME CARGO_TARGET_TMPDIR.
 #   RXE_VM_KEEP=1     keep the per-run folder (console.log, out.log, job.sh) and print its path
 #   RXE_VM_QUIET=1    no summary line on stderr
-# Inside the guest RXE_VM_GUEST=1 and RXE_VM_DEVICE=rxe0 are set; eth0 is 10.0.2.15/24.
+# Inside the guest RXE_VM_GUEST=1, RXE_VM_DEVICE=rxe0 and RXE_VM_GUEST_IP=10.0.2.15 (eth0, /24,
+# the address rxe0 uses) are set. Pick GIDs by type/address, never by a hard-coded index.
 #
 # Network: qemu user-mode networking with restrict=on and no host forwards, so no packet can
 # leave the VM; the RDMA traffic is rxe0 talking to its own address (loopback QPs).
@@ -72,7 +76,7 @@ ensure_packages() {
   done
   if ((${#missing[@]})); then
     log "installing: ${missing[*]}"
-    $SUDO apt-get update -qq
+    $SUDO apt-get update -qq >&2
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >&2
   fi
 }
@@ -203,9 +207,12 @@ INIT
   chmod 755 "$1"
 }
 
+# The initramfs cache key: kernel version + hash of this script (which generates /init).
+initramfs_stamp() { echo "$1 $(sha256sum < "$SCRIPT_PATH" | cut -c1-16)"; }
+
 build_initramfs() {
   local kdir=$1 kv=$2 stamp ir n=0 m line path base deps
-  stamp="$kv $(sha256sum < "$SCRIPT_PATH" | cut -c1-16)"
+  stamp=$(initramfs_stamp "$kv")
   [ -s "$kdir/initramfs.cpio.gz" ] && [ "$(cat "$kdir/initramfs.stamp" 2>/dev/null)" = "$stamp" ] && return 0
   log "building the initramfs for $kv"
   ir="$kdir/initramfs.d"
@@ -283,7 +290,7 @@ write_job() {
     while read -r name; do
       pass_var "$name" && printf 'export %s=%q\n' "$name" "${!name}"
     done < <(compgen -e)
-    echo "export RXE_VM_GUEST=1 RXE_VM_DEVICE=rxe0"
+    echo "export RXE_VM_GUEST=1 RXE_VM_DEVICE=rxe0 RXE_VM_GUEST_IP=$GUEST_IP"
     echo 'ulimit -l unlimited || echo "rxe-vm: ulimit -l unlimited failed" >&2'
     printf 'exec'; printf ' %q' "$@"; printf '\n'
   } > "$job"
@@ -306,9 +313,14 @@ cmd_run() {
   if [ ! -s "$RXE_VM_DIR/current" ]; then
     log "no VM cache in $RXE_VM_DIR: running setup first"
     cmd_setup
+  else
+    ensure_packages   # cheap when all are there; the guest runs the host's rdma-core etc.
   fi
   kv=$(cat "$RXE_VM_DIR/current")
   kdir="$RXE_VM_DIR/$kv"
+  # This script changed since the initramfs was built (its /init is generated here): rebuild.
+  [ "$(cat "$kdir/initramfs.stamp" 2>/dev/null)" = "$(initramfs_stamp "$kv")" ] ||
+    build_initramfs "$kdir" "$kv"
   kernel=$(cat "$kdir/kernel.path" 2>/dev/null) || true
   [ -s "$kernel" ] && [ -s "$kdir/initramfs.cpio.gz" ] || die "VM cache incomplete: run '$0 setup'"
   command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing: run '$0 setup'"
@@ -389,6 +401,36 @@ cleanup_run() {
   fi
 }
 
+# A self-check of the test bed, for CI: the device and its RoCEv2 IPv4 GID, then perftest RDMA
+# WRITE bandwidth (64 KiB) and latency (2 B) over loopback QPs on rxe0, all in one VM.
+SELFTEST_JOB='
+set -u
+ibv_devinfo -d rxe0 | grep -E "hca_id|state|active_mtu|link_layer"
+rdma link show rxe0/1
+ibv_devinfo -v -d rxe0 | grep -F "::ffff:" || { echo "no IPv4 RoCE GID on rxe0"; exit 1; }
+# server in the background, client to our own address; wait for the server to listen first.
+perf() {  # perf TOOL ARGS...: prints the client result, fails if either side fails
+  local log=/tmp/rxe-selftest-$1.log i
+  "$@" > "$log" 2>&1 &
+  local srv=$!
+  for i in $(seq 50); do grep -q "Waiting for client" "$log" && break; sleep 0.2; done
+  sleep 0.5
+  "$@" "$RXE_VM_GUEST_IP" || { echo "$1 client failed"; kill $srv; cat "$log"; return 1; }
+  wait $srv || { echo "$1 server failed"; cat "$log"; return 1; }
+}
+TIMEFORMAT="(%1R s)"
+time perf ib_write_bw -d rxe0 -F -s 65536 -n 2000 | tail -n 3 || exit 1
+# ib_write_lat calibrates the CPU clock by sampling; on a busy TCG host that can fail
+# ("Correlation coefficient r^2 < 0.9") and it then prints inf: retry, then only warn.
+for try in 1 2 3; do
+  time out=$(perf ib_write_lat -d rxe0 -F -s 2 -n 1000) || { echo "$out"; exit 1; }
+  echo "$out" | tail -n 3
+  [[ "$out" == *inf* ]] || break
+  echo "ib_write_lat: clock calibration failed (try $try of 3)"
+done
+echo "rxe-vm selftest: 1 passed, 0 failed"
+'
+
 usage() {
   sed -n '2,/^set -euo/p' "$SCRIPT_PATH" | sed '$d; s/^# \{0,1\}//'
 }
@@ -398,6 +440,7 @@ case "${1:-}" in
   setup) shift; cmd_setup "$@" ;;
   run) shift; cmd_run "$@"; exit "$RUN_RC" ;;
   cargo-runner) shift; cmd_run -- "$@"; exit "$RUN_RC" ;;
+  selftest) shift; cmd_run "$@" -- bash -o pipefail -c "$SELFTEST_JOB"; exit "$RUN_RC" ;;
   -h|--help|help) usage ;;
   *) usage >&2; exit 2 ;;
 esac
