@@ -36,6 +36,7 @@
 #                     RDMAV_* CARGO_MANIFEST_DIR CARGO_PKG_NAME CARGO_TARGET_TMPDIR.
 #   RXE_VM_KEEP=1     keep the per-run folder (console.log, out.log, job.sh) and print its path
 #   RXE_VM_QUIET=1    no summary line on stderr
+#   RXE_VM_APPEND     extra kernel command line (e.g. "loglevel=7" to see the boot in console.log)
 # Inside the guest RXE_VM_GUEST=1, RXE_VM_DEVICE=rxe0 and RXE_VM_GUEST_IP=10.0.2.15 (eth0, /24,
 # the address rxe0 uses) are set. Pick GIDs by type/address, never by a hard-coded index.
 #
@@ -194,10 +195,11 @@ read -r ready _ < /proc/uptime
 say "rxe0 ACTIVE at ${ready}s"
 
 # The job's output goes to the virtio-serial port named rxe-vm.out (a host file).
-out=/dev/console
+out=""
 for p in /sys/class/virtio-ports/*; do
   read -r n < "$p/name" && [ "$n" = rxe-vm.out ] && out="/dev/${p##*/}"
 done
+[ -n "$out" ] && [ -c "$out" ] || fail "no virtio-serial port rxe-vm.out for the job's output"
 chroot $R /bin/bash /run/rxe-vm/job.sh > "$out" 2>&1 < /dev/null
 rc=$?
 read -r end _ < /proc/uptime
@@ -339,7 +341,7 @@ cmd_run() {
     -nographic -nodefaults -no-reboot -monitor none \
     -serial "file:$CTL_DIR/console.log" \
     -kernel "$kernel" -initrd "$kdir/initramfs.cpio.gz" \
-    -append "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init" \
+    -append "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init ${RXE_VM_APPEND:-}" \
     -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0,romfile= \
     -virtfs local,path=/,mount_tag=hostroot,readonly=on,security_model=none,multidevs=remap \
     -virtfs "local,path=$CTL_DIR,mount_tag=ctl,security_model=none" \
