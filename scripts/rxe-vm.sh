@@ -256,7 +256,7 @@ build_initramfs() {
 cmd_setup() {
   local kpkg kv kdir
   ensure_packages
-  [ -x /bin/busybox ] && /bin/busybox --help 2>&1 | head -n1 | grep -qi busybox ||
+  [ -x /bin/busybox ] && /bin/busybox true ||
     die "/bin/busybox missing (busybox-static)"
   kpkg=$(resolve_kernel_pkg)
   kv=${kpkg#linux-image-}
