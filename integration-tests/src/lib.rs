@@ -20,6 +20,21 @@ pub fn providers() -> Vec<String> {
         .collect()
 }
 
+/// The provider the single-provider tests use: the first of [`providers`] (so inside the
+/// rxe VM, with `FABRIC_TEST_PROVIDERS=verbs`, the whole suite runs on verbs).
+pub fn primary() -> String {
+    providers().into_iter().next().unwrap_or_else(|| "tcp".into())
+}
+
+/// A transport other than `p`, for tests of foreign descriptors.
+pub fn other_than(p: &str) -> &'static str {
+    if p == "shm" {
+        "tcp"
+    } else {
+        "shm"
+    }
+}
+
 /// The byte at `offset` of pattern `seed`.
 pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
     let x = (offset ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);

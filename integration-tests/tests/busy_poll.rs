@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use fabric_async::bootstrap::Rendezvous;
 use fabric_async::{Engine, OpBatch, ReactorMode};
-use integration_tests::{fill_pattern, get, get_str, hash, providers, store, Peer};
+use integration_tests::{fill_pattern, get, get_str, hash, primary, providers, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 
@@ -70,11 +70,12 @@ async fn sync_post_and_spin_until_done() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn receiver_spin_waits_on_a_counter() {
     let (_server, store, addr) = store().await;
-    let engine = Engine::builder().provider("tcp").mode(ReactorMode::BusyPoll).build().unwrap();
+    let p = primary();
+    let engine = Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).build().unwrap();
     let region = engine.alloc(4096).await.unwrap();
     store.put("writer/desc", region.descriptor().to_bytes()).await.unwrap();
     // 400 imm-only writes, all with imm 100 (one distinct value).
-    let mut peer = Peer::spawn(PEER, addr, "tcp", &["writer", "--storm", "400,4,1,3"]);
+    let mut peer = Peer::spawn(PEER, addr, &p, &["writer", "--storm", "400,4,1,3"]);
     let counter = engine.imm_counter(100);
     let got = tokio::task::spawn_blocking(move || {
         let mut rounds = 0;

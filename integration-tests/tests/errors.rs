@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use fabric_async::bootstrap::Rendezvous;
 use fabric_async::{Engine, Error, MemoryLocation, PeerId, RegionDescriptor, Side};
-use integration_tests::{get, store, Peer};
+use integration_tests::{get, other_than, primary, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 
@@ -21,7 +21,7 @@ async fn pair(provider: &str) -> (Engine, Engine) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_bounds_on_either_side() {
-    let (a, b) = pair("tcp").await;
+    let (a, b) = pair(&primary()).await;
     let src = a.alloc(4096).await.unwrap();
     let theirs = b.alloc(1000).await.unwrap();
     let dst = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
@@ -52,7 +52,7 @@ async fn out_of_bounds_on_either_side() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_peer_and_oversized_message() {
-    let (a, b) = pair("tcp").await;
+    let (a, b) = pair(&primary()).await;
     let e = bounded(a.send(PeerId(42), b"hello")).await.unwrap_err();
     assert!(matches!(e, Error::UnknownPeer { peer: 42 }), "{e}");
     let p = a.add_peer(&b.address()).await.unwrap();
@@ -64,8 +64,9 @@ async fn unknown_peer_and_oversized_message() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_foreign_descriptors_and_addresses() {
-    let tcp = Engine::builder().provider("tcp").build().unwrap();
-    let shm = Engine::builder().provider("shm").build().unwrap();
+    let p = primary();
+    let tcp = Engine::builder().provider(p.as_str()).build().unwrap();
+    let shm = Engine::builder().provider(other_than(&p)).build().unwrap();
     let region = shm.alloc(4096).await.unwrap();
     let good = region.descriptor().to_bytes();
 
@@ -74,9 +75,9 @@ async fn malformed_and_foreign_descriptors_and_addresses() {
     let e = tcp.remote_region(&good[..good.len() - 3]).await.unwrap_err();
     assert!(matches!(e, Error::Malformed { .. }), "truncated: {e}");
     let e = tcp.remote_region(&good).await.unwrap_err();
-    assert!(matches!(e, Error::Foreign { .. }), "an shm descriptor on a tcp engine: {e}");
+    assert!(matches!(e, Error::Foreign { .. }), "another transport's descriptor: {e}");
     let e = tcp.add_peer(&shm.address()).await.unwrap_err();
-    assert!(matches!(e, Error::Foreign { .. }), "an shm address on a tcp engine: {e}");
+    assert!(matches!(e, Error::Foreign { .. }), "another transport's address: {e}");
     let e = tcp.add_peer(&[0xff; 7]).await.unwrap_err();
     assert!(matches!(e, Error::Malformed { .. }), "{e}");
     // An address is not a descriptor.
@@ -90,7 +91,7 @@ async fn unknown_provider_and_bad_config() {
     assert!(matches!(e, Error::ProviderNotFound { .. }), "{e}");
     let e = Engine::builder().messages(0, 8).build().unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
-    let a = Engine::builder().provider("tcp").build().unwrap();
+    let a = Engine::builder().provider(primary()).build().unwrap();
     let e = a.register(Vec::new()).await.unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
     let e = a.alloc_in(4096, MemoryLocation::Cuda { ordinal: 0 }).await.unwrap_err();
@@ -100,8 +101,8 @@ async fn unknown_provider_and_bad_config() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
     let (_server, store, addr) = store().await;
-    let mut peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096", "--wait", "9=1"]);
-    let a = Engine::builder().provider("tcp").build().unwrap();
+    let mut peer = Peer::spawn(PEER, addr, &primary(), &["target", "--size", "4096", "--wait", "9=1"]);
+    let a = Engine::builder().provider(primary()).build().unwrap();
     let src = a.alloc(4096).await.unwrap();
     let good = get(&store, "target/desc").await;
     let mut desc = RegionDescriptor::from_bytes(&good).unwrap();
@@ -118,13 +119,13 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
         assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
     }
     // The target itself is fine: a fresh engine writes to it.
-    let c = Engine::builder().provider("tcp").build().unwrap();
+    let c = Engine::builder().provider(primary()).build().unwrap();
     let src_c = c.alloc(4096).await.unwrap();
     let real = c.remote_region(&good).await.unwrap();
     bounded(c.write_imm(&src_c, 0, &real, 0, 64, 9)).await.expect("a good write from a new engine");
     get(&store, "target/hash").await;
     // And the first engine still serves its other peers.
-    let b = Engine::builder().provider("tcp").build().unwrap();
+    let b = Engine::builder().provider(primary()).build().unwrap();
     let theirs = b.alloc(4096).await.unwrap();
     let other = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
     bounded(a.write(&src, 0, &other, 0, 4096)).await.expect("another peer still works");
@@ -135,8 +136,8 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_peer_is_an_error_not_a_hang() {
     let (_server, store, addr) = store().await;
-    let mut peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096"]);
-    let a = Engine::builder().provider("tcp").op_timeout(Some(Duration::from_secs(2))).build().unwrap();
+    let mut peer = Peer::spawn(PEER, addr, &primary(), &["target", "--size", "4096"]);
+    let a = Engine::builder().provider(primary()).op_timeout(Some(Duration::from_secs(2))).build().unwrap();
     let src = a.alloc(4096).await.unwrap();
     let dst = a.remote_region(&get(&store, "target/desc").await).await.unwrap();
     peer.kill();
@@ -148,7 +149,7 @@ async fn dead_peer_is_an_error_not_a_hang() {
     assert!(matches!(e, Error::PeerUnreachable { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(1), "a failed peer fails fast");
     // The engine still serves others.
-    let b = Engine::builder().provider("tcp").build().unwrap();
+    let b = Engine::builder().provider(primary()).build().unwrap();
     let theirs = b.alloc(4096).await.unwrap();
     let other = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();
     bounded(a.write(&src, 0, &other, 0, 4096)).await.expect("another peer still works");
@@ -156,7 +157,7 @@ async fn dead_peer_is_an_error_not_a_hang() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operations_after_shutdown_fail_cleanly() {
-    let (a, b) = pair("tcp").await;
+    let (a, b) = pair(&primary()).await;
     let src = a.alloc(4096).await.unwrap();
     let theirs = b.alloc(4096).await.unwrap();
     let dst = a.remote_region(&theirs.descriptor().to_bytes()).await.unwrap();

@@ -50,5 +50,5 @@ async fn bytes_end_to_end_1b_to_64mib() {
 /// reactor wakes futures from its own thread, so any executor works.
 #[tokio::test(flavor = "current_thread")]
 async fn works_on_a_current_thread_runtime() {
-    transfer("tcp", 100_000).await;
+    transfer(&integration_tests::primary(), 100_000).await;
 }
