@@ -62,6 +62,7 @@ INFRA_FAIL=97
 
 log() { echo "rxe-vm: $*" >&2; }
 die() { echo "rxe-vm: ERROR: $*" >&2; exit "$INFRA_FAIL"; }
+usage_err() { echo "rxe-vm: usage: $*" >&2; exit 2; }
 
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -313,11 +314,11 @@ cmd_run() {
       --timeout) timeout=${2:?--timeout needs seconds}; shift 2 ;;
       --timeout=*) timeout=${1#--timeout=}; shift ;;
       --) shift; break ;;
-      *) die "run: unexpected '$1' (usage: run [--timeout SECS] -- CMD [ARGS...])" ;;
+      *) usage_err "run [--timeout SECS] -- CMD [ARGS...] (unexpected '$1')" ;;
     esac
   done
-  (($#)) || die "run: no command (usage: run [--timeout SECS] -- CMD [ARGS...])"
-  [[ "$timeout" =~ ^[0-9]+$ ]] || die "--timeout: not a number of seconds: $timeout"
+  (($#)) || usage_err "run [--timeout SECS] -- CMD [ARGS...] (no command)"
+  [[ "$timeout" =~ ^[0-9]+$ ]] || usage_err "--timeout SECS: not a number of seconds: $timeout"
 
   local kv kdir kernel
   if [ ! -s "$RXE_VM_DIR/current" ]; then
