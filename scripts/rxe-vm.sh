@@ -19,7 +19,8 @@
 #       CMD's exit code. Runs `setup` first if the cache is missing.
 #   rxe-vm.sh selftest [--timeout SECS]
 #       One VM: shows rxe0, its RoCEv2 IPv4 GID, and runs perftest ib_write_bw (64 KiB) and
-#       ib_write_lat (2 B) over loopback QPs on rxe0. Ends with "1 passed, 0 failed" or fails.
+#       ib_write_lat (2 B) over loopback QPs on rxe0, then the command in $FABRIC_SELFTEST_THEN
+#       if set (same VM). Ends with "1 passed, 0 failed" or fails.
 #   rxe-vm.sh cargo-runner BINARY [ARGS...]
 #       Same as `run -- BINARY ARGS...`, for cargo's runner setting: one VM per test binary:
 #         cargo test --config 'target.x86_64-unknown-linux-gnu.runner="scripts/rxe-vm.sh cargo-runner"'
@@ -461,6 +462,12 @@ measure() {  # measure TOOL ARGS...
 }
 measure ib_write_bw -d rxe0 -F -s 65536 -n 2000 || exit 1
 measure ib_write_lat -d rxe0 -F -s 2 -n 1000 || exit 1
+# Anything else to measure beside perftest in this same VM (for example the quickstart over
+# verbs, so both figures come from one boot).
+if [ -n "${FABRIC_SELFTEST_THEN:-}" ]; then
+  echo "== $FABRIC_SELFTEST_THEN"
+  bash -c "$FABRIC_SELFTEST_THEN" || exit 1
+fi
 echo "rxe-vm selftest: 1 passed, 0 failed"
 JOB
 )

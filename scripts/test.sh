@@ -1,12 +1,37 @@
 #!/usr/bin/env bash
-# The whole test suite: install what is needed, then the unit, integration and doc tests
-# (real libfabric tcp/shm/udp on loopback) and the loom model check of the counter.
+# The whole test suite: install what is needed, then
+#  1. unit, integration and doc tests on real libfabric (tcp, shm, udp on loopback);
+#  2. the loom model check of the counter;
+#  3. the verbs backend and the whole integration suite again on a real Soft-RoCE device
+#     (rdma_rxe) inside a qemu VM (scripts/rxe-vm.sh, docs/testbed-rxe.md), then perftest and
+#     the quickstart over verbs in one VM. Fails if the VM cannot start. FABRIC_SKIP_VM=1
+#     skips this stage (loudly) on machines that cannot run it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 export FI_TCP_IFACE=lo   # libfabric traffic stays on loopback
+
+echo "== host: libfabric tcp/shm/udp"
 cargo test --workspace --all-targets
 cargo test --workspace --doc
+
+echo "== loom"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
   cargo test --release -p fabric-runtime --no-default-features --lib counter::loom_tests
+
+if [ "${FABRIC_SKIP_VM:-0}" = 1 ]; then
+  echo "== SKIPPED: the verbs suite in the rxe VM (FABRIC_SKIP_VM=1)"
+  exit 0
+fi
+echo "== rxe VM: verbs"
+start=$(date +%s)
+scripts/rxe-vm.sh setup
+runner="target.x86_64-unknown-linux-gnu.runner=\"$PWD/scripts/rxe-vm.sh cargo-runner\""
+# One VM per test binary; the suite's single-provider tests run on the first provider.
+FABRIC_TEST_PROVIDERS=verbs cargo test -p fabric-runtime --test verbs_backend --config "$runner"
+FABRIC_TEST_PROVIDERS=verbs cargo test -p integration-tests --test '*' --config "$runner"
+cargo build --release --example quickstart
+FABRIC_SELFTEST_THEN="target/release/examples/quickstart --provider verbs --size 16 --chunk 64 --rounds 2" \
+  scripts/rxe-vm.sh selftest
+echo "== rxe VM stage: $(( $(date +%s) - start )) s"
