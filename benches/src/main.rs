@@ -35,6 +35,8 @@ const IMM_DATA: u32 = 1;
 const IMM_ACK: u32 = 2;
 const IMM_PING: u32 = 3;
 const IMM_PONG: u32 = 4;
+/// Warm-up writes: they set up the connection (rxm connects on first use) outside timings.
+const IMM_WARM: u32 = 5;
 
 const TESTS: [&str; 5] = ["bw", "lat", "rate", "wake", "scale"];
 
@@ -288,6 +290,9 @@ async fn engine_side(ctx: &mut Ctx, mode: ReactorMode, len: usize) -> Res<Side> 
     fill(&region)?;
     let theirs = ctx.swap("engine", region.descriptor().to_bytes()).await?;
     let remote = engine.remote_region(&theirs).await?;
+    // Connect both ways before anything is timed.
+    engine.imm(&remote, IMM_WARM).await?;
+    engine.imm_counter(IMM_WARM).wait_for(1).await;
     Ok(Side { engine, region, remote })
 }
 
@@ -307,7 +312,7 @@ async fn raw_side(ctx: &mut Ctx, len: usize) -> Res<Raw> {
     let (mut raw, mine) = Raw::open(&ctx.o.provider, len)?;
     let theirs = ctx.swap("raw", mine).await?;
     raw.connect(&theirs)?;
-    Ok(raw)
+    on_thread(raw, |r| r.warm_up(IMM_WARM)).await.map(|(r, ())| r)
 }
 
 /// Runs `f` on a plain thread with the raw side (the runtime thread keeps serving the store).
@@ -329,6 +334,22 @@ fn cpu_time() -> Duration {
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Gives freed heap back to the kernel, so that RSS deltas measure what is live.
+fn trim() {
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe { libc::malloc_trim(0) };
+}
+
+/// MemAvailable of /proc/meminfo, bytes.
+fn mem_available() -> u64 {
+    let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
 }
 
 /// Resident set size of this process, bytes.
@@ -653,11 +674,40 @@ async fn ping_pair(
     }
 }
 
+/// Round trips between two threads that sleep in `thread::park` (futex) and wake each other.
+fn thread_handoff(iters: usize) -> Vec<Duration> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let turn = Arc::new(AtomicU64::new(0));
+    let main = std::thread::current();
+    let t2 = turn.clone();
+    let other = std::thread::spawn(move || {
+        for i in 0..iters as u64 {
+            while t2.load(Ordering::Acquire) != 2 * i + 1 {
+                std::thread::park();
+            }
+            t2.store(2 * i + 2, Ordering::Release);
+            main.unpark();
+        }
+    });
+    let mut rtts = Vec::with_capacity(iters);
+    for i in 0..iters as u64 {
+        let t = Instant::now();
+        turn.store(2 * i + 1, Ordering::Release);
+        other.thread().unpark();
+        while turn.load(Ordering::Acquire) != 2 * i + 2 {
+            std::thread::park();
+        }
+        rtts.push(t.elapsed());
+    }
+    other.join().expect("handoff thread");
+    rtts
+}
+
 #[derive(Clone, Copy)]
 enum WakeCase {
     Mode(ReactorMode),
-    /// BusyPoll reactor, post_write_imm + spin_wait on the caller's thread.
-    Spin,
+    /// post_write_imm + spin_wait on the caller's thread, reactor in this mode.
+    Spin(ReactorMode),
 }
 
 async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
@@ -678,16 +728,24 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         (0.0, 0.0)
     };
     ctx.barrier("wake-raw-end").await?;
+    if ctx.lead {
+        // What one cross-thread wake-up costs on this machine: the engine hands every
+        // operation from the caller to the reactor and every completion back.
+        let (p50, p99) = percentiles(&thread_handoff(iters));
+        rep.push(Row::new("wake", "OS: thread park/unpark round trip p50", "us", p50));
+        rep.push(Row::new("wake", "OS: thread park/unpark round trip p99", "us", p99));
+    }
     let cases = [
         WakeCase::Mode(ReactorMode::Event),
         WakeCase::Mode(ReactorMode::Adaptive { spin: Duration::from_micros(200) }),
         WakeCase::Mode(ReactorMode::BusyPoll),
-        WakeCase::Spin,
+        WakeCase::Spin(ReactorMode::Event),
+        WakeCase::Spin(ReactorMode::BusyPoll),
     ];
     for case in cases {
         let (name, mode) = match case {
             WakeCase::Mode(m) => (mode_name(m).to_string(), m),
-            WakeCase::Spin => ("spin path (BusyPoll)".to_string(), ReactorMode::BusyPoll),
+            WakeCase::Spin(m) => (format!("spin path ({})", mode_name(m)), m),
         };
         ctx.progress("wake", &format!("{name} x{iters}"));
         let side = Arc::new(engine_side(ctx, mode, 1 << 20).await?);
@@ -699,7 +757,7 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                 engine_pong(&side, size, iters).await?;
                 Vec::new()
             }
-            WakeCase::Spin => {
+            WakeCase::Spin(_) => {
                 let (s, lead) = (side.clone(), ctx.lead);
                 tokio::task::spawn_blocking(move || spin_ping(&s, size, iters, lead)).await??
             }
@@ -815,10 +873,12 @@ async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
 async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let peer_counts: Vec<usize> = if ctx.o.quick { vec![1, 4] } else { vec![1, 4, 16, 64, 256] };
     let size = 64usize << 10;
-    let per_peer = if ctx.o.quick { 32u64 } else { 256 };
+    // About 256 MiB per point (quick: 16 MiB), spread evenly over the peers.
+    let total: u64 = if ctx.o.quick { 256 } else { 4096 };
     let mut one_peer = None;
     for &k in &peer_counts {
         ctx.progress("scale", &format!("{k} peers"));
+        let per_peer = total.div_ceil(k as u64).max(16);
         // The peer process hosts k engines (k reactor threads, k endpoints); the leader has
         // one engine with k peers.
         if ctx.lead {
@@ -826,11 +886,14 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             let src = engine.alloc(size).await?;
             fill(&src)?;
             let theirs = ctx.swap("scale", src.descriptor().to_bytes()).await?;
-            let (rss_peer, descs) = decode_descs(&theirs)?;
+            let descs = decode_descs(&theirs)?;
+            trim();
             let rss0 = rss();
             let mut remotes = Vec::with_capacity(k);
             for d in &descs {
-                remotes.push(engine.remote_region(d).await?);
+                let r = engine.remote_region(d).await?;
+                engine.imm(&r, IMM_WARM).await?;
+                remotes.push(r);
             }
             let ops = per_peer * k as u64;
             let ack = engine.imm_counter(IMM_ACK);
@@ -850,6 +913,9 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             let g = gbps(size as u64 * ops, t0.elapsed());
             let lead_per_peer = rss().saturating_sub(rss0) as f64 / k as f64;
             let base = *one_peer.get_or_insert(g);
+            let msg = ctx.swap("scale-rss", Vec::new()).await?;
+            let rss_peer = f64::from_le_bytes(msg[..8].try_into()?);
+            let stop = msg[8] != 0;
             let label = format!("{k} peers, 64 KiB write_imm");
             rep.push(Row::new("scale", &label, "gbps", g).baseline("1 peer", base));
             rep.push(Row::new(
@@ -858,9 +924,22 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                 "kib",
                 lead_per_peer / 1024.0,
             ));
-            rep.push(Row::new("scale", &format!("{k} peers: RSS per peer engine"), "kib", rss_peer / 1024.0));
+            rep.push(Row::new(
+                "scale",
+                &format!("{k} peers: peer-process RSS per engine"),
+                "kib",
+                rss_peer / 1024.0,
+            ));
             ctx.barrier("scale-end").await?;
+            if stop {
+                println!(
+                    "scale: stopped after {k} peer engines: the next step would need more than half \
+                     the free memory"
+                );
+                break;
+            }
         } else {
+            trim();
             let rss0 = rss();
             let mut engines = Vec::with_capacity(k);
             for _ in 0..k {
@@ -868,8 +947,7 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                 let r = e.alloc(size).await?;
                 engines.push((e, r));
             }
-            let per = rss().saturating_sub(rss0) as f64 / k as f64;
-            let mut msg = per.to_le_bytes().to_vec();
+            let mut msg = Vec::new();
             for (_, r) in &engines {
                 let d = r.descriptor().to_bytes();
                 msg.extend_from_slice(&(d.len() as u32).to_le_bytes());
@@ -882,22 +960,34 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             let waits = engines.iter().map(|(e, _)| e.imm_counter(IMM_DATA).wait_for(per_peer));
             join_all(waits).await;
             e0.imm(&back, IMM_ACK).await?;
+            // After traffic, so that pools the provider fills lazily are counted.
+            let per = rss().saturating_sub(rss0) as f64 / k as f64;
+            // Each engine costs tens of MiB on tcp (provider buffer pools): do not let the
+            // next step exhaust the machine.
+            let next = peer_counts.iter().find(|&&n| n > k).copied().unwrap_or(0);
+            let stop = per * next as f64 > mem_available() as f64 / 2.0;
+            let mut msg = per.to_le_bytes().to_vec();
+            msg.push(stop as u8);
+            ctx.swap("scale-rss", msg).await?;
+            drop(engines);
             ctx.barrier("scale-end").await?;
+            if stop {
+                break;
+            }
         }
     }
     inflight_test(ctx, rep).await
 }
 
-fn decode_descs(b: &[u8]) -> Res<(f64, Vec<Vec<u8>>)> {
-    let per = f64::from_le_bytes(b[0..8].try_into()?);
+fn decode_descs(b: &[u8]) -> Res<Vec<Vec<u8>>> {
     let mut v = Vec::new();
-    let mut i = 8;
+    let mut i = 0;
     while i < b.len() {
         let n = u32::from_le_bytes(b[i..i + 4].try_into()?) as usize;
         v.push(b[i + 4..i + 4 + n].to_vec());
         i += 4 + n;
     }
-    Ok((per, v))
+    Ok(v)
 }
 
 async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
@@ -921,6 +1011,7 @@ async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         ctx.progress("scale", &format!("{n} futures in flight"));
         ctx.barrier("inflight").await?;
         if ctx.lead {
+            trim();
             let rss0 = rss();
             let ack = side.engine.imm_counter(IMM_ACK);
             let t0 = Instant::now();

@@ -143,6 +143,13 @@ impl Raw {
         Ok(())
     }
 
+    /// One imm-only write each way, so that connection setup is not timed.
+    pub fn warm_up(&mut self, imm: u32) -> Result<(), BoxError> {
+        self.post(0, 0, imm)?;
+        self.wait_imm(imm, 1)?;
+        self.drain()
+    }
+
     /// Polls until `n` arrivals of `imm` are there, then consumes them.
     pub fn wait_imm(&mut self, imm: u32, n: u64) -> Result<(), BoxError> {
         let t = Instant::now();
