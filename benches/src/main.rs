@@ -627,51 +627,44 @@ fn lat_mode(o: &Opts) -> ReactorMode {
 async fn lat_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let iters = lat_iters(&ctx.o);
     let mode = lat_mode(&ctx.o);
-    let side = engine_side(ctx, mode, 1 << 20).await?;
+    let sizes = [8usize, 256, 4096];
+    // The engine first, then the raw loop with the engine gone: a BusyPoll reactor left
+    // spinning would steal a core from the raw loop on this 2-core machine.
+    let mut eng = Vec::new();
+    {
+        let side = engine_side(ctx, mode, 1 << 20).await?;
+        for size in sizes {
+            ctx.progress("lat", &format!("engine {} x{iters}", human(size)));
+            ctx.barrier("ping").await?;
+            if ctx.lead {
+                eng.push(percentiles(&engine_ping(&side, size, iters).await?));
+            } else {
+                engine_pong(&side, size, iters).await?;
+            }
+        }
+        ctx.barrier("lat-engine-end").await?;
+    }
     let mut raw = Some(raw_side(ctx, 1 << 20).await?);
-    for size in [8usize, 256, 4096] {
-        ctx.progress("lat", &format!("{} x{iters}", human(size)));
-        let (eng, base) = ping_pair(ctx, &side, &mut raw, size, iters).await?;
-        if let (Some((e50, e99)), Some((b50, b99))) = (eng, base) {
+    for (i, size) in sizes.into_iter().enumerate() {
+        ctx.progress("lat", &format!("raw {} x{iters}", human(size)));
+        ctx.barrier("ping").await?;
+        if ctx.lead {
+            let (r2, rtts) =
+                on_thread(raw.take().expect("raw"), move |r| r.ping(size, iters, IMM_PING, IMM_PONG)).await?;
+            raw = Some(r2);
+            let ((e50, e99), (b50, b99)) = (eng[i], percentiles(&rtts));
             let m = mode_name(mode);
-            rep.push(
-                Row::new("lat", &format!("{} p50 [{m}]", human(size)), "us", e50)
-                    .size(size)
-                    .baseline("raw", b50),
-            );
-            rep.push(
-                Row::new("lat", &format!("{} p99 [{m}]", human(size)), "us", e99)
-                    .size(size)
-                    .baseline("raw", b99),
-            );
+            let h = human(size);
+            rep.push(Row::new("lat", &format!("{h} p50 [{m}]"), "us", e50).size(size).baseline("raw", b50));
+            rep.push(Row::new("lat", &format!("{h} p99 [{m}]"), "us", e99).size(size).baseline("raw", b99));
+        } else {
+            let (r2, ()) =
+                on_thread(raw.take().expect("raw"), move |r| r.pong(size, iters, IMM_PING, IMM_PONG)).await?;
+            raw = Some(r2);
         }
     }
     ctx.barrier("lat-end").await?;
     Ok(())
-}
-
-/// One engine ping-pong then one raw ping-pong; (p50, p99) of each on the leader.
-async fn ping_pair(
-    ctx: &mut Ctx,
-    side: &Side,
-    raw: &mut Option<Raw>,
-    size: usize,
-    iters: usize,
-) -> Res<(Option<(f64, f64)>, Option<(f64, f64)>)> {
-    ctx.barrier("ping").await?;
-    if ctx.lead {
-        let e = percentiles(&engine_ping(side, size, iters).await?);
-        let (r2, rtts) =
-            on_thread(raw.take().expect("raw"), move |r| r.ping(size, iters, IMM_PING, IMM_PONG)).await?;
-        *raw = Some(r2);
-        Ok((Some(e), Some(percentiles(&rtts))))
-    } else {
-        engine_pong(side, size, iters).await?;
-        let (r2, ()) =
-            on_thread(raw.take().expect("raw"), move |r| r.pong(size, iters, IMM_PING, IMM_PONG)).await?;
-        *raw = Some(r2);
-        Ok((None, None))
-    }
 }
 
 /// Round trips between two threads that sleep in `thread::park` (futex) and wake each other.
@@ -708,6 +701,20 @@ enum WakeCase {
     Mode(ReactorMode),
     /// post_write_imm + spin_wait on the caller's thread, reactor in this mode.
     Spin(ReactorMode),
+}
+
+async fn run_wake(ctx: &Ctx, case: WakeCase, side: &Arc<Side>, size: usize, n: usize) -> Res<Vec<Duration>> {
+    Ok(match case {
+        WakeCase::Mode(_) if ctx.lead => engine_ping(side, size, n).await?,
+        WakeCase::Mode(_) => {
+            engine_pong(side, size, n).await?;
+            Vec::new()
+        }
+        WakeCase::Spin(_) => {
+            let (s, lead) = (side.clone(), ctx.lead);
+            tokio::task::spawn_blocking(move || spin_ping(&s, size, n, lead)).await??
+        }
+    })
 }
 
 async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
@@ -749,19 +756,22 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         };
         ctx.progress("wake", &format!("{name} x{iters}"));
         let side = Arc::new(engine_side(ctx, mode, 1 << 20).await?);
+        // Some cases are pathological on 2 cores (four spinning threads): a short probe sets
+        // how many round trips fit in about 3 s, so the run stays bounded in time.
+        let probe = 20;
+        let rt = run_wake(ctx, case, &side, size, probe).await?;
+        let n = if ctx.lead {
+            let p50 = percentiles(&rt).0.max(1.0);
+            let n = (iters as f64).min(3e6 / p50).max(probe as f64) as u64;
+            ctx.swap("wake-n", n.to_le_bytes().to_vec()).await?;
+            n as usize
+        } else {
+            u64::from_le_bytes(ctx.swap("wake-n", Vec::new()).await?[..8].try_into()?) as usize
+        };
+        ctx.progress("wake", &format!("{name} x{n}"));
         ctx.barrier("wake-go").await?;
         let (c0, t0) = (cpu_time(), Instant::now());
-        let rtts = match case {
-            WakeCase::Mode(_) if ctx.lead => engine_ping(&side, size, iters).await?,
-            WakeCase::Mode(_) => {
-                engine_pong(&side, size, iters).await?;
-                Vec::new()
-            }
-            WakeCase::Spin(_) => {
-                let (s, lead) = (side.clone(), ctx.lead);
-                tokio::task::spawn_blocking(move || spin_ping(&s, size, iters, lead)).await??
-            }
-        };
+        let rtts = run_wake(ctx, case, &side, size, n).await?;
         let busy_cpu = (cpu_time() - c0).as_secs_f64() / t0.elapsed().as_secs_f64() * 100.0;
         // Idle: both sides keep their engines and do nothing.
         ctx.barrier("wake-idle").await?;
@@ -772,6 +782,7 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         drop(side);
         if ctx.lead {
             let (p50, p99) = percentiles(&rtts);
+            let name = format!("{name} ({} RT)", rtts.len());
             rep.push(
                 Row::new("wake", &format!("{name} 8 B p50"), "us", p50).size(size).baseline("raw", raw50),
             );
