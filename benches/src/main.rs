@@ -50,6 +50,8 @@ struct Opts {
     json: Option<PathBuf>,
     plot: Option<PathBuf>,
     quick: bool,
+    /// Reactor mode of the engine in bw and rate (default Event).
+    mode: ReactorMode,
     peer_of: Option<String>,
 }
 
@@ -57,7 +59,7 @@ fn usage() -> ! {
     eprintln!(
         "usage: fabric-bench <bw|lat|rate|wake|scale|all> [--provider tcp|shm] [--domains 1]\n\
          \x20                   [--sizes 4K,64K,1M,..] [--iters N] [--window N] [--json PATH]\n\
-         \x20                   [--plot PATH] [--quick]\n\
+         \x20                   [--plot PATH] [--quick] [--mode event|adaptive|busypoll]\n\
          \n\
          bw     write_imm bandwidth, 4 KiB..64 MiB, `window` writes in flight (default 16)\n\
          lat    write_imm ping-pong round trip p50/p99 (8 B, 256 B, 4 KiB)\n\
@@ -66,6 +68,7 @@ fn usage() -> ! {
          scale  1..256 peer engines, and 1..100,000 futures in flight\n\
          all    every test\n\
          --iters sets the operations per bw point / round trips per latency case.\n\
+         --mode is the engine's reactor mode in bw and rate (default event).\n\
          --quick is a smoke run (seconds). Baselines: the raw provider loop, and iperf3 on tcp."
     );
     std::process::exit(2)
@@ -93,6 +96,7 @@ fn parse() -> Opts {
         json: None,
         plot: None,
         quick: false,
+        mode: ReactorMode::Event,
         peer_of: None,
     };
     let mut args = std::env::args().skip(1);
@@ -119,6 +123,14 @@ fn parse() -> Opts {
             "--json" => o.json = Some(val().into()),
             "--plot" => o.plot = Some(val().into()),
             "--quick" => o.quick = true,
+            "--mode" => {
+                o.mode = match val().as_str() {
+                    "event" => ReactorMode::Event,
+                    "adaptive" => ReactorMode::Adaptive { spin: Duration::from_micros(200) },
+                    "busypoll" => ReactorMode::BusyPoll,
+                    _ => usage(),
+                }
+            }
             "--peer-of" => o.peer_of = Some(val()),
             "-h" | "--help" => usage(),
             t if !t.starts_with('-') && o.test.is_empty() => o.test = t.to_string(),
@@ -454,34 +466,60 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let reps = if ctx.o.quick { 1 } else { 3 };
     let window = ctx.o.window;
     let len = region_len(&sizes, window);
-    let side = engine_side(ctx, ReactorMode::Event, len).await?;
-    let mut raw = Some(raw_side(ctx, len).await?);
-    for (k, &size) in sizes.iter().enumerate() {
-        let ops = bw_ops(&ctx.o, size);
-        let (mut e, mut b) = (Vec::new(), Vec::new());
-        for r in 0..reps {
-            ctx.progress(
-                "bw",
-                &format!("{}/{} {} x{ops} rep {}/{reps}", k + 1, sizes.len(), human(size), r + 1),
-            );
-            // Engine and raw loop alternate, so drift on this shared machine hits both.
-            if ctx.lead {
-                e.push(gbps(size as u64 * ops, engine_stream(&side, size, ops, window).await?));
-                let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
-                    r.stream(size, ops, window as u64, IMM_DATA, IMM_ACK)
-                })
-                .await?;
-                raw = Some(r2);
-                b.push(gbps(size as u64 * ops, t));
-            } else {
-                engine_absorb(&side, ops).await?;
-                let (r2, ()) =
-                    on_thread(raw.take().expect("raw"), move |r| r.absorb(ops, IMM_DATA, IMM_ACK)).await?;
-                raw = Some(r2);
+    // Event mode: engine and raw loop alternate per size, so drift on this shared machine hits
+    // both (an idle Event reactor sleeps). A spinning reactor would steal a core from the raw
+    // loop on 2 cores, so other modes run the engine sweep, drop the engine, then the raw one.
+    let interleave = ctx.o.mode == ReactorMode::Event;
+    let passes: &[(bool, bool)] = if interleave { &[(true, true)] } else { &[(true, false), (false, true)] };
+    let (mut e, mut b) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
+    let mut side = Some(engine_side(ctx, ctx.o.mode, len).await?);
+    let mut raw = if interleave { Some(raw_side(ctx, len).await?) } else { None };
+    for &(do_engine, do_raw) in passes {
+        if !do_engine && side.is_some() {
+            ctx.barrier("bw-engine-end").await?;
+            side = None;
+            raw = Some(raw_side(ctx, len).await?);
+        }
+        for (k, &size) in sizes.iter().enumerate() {
+            let ops = bw_ops(&ctx.o, size);
+            for r in 0..reps {
+                let what = format!("{}/{} {} x{ops} rep {}/{reps}", k + 1, sizes.len(), human(size), r + 1);
+                ctx.progress("bw", &what);
+                if do_engine {
+                    let s = side.as_ref().expect("engine side");
+                    if ctx.lead {
+                        e[k].push(gbps(size as u64 * ops, engine_stream(s, size, ops, window).await?));
+                    } else {
+                        engine_absorb(s, ops).await?;
+                    }
+                }
+                if do_raw {
+                    let w = window as u64;
+                    if ctx.lead {
+                        let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
+                            r.stream(size, ops, w, IMM_DATA, IMM_ACK)
+                        })
+                        .await?;
+                        raw = Some(r2);
+                        b[k].push(gbps(size as u64 * ops, t));
+                    } else {
+                        let (r2, ()) =
+                            on_thread(raw.take().expect("raw"), move |r| r.absorb(ops, IMM_DATA, IMM_ACK))
+                                .await?;
+                        raw = Some(r2);
+                    }
+                }
             }
         }
-        if ctx.lead {
-            rep.push(Row::new("bw", &human(size), "gbps", median(e)).size(size).baseline("raw", median(b)));
+    }
+    if ctx.lead {
+        for (k, &size) in sizes.iter().enumerate() {
+            let case = match ctx.o.mode {
+                ReactorMode::Event => human(size),
+                m => format!("{} [{}]", human(size), mode_name(m)),
+            };
+            let row = Row::new("bw", &case, "gbps", median(e[k].clone())).size(size);
+            rep.push(row.baseline("raw", median(b[k].clone())));
         }
     }
     ctx.barrier("bw-end").await?;
@@ -833,7 +871,7 @@ fn batch_stream(s: &Side, ops: u64, window: u64) -> Res<Duration> {
 async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let ops = rate_ops(&ctx.o);
     let reps = if ctx.o.quick { 1 } else { 3 };
-    let side = Arc::new(engine_side(ctx, ReactorMode::Event, 1 << 20).await?);
+    let side = Arc::new(engine_side(ctx, ctx.o.mode, 1 << 20).await?);
     let mut raw = Some(raw_side(ctx, 1 << 20).await?);
     let (mut e, mut b) = (Vec::new(), Vec::new());
     for r in 0..reps {
