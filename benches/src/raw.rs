@@ -31,6 +31,8 @@ pub struct Raw {
     next_token: u64,
     /// Posted, not yet completed writes.
     outstanding: u64,
+    /// `sched_yield` after a poll that found nothing (experiment: `FABRIC_BENCH_RAW_YIELD=1`).
+    yield_idle: bool,
 }
 
 impl Raw {
@@ -61,6 +63,7 @@ impl Raw {
             imms: HashMap::new(),
             next_token: 0,
             outstanding: 0,
+            yield_idle: std::env::var_os("FABRIC_BENCH_RAW_YIELD").is_some_and(|v| v == "1"),
         };
         Ok((raw, mine))
     }
@@ -97,7 +100,9 @@ impl Raw {
     /// One poll of the CQ: counts immediates and local completions.
     fn poll(&mut self) -> Result<(), BoxError> {
         let mut comps = std::mem::take(&mut self.comps);
-        self.dom.poll(&mut comps, 64)?;
+        if self.dom.poll(&mut comps, 64)? == 0 && self.yield_idle {
+            std::thread::yield_now();
+        }
         for c in comps.drain(..) {
             match c {
                 Completion::Done { .. } => self.outstanding -= 1,
