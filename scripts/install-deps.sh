@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what fabric needs on Debian/Ubuntu: libfabric (headers + tools), libibverbs and
-# librdmacm (headers + user-space providers), and clang for bindgen. Runs apt-get only when
-# something is missing. Needs root (or sudo).
+# librdmacm (headers + user-space providers), clang for bindgen, and iperf3 (a benchmark
+# baseline). Runs apt-get only when something is missing. Needs root (or sudo).
 set -euo pipefail
-pkgs=(libfabric-dev libfabric-bin libibverbs-dev librdmacm-dev ibverbs-providers pkg-config libclang-dev clang)
+pkgs=(libfabric-dev libfabric-bin iperf3 libibverbs-dev librdmacm-dev ibverbs-providers pkg-config libclang-dev clang)
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 missing=()

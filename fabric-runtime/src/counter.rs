@@ -178,6 +178,15 @@ impl ImmCounter {
         ImmCounter { cell }
     }
 
+    /// A counter attached to no engine, and the reactor's side of it (`arrive(k)`), for
+    /// benchmarks of the pure counter paths (`fabric-bench`). Not part of the API.
+    #[doc(hidden)]
+    pub fn detached_for_bench(imm: u32) -> (ImmCounter, impl Fn(u64) + Send + Sync + Clone) {
+        let cell = Arc::new(CounterCell::new(imm));
+        let arrive = cell.clone();
+        (ImmCounter { cell }, move |k| arrive.arrive(k))
+    }
+
     /// The immediate value this counter counts.
     pub fn imm(&self) -> u32 {
         self.cell.imm

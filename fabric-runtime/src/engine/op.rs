@@ -86,6 +86,16 @@ impl OpFuture {
     pub(crate) fn failed(e: Error) -> Self {
         OpFuture { inner: Inner::Failed(Some(e)) }
     }
+
+    /// A pending future attached to no engine, and the reactor's side of it (completes it
+    /// successfully, waking the task), for benchmarks of the completion and wake path
+    /// (`fabric-bench`). Not part of the API.
+    #[doc(hidden)]
+    pub fn detached_for_bench() -> (OpFuture, impl FnOnce() + Send) {
+        let state = Arc::new(OpState::default());
+        let done = state.clone();
+        (OpFuture::pending(state), move || done.complete(Ok(())))
+    }
 }
 
 impl fmt::Debug for OpFuture {

@@ -1,0 +1,267 @@
+//! The ceiling: a `LibfabricDomain` driven directly through the `Domain` trait by one plain
+//! thread per side. Post + poll in a loop: no engine, no futures, no reactor, no queue.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use fabric_runtime::provider::libfabric::{LibfabricConfig, LibfabricDomain};
+use fabric_runtime::provider::{
+    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration, RemoteSlice,
+};
+
+/// Tokens of posted receives carry this bit; writes use a plain counter.
+const RECV_TAG: u64 = 1 << 63;
+const RECVS: usize = 16;
+const RECV_SLOT: usize = 256;
+/// Give up on a stalled loop instead of hanging the benchmark.
+const STALL: Duration = Duration::from_secs(60);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+pub struct Raw {
+    dom: LibfabricDomain,
+    buf: Vec<u8>,
+    len: usize,
+    reg: Registration,
+    peer: PeerHandle,
+    remote_base: u64,
+    remote_key: u64,
+    comps: Vec<Completion>,
+    imms: HashMap<u32, u64>,
+    next_token: u64,
+    /// Posted, not yet completed writes.
+    outstanding: u64,
+    /// `sched_yield` after a poll that found nothing (experiment: `FABRIC_BENCH_RAW_YIELD=1`).
+    yield_idle: bool,
+}
+
+impl Raw {
+    /// Opens a domain and registers `len` bytes (plus a few receive buffers). Returns the
+    /// side and the bytes to give to the other side.
+    pub fn open(provider: &str, len: usize) -> Result<(Raw, Vec<u8>), BoxError> {
+        let mut dom = LibfabricDomain::open(&LibfabricConfig::new(provider))?;
+        let total = len + RECVS * RECV_SLOT;
+        let buf = vec![0x5au8; total];
+        // SAFETY: `buf` is owned by the returned `Raw`, never reallocated, and is dropped only
+        // after `Drop for Raw` deregistered it.
+        let reg = unsafe { dom.register(buf.as_ptr() as u64, total, MemoryLocation::Host)? };
+        let mut mine = Vec::new();
+        let addr = dom.address();
+        mine.extend_from_slice(&(addr.len() as u32).to_le_bytes());
+        mine.extend_from_slice(&addr);
+        mine.extend_from_slice(&reg.remote_base.to_le_bytes());
+        mine.extend_from_slice(&reg.remote_key.to_le_bytes());
+        let raw = Raw {
+            dom,
+            buf,
+            len,
+            reg,
+            peer: 0,
+            remote_base: 0,
+            remote_key: 0,
+            comps: Vec::with_capacity(64),
+            imms: HashMap::new(),
+            next_token: 0,
+            outstanding: 0,
+            yield_idle: std::env::var_os("FABRIC_BENCH_RAW_YIELD").is_some_and(|v| v == "1"),
+        };
+        Ok((raw, mine))
+    }
+
+    /// Adds the other side from its `open` bytes and posts the receive buffers.
+    pub fn connect(&mut self, theirs: &[u8]) -> Result<(), BoxError> {
+        let n = u32::from_le_bytes(theirs[0..4].try_into()?) as usize;
+        let addr = &theirs[4..4 + n];
+        self.remote_base = u64::from_le_bytes(theirs[4 + n..12 + n].try_into()?);
+        self.remote_key = u64::from_le_bytes(theirs[12 + n..20 + n].try_into()?);
+        self.peer = self.dom.add_peer(addr)?;
+        for i in 0..RECVS {
+            self.post_recv(i)?;
+        }
+        Ok(())
+    }
+
+    fn post_recv(&mut self, i: usize) -> Result<(), BoxError> {
+        let local = LocalSlice {
+            addr: self.buf.as_ptr() as u64 + (self.len + i * RECV_SLOT) as u64,
+            len: RECV_SLOT,
+            desc: self.reg.local,
+        };
+        loop {
+            // SAFETY: the slot lies in our registered buffer, alive until Drop.
+            match unsafe { self.dom.post(RECV_TAG | i as u64, &Op::Recv { local }) } {
+                Ok(()) => return Ok(()),
+                Err(PostError::Again) => self.poll()?,
+                Err(PostError::Failed(e)) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// One poll of the CQ: counts immediates and local completions.
+    fn poll(&mut self) -> Result<(), BoxError> {
+        let mut comps = std::mem::take(&mut self.comps);
+        if self.dom.poll(&mut comps, 64)? == 0 && self.yield_idle {
+            std::thread::yield_now();
+        }
+        for c in comps.drain(..) {
+            match c {
+                Completion::Done { .. } => self.outstanding -= 1,
+                Completion::Imm { imm } => *self.imms.entry(imm).or_insert(0) += 1,
+                Completion::Recv { token, .. } => self.post_recv((token & !RECV_TAG) as usize)?,
+                Completion::Failed { message, .. } => return Err(format!("raw op failed: {message}").into()),
+            }
+        }
+        self.comps = comps;
+        Ok(())
+    }
+
+    /// Tries once to post a write of `len` bytes at `off` (both sides) carrying `imm`
+    /// (`len == 0`: imm-only). `Ok(false)`: the queue is full, poll and retry.
+    fn try_post(&mut self, off: usize, len: usize, imm: u32) -> Result<bool, BoxError> {
+        let local = LocalSlice {
+            addr: if len == 0 { 0 } else { self.buf.as_ptr() as u64 + off as u64 },
+            len,
+            desc: if len == 0 { 0 } else { self.reg.local },
+        };
+        let remote = RemoteSlice { addr: self.remote_base + off as u64, key: self.remote_key };
+        let op = Op::Write { peer: self.peer, local, remote, imm: Some(imm) };
+        self.next_token += 1;
+        // SAFETY: the local range lies in our registered buffer, alive until Drop.
+        match unsafe { self.dom.post(self.next_token, &op) } {
+            Ok(()) => {
+                self.outstanding += 1;
+                Ok(true)
+            }
+            Err(PostError::Again) => Ok(false),
+            Err(PostError::Failed(e)) => Err(e.into()),
+        }
+    }
+
+    fn post(&mut self, off: usize, len: usize, imm: u32) -> Result<(), BoxError> {
+        let t = Instant::now();
+        while !self.try_post(off, len, imm)? {
+            self.poll()?;
+            if t.elapsed() > STALL {
+                return Err("raw loop: the send queue stayed full".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// One imm-only write each way, so that connection setup is not timed.
+    pub fn warm_up(&mut self, imm: u32) -> Result<(), BoxError> {
+        self.post(0, 0, imm)?;
+        self.wait_imm(imm, 1)?;
+        self.drain()
+    }
+
+    /// Polls until `n` arrivals of `imm` are there, then consumes them.
+    pub fn wait_imm(&mut self, imm: u32, n: u64) -> Result<(), BoxError> {
+        let t = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let have = self.imms.get(&imm).copied().unwrap_or(0);
+            if have >= n {
+                self.imms.insert(imm, have - n);
+                return Ok(());
+            }
+            self.poll()?;
+            spins = spins.wrapping_add(1);
+            if spins % 1024 == 0 && t.elapsed() > STALL {
+                return Err(format!("raw loop: only {have} of {n} arrivals of imm {imm}").into());
+            }
+        }
+    }
+
+    /// Polls until every posted write has completed locally.
+    pub fn drain(&mut self) -> Result<(), BoxError> {
+        let t = Instant::now();
+        while self.outstanding > 0 {
+            self.poll()?;
+            if t.elapsed() > STALL {
+                return Err("raw loop: writes never completed".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Streams `ops` writes of `size` bytes with `window` in flight (imm `imm`; `size == 0`:
+    /// imm-only), then waits for the receiver's `ack`. Returns the elapsed time.
+    pub fn stream(
+        &mut self,
+        size: usize,
+        ops: u64,
+        window: u64,
+        imm: u32,
+        ack: u32,
+    ) -> Result<Duration, BoxError> {
+        let slots = (self.len / size.max(1)).max(1);
+        let t0 = Instant::now();
+        let mut posted = 0u64;
+        while posted < ops {
+            while posted < ops && self.outstanding < window {
+                let off = if size == 0 { 0 } else { (posted as usize % slots) * size };
+                if !self.try_post(off, size, imm)? {
+                    break;
+                }
+                posted += 1;
+            }
+            self.poll()?;
+            if t0.elapsed() > STALL {
+                return Err("raw stream stalled".into());
+            }
+        }
+        self.drain()?;
+        self.wait_imm(ack, 1)?;
+        Ok(t0.elapsed())
+    }
+
+    /// Receiving side of [`Raw::stream`]: counts `ops` arrivals of `imm`, then acks.
+    pub fn absorb(&mut self, ops: u64, imm: u32, ack: u32) -> Result<(), BoxError> {
+        self.wait_imm(imm, ops)?;
+        self.post(0, 0, ack)?;
+        self.drain()
+    }
+
+    /// `iters` round trips of `size` bytes (ping `a`, pong `b`); the round-trip times.
+    pub fn ping(&mut self, size: usize, iters: usize, a: u32, b: u32) -> Result<Vec<Duration>, BoxError> {
+        let mut rtts = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            self.post(0, size, a)?;
+            self.wait_imm(b, 1)?;
+            rtts.push(t.elapsed());
+        }
+        self.drain()?;
+        Ok(rtts)
+    }
+
+    /// The other side of [`Raw::ping`].
+    pub fn pong(&mut self, size: usize, iters: usize, a: u32, b: u32) -> Result<(), BoxError> {
+        for _ in 0..iters {
+            self.wait_imm(a, 1)?;
+            self.post(0, size, b)?;
+        }
+        self.drain()
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        // Completions still owed by the provider are flushed by closing the endpoint (in
+        // the domain's own Drop), which happens after this deregistration: the buffer itself
+        // is dropped after both, as a field declared after `dom`.
+        let _ = self.drain_briefly();
+        self.dom.deregister(self.reg);
+    }
+}
+
+impl Raw {
+    fn drain_briefly(&mut self) -> Result<(), BoxError> {
+        let t = Instant::now();
+        while self.outstanding > 0 && t.elapsed() < Duration::from_secs(1) {
+            self.poll()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,231 @@
+//! Results: the aligned table, the JSON file and the bandwidth plot.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde_json::{json, Map, Value};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One measured figure beside its baseline. `unit` names the JSON keys
+/// (`engine_<unit>`, `baseline_<unit>`).
+#[derive(Debug, Clone)]
+pub struct Row {
+    test: String,
+    case: String,
+    size: Option<usize>,
+    unit: &'static str,
+    engine: f64,
+    baseline: Option<(String, f64)>,
+}
+
+impl Row {
+    pub fn new(test: &str, case: &str, unit: &'static str, engine: f64) -> Row {
+        Row { test: test.into(), case: case.into(), size: None, unit, engine, baseline: None }
+    }
+
+    pub fn size(mut self, size: usize) -> Row {
+        self.size = Some(size);
+        self
+    }
+
+    pub fn baseline(mut self, name: &str, v: f64) -> Row {
+        self.baseline = Some((name.into(), v));
+        self
+    }
+
+    fn ratio(&self) -> Option<f64> {
+        self.baseline.as_ref().map(|(_, b)| self.engine / b).filter(|r| r.is_finite())
+    }
+}
+
+pub struct Report {
+    provider: String,
+    rows: Vec<Row>,
+    raw_rate: Option<f64>,
+}
+
+fn unit_label(u: &str) -> &str {
+    match u {
+        "gbps" => "Gbit/s",
+        "us" => "us",
+        "ops_per_s" => "ops/s",
+        "cpu_pct" => "% core",
+        "kib" => "KiB",
+        "bytes" => "B",
+        other => other,
+    }
+}
+
+fn fmt(v: f64) -> String {
+    if !v.is_finite() {
+        "-".into()
+    } else if v.abs() >= 100_000.0 {
+        format!("{:.0}", v)
+    } else if v.abs() >= 100.0 {
+        format!("{:.1}", v)
+    } else {
+        format!("{:.2}", v)
+    }
+}
+
+impl Report {
+    pub fn new(provider: &str) -> Report {
+        Report { provider: provider.into(), rows: Vec::new(), raw_rate: None }
+    }
+
+    pub fn push(&mut self, r: Row) {
+        self.rows.push(r);
+    }
+
+    pub fn set_raw_rate(&mut self, v: f64) {
+        self.raw_rate = Some(v);
+    }
+
+    pub fn raw_rate(&self) -> Option<f64> {
+        self.raw_rate
+    }
+
+    pub fn has_bw(&self) -> bool {
+        self.bw_rows().count() > 1
+    }
+
+    fn bw_rows(&self) -> impl Iterator<Item = &Row> {
+        self.rows.iter().filter(|r| {
+            r.test == "bw" && r.baseline.as_ref().is_some_and(|(n, _)| n == "raw") && r.size.is_some()
+        })
+    }
+
+    /// The engine's bandwidth at `size` from the sweep (or the nearest size above it).
+    pub fn bw_at(&self, size: usize) -> Option<f64> {
+        self.bw_rows().filter(|r| r.size >= Some(size)).min_by_key(|r| r.size).map(|r| r.engine)
+    }
+
+    pub fn print(&self) {
+        let head = ["test", "case", "unit", "engine", "baseline", "base value", "ratio"];
+        let cells: Vec<[String; 7]> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let (bn, bv) = match &r.baseline {
+                    Some((n, v)) => (n.clone(), fmt(*v)),
+                    None => ("-".into(), "-".into()),
+                };
+                let ratio = r.ratio().map_or("-".into(), |x| format!("{x:.3}"));
+                [r.test.clone(), r.case.clone(), unit_label(r.unit).into(), fmt(r.engine), bn, bv, ratio]
+            })
+            .collect();
+        let mut w = head.map(str::len);
+        for c in &cells {
+            for (i, s) in c.iter().enumerate() {
+                w[i] = w[i].max(s.len());
+            }
+        }
+        println!("\nprovider {}; ratio = engine / baseline (latency, CPU: lower is better)", self.provider);
+        let line = |c: &[String]| {
+            let mut s = String::new();
+            for (i, x) in c.iter().enumerate() {
+                if i <= 2 || i == 4 {
+                    s.push_str(&format!("{:<w$}  ", x, w = w[i]));
+                } else {
+                    s.push_str(&format!("{:>w$}  ", x, w = w[i]));
+                }
+            }
+            println!("{}", s.trim_end());
+        };
+        line(&head.map(String::from));
+        line(&w.map(|n| "-".repeat(n)));
+        for c in &cells {
+            line(c);
+        }
+    }
+
+    pub fn write_json(&self, path: &Path) -> Result<(), BoxError> {
+        let results: Vec<Value> = self
+            .rows
+            .iter()
+            .map(|r| {
+                let mut m = Map::new();
+                m.insert("test".into(), json!(r.test));
+                m.insert("case".into(), json!(r.case));
+                if let Some(s) = r.size {
+                    m.insert("size".into(), json!(s));
+                }
+                let num = |v: f64| if v.is_finite() { json!(v) } else { Value::Null };
+                m.insert(format!("engine_{}", r.unit), num(r.engine));
+                if let Some((n, v)) = &r.baseline {
+                    m.insert("baseline".into(), json!(n));
+                    m.insert(format!("baseline_{}", r.unit), num(*v));
+                    m.insert("ratio".into(), r.ratio().map_or(Value::Null, |x| json!(x)));
+                }
+                Value::Object(m)
+            })
+            .collect();
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        let doc = json!({ "provider": self.provider, "cores": cores, "results": results });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        Ok(())
+    }
+
+    /// The bandwidth sweep, engine against the raw loop; log2 size on x. Text labels need a
+    /// TrueType font: DejaVu Sans (Debian `fonts-dejavu-core`) if present, else no labels.
+    pub fn plot_bw(&self, path: &Path) -> Result<(), BoxError> {
+        let pts: Vec<(f64, f64, f64)> = self
+            .bw_rows()
+            .map(|r| {
+                let b = r.baseline.as_ref().map_or(f64::NAN, |(_, v)| *v);
+                ((r.size.unwrap_or(1) as f64).log2(), r.engine, b)
+            })
+            .collect();
+        let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").ok();
+        let labels = match font {
+            Some(bytes) => {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+            }
+            None => false,
+        };
+        let xmin = pts.iter().map(|p| p.0).fold(f64::INFINITY, f64::min);
+        let xmax = pts.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
+        let ymax = pts.iter().flat_map(|p| [p.1, p.2]).filter(|v| v.is_finite()).fold(1.0, f64::max) * 1.1;
+        let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut b = ChartBuilder::on(&root);
+        b.margin(20);
+        if labels {
+            b.caption(
+                format!("write_imm bandwidth, {} (engine vs raw provider loop)", self.provider),
+                ("sans-serif", 22),
+            )
+            .x_label_area_size(40)
+            .y_label_area_size(60);
+        }
+        let mut chart = b.build_cartesian_2d(xmin..xmax.max(xmin + 1.0), 0.0..ymax)?;
+        let mut mesh = chart.configure_mesh();
+        if labels {
+            mesh.x_desc("message size (log2 bytes: 12 = 4 KiB, 20 = 1 MiB, 26 = 64 MiB)").y_desc("Gbit/s");
+        } else {
+            mesh.disable_x_mesh().disable_y_mesh();
+        }
+        mesh.draw()?;
+        let engine = LineSeries::new(pts.iter().map(|p| (p.0, p.1)), BLUE.stroke_width(3));
+        let raw =
+            LineSeries::new(pts.iter().filter(|p| p.2.is_finite()).map(|p| (p.0, p.2)), RED.stroke_width(3));
+        if labels {
+            chart
+                .draw_series(engine)?
+                .label("engine (futures, Event)")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(3)));
+            chart
+                .draw_series(raw)?
+                .label("raw provider loop")
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(3)));
+            chart.configure_series_labels().background_style(WHITE).border_style(BLACK).draw()?;
+        } else {
+            chart.draw_series(engine)?;
+            chart.draw_series(raw)?;
+        }
+        root.present()?;
+        Ok(())
+    }
+}
