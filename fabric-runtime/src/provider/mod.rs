@@ -12,7 +12,7 @@
 //!   [`Registration`], which is plain data (a local descriptor word, a remote key, an opaque
 //!   handle) so that regions, descriptors and the engine stay independent of the backend.
 //!   [`Domain::deregister`] gives it back.
-//! * **Posting** ([`Domain::post`]): one-sided writes with or without a 32-bit immediate,
+//! * **Posting** ([`Domain::post`], then [`Domain::flush`]): one-sided writes with or without a 32-bit immediate,
 //!   imm-only (zero-byte) writes, and small two-sided sends and receives. Every posted
 //!   operation carries a `u64` token chosen by the engine, and produces **exactly one** local
 //!   completion carrying that token (success or failure), unless the post itself returned an
@@ -177,6 +177,16 @@ pub trait Domain: Send + 'static {
     /// from that registration) and must stay valid until the operation's completion has been
     /// returned by [`Domain::poll`].
     unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError>;
+
+    /// Hands every operation accepted by [`Domain::post`] since the last call to the NIC.
+    ///
+    /// A backend may defer ringing the NIC's doorbell in `post` and chain the work requests
+    /// of a batch into one submission here (verbs: one `ibv_post_send` with linked work
+    /// requests per queue pair). The reactor calls `flush` after every round of posts, before
+    /// polling or sleeping. An operation the NIC then refuses still produces its one
+    /// completion: a [`Completion::Failed`]. The default does nothing (every post already
+    /// reached the NIC).
+    fn flush(&mut self) {}
 
     /// Appends up to `max` completions to `out`; returns how many it appended. Never blocks.
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error>;

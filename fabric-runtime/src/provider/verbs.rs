@@ -655,11 +655,24 @@ struct Peer {
     psn: u32,
     remote: PeerAddr,
     state: PeerState,
-    /// Send WRs posted on the QP and not completed.
+    /// Send WRs posted on the QP and not completed (chained ones included).
     outstanding: u32,
     /// To the peer's UD QP, made on first use.
     ah: Option<Ah>,
+    /// Work requests accepted by `post` and not yet handed to the NIC: `flush` links them
+    /// and posts them with one `ibv_post_send` (one doorbell for the batch).
+    chain: Vec<ChainedWr>,
 }
+
+/// One deferred send work request. The `next` and `sg_list` pointers are set by `flush`,
+/// once the vector no longer moves.
+struct ChainedWr {
+    wr: sys::ibv_send_wr,
+    sge: sys::ibv_sge,
+}
+
+/// The most work requests chained on one QP before `post` rings the doorbell by itself.
+const MAX_CHAIN: usize = 64;
 
 /// One ibverbs device port: a PD, one CQ with a completion channel, one SRQ, a UD QP for the
 /// handshake, and one RC QP per peer. See the module docs.
@@ -711,6 +724,8 @@ pub struct VerbsDomain {
     lookahead: VecDeque<Wc>,
     /// Completions classified and not yet returned (over the caller's `max`).
     ready: VecDeque<Completion>,
+    /// Peers whose `chain` is not empty.
+    chained: Vec<usize>,
 }
 
 // SAFETY: every verbs object is owned (see `owned!`); the domain is used by one thread at a
@@ -1041,6 +1056,7 @@ impl VerbsDomain {
             ud_send_free: (UD_SLOTS as u32..2 * UD_SLOTS as u32).rev().collect(),
             lookahead: VecDeque::new(),
             ready: VecDeque::new(),
+            chained: Vec::new(),
         };
         d.replenish_srq();
         if !d.free_slots.is_empty() {
@@ -1212,7 +1228,16 @@ impl VerbsDomain {
         // SAFETY: the QP is live.
         let qpn = unsafe { (*qp.as_ptr()).qp_num };
         let idx = self.peers.len();
-        self.peers.push(Peer { qp, qpn, psn: random_psn(), remote, state, outstanding: 0, ah: None });
+        self.peers.push(Peer {
+            qp,
+            qpn,
+            psn: random_psn(),
+            remote,
+            state,
+            outstanding: 0,
+            ah: None,
+            chain: Vec::new(),
+        });
         self.peer_by_addr.insert(remote, idx);
         self.peer_by_qpn.insert(qpn, idx);
         Ok(idx)
@@ -1505,7 +1530,7 @@ impl VerbsDomain {
         let Ok(len) = u32::try_from(local.len) else {
             return fail(Error::MessageTooLarge { len: local.len, max: u32::MAX as usize });
         };
-        let mut sge = sys::ibv_sge { addr: local.addr, length: len, lkey: local.desc as u32 };
+        let sge = sys::ibv_sge { addr: local.addr, length: len, lkey: local.desc as u32 };
         // SAFETY: all-zero is a valid ibv_send_wr.
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         let index = match self.free_ops.pop() {
@@ -1517,8 +1542,7 @@ impl VerbsDomain {
         };
         wr.wr_id = WR_OP | u64::from(index);
         if len > 0 {
-            wr.sg_list = &mut sge;
-            wr.num_sge = 1;
+            wr.num_sge = 1; // `sg_list` is pointed at the chained sge by `flush`
         }
         wr.opcode = opcode;
         wr.send_flags = sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
@@ -1528,25 +1552,70 @@ impl VerbsDomain {
         if let Some(r) = remote {
             wr.wr.rdma = sys::rdma_t { remote_addr: r.addr, rkey: r.key as u32 };
         }
-        let mut bad = ptr::null_mut();
-        // SAFETY: the QP is live; wr/sge are valid for the call; the caller guarantees the
-        // local memory is registered here (lkey from its registration) and stays valid until
-        // the completion is polled.
-        let ret = unsafe { sys::ibv_post_send(p.qp.as_ptr(), &mut wr, &mut bad) };
-        match ret {
-            0 => {
-                self.ops[index as usize] = Some((token, peer as usize));
-                p.outstanding += 1;
-                self.outstanding += 1;
-                Ok(())
+        // Accepted: it reaches the NIC at the next `flush` (or now, if the chain is full).
+        self.ops[index as usize] = Some((token, peer as usize));
+        p.outstanding += 1;
+        self.outstanding += 1;
+        if p.chain.is_empty() {
+            self.chained.push(peer as usize);
+        }
+        p.chain.push(ChainedWr { wr, sge });
+        if p.chain.len() >= MAX_CHAIN {
+            self.chained.retain(|&i| i != peer as usize);
+            // SAFETY: forwarded from the caller (memory registered and valid until completion).
+            unsafe { self.flush_peer(peer as usize) };
+        }
+        Ok(())
+    }
+
+    /// Posts peer `idx`'s chained work requests with one `ibv_post_send`. Those the NIC
+    /// refuses complete as `Failed`.
+    ///
+    /// # Safety
+    ///
+    /// The memory every chained request names must be registered with this domain and stay
+    /// valid until its completion is polled (the contract of [`Domain::post`]).
+    unsafe fn flush_peer(&mut self, idx: usize) {
+        let p = &mut self.peers[idx];
+        let n = p.chain.len();
+        if n == 0 {
+            return;
+        }
+        let base = p.chain.as_mut_ptr();
+        for i in 0..n {
+            // SAFETY: `i` and `i + 1` are in bounds of the chain, which does not move or
+            // change length until the post below has returned.
+            unsafe {
+                let w = &mut *base.add(i);
+                if w.wr.num_sge > 0 {
+                    w.wr.sg_list = &mut w.sge;
+                }
+                w.wr.next = if i + 1 < n { &mut (*base.add(i + 1)).wr } else { ptr::null_mut() };
             }
-            libc::ENOMEM => {
-                self.free_ops.push(index);
-                Err(PostError::Again)
-            }
-            r => {
-                self.free_ops.push(index);
-                fail(check("ibv_post_send", r).expect_err("non-zero"))
+        }
+        let mut bad: *mut sys::ibv_send_wr = ptr::null_mut();
+        // SAFETY: the QP is live; the linked list and its sges live in `p.chain` for the
+        // call; the local memory is registered and valid until completion (the caller's
+        // contract).
+        let ret = unsafe { sys::ibv_post_send(p.qp.as_ptr(), &mut (*base).wr, &mut bad) };
+        let refused_from =
+            if ret == 0 { n } else { (0..n).find(|&i| ptr::eq(&p.chain[i].wr, bad)).unwrap_or(0) };
+        let refused: Vec<u64> = p.chain[refused_from..].iter().map(|w| w.wr.wr_id).collect();
+        p.chain.clear();
+        if refused.is_empty() {
+            return;
+        }
+        let message = match check("ibv_post_send", ret) {
+            Err(Error::Provider { message, .. }) => message,
+            _ => format!("ibv_post_send returned {ret}"),
+        };
+        for wr_id in refused {
+            let index = (wr_id & !WR_OP) as usize;
+            if let Some((token, peer)) = self.ops.get_mut(index).and_then(Option::take) {
+                self.free_ops.push(index as u32);
+                self.peers[peer].outstanding -= 1;
+                self.outstanding -= 1;
+                self.ready.push_back(Completion::Failed { token, errno: ret, message: message.clone() });
             }
         }
     }
@@ -1700,6 +1769,14 @@ impl Domain for VerbsDomain {
         }
         // SAFETY: forwarded from the caller.
         unsafe { self.post_send_op(token, op) }
+    }
+
+    fn flush(&mut self) {
+        for idx in std::mem::take(&mut self.chained) {
+            // SAFETY: every chained request came through `post`, whose caller guarantees its
+            // memory (see `flush_peer`).
+            unsafe { self.flush_peer(idx) };
+        }
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error> {

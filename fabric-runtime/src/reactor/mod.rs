@@ -152,6 +152,8 @@ struct Reactor<D: Domain> {
     live: Vec<HashMap<u64, Registration>>,
     recv_pools: Vec<Pool>,
     send_pools: Vec<Pool>,
+    /// Something was posted since the domains were last flushed.
+    unflushed: bool,
 }
 
 /// Opens the message pools, then moves the domains to a new reactor thread.
@@ -188,8 +190,12 @@ pub(crate) fn spawn<D: Domain>(
         live: vec![HashMap::new(); n],
         recv_pools,
         send_pools,
+        unflushed: false,
     };
     r.post_all_recvs()?;
+    for d in r.domains.iter_mut() {
+        d.flush();
+    }
     std::thread::Builder::new().name("fabric-reactor".into()).spawn(move || r.run()).map_err(|e| {
         Error::Provider {
             call: "spawn reactor thread",
@@ -270,6 +276,12 @@ impl<D: Domain> Reactor<D> {
             }
             if self.has_pending() {
                 busy |= self.post_backlog();
+            }
+            if self.unflushed {
+                self.unflushed = false;
+                for d in self.domains.iter_mut() {
+                    d.flush();
+                }
             }
             busy |= self.poll_domains();
             if busy {
@@ -437,6 +449,7 @@ impl<D: Domain> Reactor<D> {
                     _ => unreachable!(),
                 };
                 self.slab.insert(InFlight { notify, keep, send_slot, peer, name, posted: Instant::now() });
+                self.unflushed = true;
                 None
             }
             Err(PostError::Again) => {
@@ -565,6 +578,7 @@ impl<D: Domain> Reactor<D> {
                 if let Err(e) = self.post_recv(d, slot) {
                     tracing::error!(error = %e, "re-posting a receive buffer failed");
                 }
+                self.unflushed = true;
             }
         }
     }
