@@ -163,7 +163,12 @@ impl Report {
             .collect();
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
         let doc = json!({ "provider": self.provider, "cores": cores, "results": results });
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("cannot create {} for the JSON report: {e}", dir.display()))?;
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .map_err(|e| format!("cannot write the JSON report {}: {e}", path.display()))?;
         Ok(())
     }
 
