@@ -28,6 +28,7 @@ pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreSe
 
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
 pub use fabric_runtime::{
-    ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture,
-    PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result, Side, WaitFor,
+    Arrivals, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch,
+    OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result,
+    Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
 };

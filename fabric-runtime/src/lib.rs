@@ -21,11 +21,13 @@ pub(crate) mod sync;
 pub use counter::{ImmCounter, WaitFor};
 #[cfg(not(loom))]
 pub use engine::{
-    ControlFuture, Engine, EngineBuilder, MemoryRegion, OpBatch, OpFuture, PeerId, ReactorMode, RecvFuture,
-    RemoteRegion,
+    ControlFuture, Engine, EngineBuilder, MemoryRegion, OpBatch, OpFuture, PeerGroup, PeerId, ReactorMode,
+    RecvFuture, RemoteRegion, ScatterEntry, Transfers,
 };
 pub use error::{Error, Result, Side};
 #[cfg(not(loom))]
 pub use provider::MemoryLocation;
 #[cfg(not(loom))]
 pub use pure::descriptor::{EngineAddress, RegionDescriptor};
+#[cfg(not(loom))]
+pub use pure::route::{Arrivals, PageLayout, Route, Shard, TransferOpts};

@@ -17,12 +17,13 @@
 
 pub(crate) mod op;
 pub(crate) mod region;
+mod transfer;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -33,12 +34,14 @@ use crate::counter::{CounterCell, ImmCounter};
 use crate::error::{Error, Result};
 use crate::provider::{Domain, MemoryLocation, Registration, RemoteSlice};
 use crate::pure::descriptor::{EngineAddress, RegionDescriptor};
+use crate::pure::route::{PageLayout, TransferOpts};
 use crate::reactor::{self, sys::EventFd};
 use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use region::{MemoryRegion, RemoteRegion};
+pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 
 use op::{BatchState, Notify, OpState, Reply};
 use region::{Backing, RegionShared};
@@ -179,9 +182,41 @@ pub(crate) struct Shared {
     /// Number of peers added so far (peer ids are `0..npeers`).
     pub(crate) npeers: AtomicU32,
     pub(crate) inbox: Mutex<Inbox>,
+    /// Number of NICs (domains).
+    pub(crate) nics: usize,
+    /// Routing and arrival defaults of the engine's own transfer methods.
+    pub(crate) default_opts: TransferOpts,
+    /// Where the next sharded transfer starts (round-robin over NICs).
+    pub(crate) rotation: AtomicUsize,
 }
 
 impl Shared {
+    /// Hands every submission to the reactor under one lock. Gives them back if the engine
+    /// is shutting down (then none was queued).
+    pub(crate) fn submit_all(&self, mut s: Vec<Submission>) -> std::result::Result<(), Vec<Submission>> {
+        let mut q = lock(&self.queue);
+        if q.state != QueueState::Open {
+            return Err(s);
+        }
+        q.items.append(&mut s);
+        let wake = std::mem::take(&mut q.sleeping);
+        self.has_items.store(true, Ordering::Release);
+        drop(q);
+        if wake {
+            self.wake.notify();
+        }
+        Ok(())
+    }
+
+    /// The NIC the next transfer starts on.
+    pub(crate) fn next_start(&self) -> usize {
+        if self.nics <= 1 {
+            0
+        } else {
+            self.rotation.fetch_add(1, Ordering::Relaxed) % self.nics
+        }
+    }
+
     /// Hands `s` to the reactor. Gives it back if the engine is shutting down.
     pub(crate) fn submit(&self, s: Submission) -> std::result::Result<(), Submission> {
         let mut q = lock(&self.queue);
@@ -273,6 +308,9 @@ pub struct EngineBuilder {
     pub(crate) max_msg_size: usize,
     pub(crate) node: Option<String>,
     pub(crate) op_timeout: Option<Duration>,
+    pub(crate) nics: Vec<String>,
+    pub(crate) domains: Option<usize>,
+    pub(crate) transfer: TransferOpts,
 }
 
 impl Default for EngineBuilder {
@@ -288,6 +326,9 @@ impl Default for EngineBuilder {
             max_msg_size: 8192,
             node: None,
             op_timeout: Some(Duration::from_secs(30)),
+            nics: Vec::new(),
+            domains: None,
+            transfer: TransferOpts::default(),
         }
     }
 }
@@ -351,6 +392,52 @@ impl EngineBuilder {
         self
     }
 
+    /// The NICs to drive, by name, in order (NIC `i` of every descriptor and of
+    /// [`Route::Pinned`](crate::Route::Pinned) is the `i`-th name): verbs device names
+    /// (`"mlx5_0"`, `"rxe1"`) for `verbs`, libfabric domain names (`"rdmap16s27-rdm"`) for
+    /// libfabric providers. `provider("verbs:mlx5_0,mlx5_1")` says the same for verbs.
+    /// Memory is registered on every NIC, and peers must have the same number of NICs.
+    /// Default: the provider's first NIC.
+    pub fn nics<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.nics = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Opens `n` domains (endpoints) on the one NIC of the provider, as if it were `n` NICs:
+    /// the loopback stand-in for a multi-NIC machine (each `tcp` domain is its own endpoint
+    /// and connections), and a way to spread traffic over more queue pairs of one real NIC.
+    /// With [`EngineBuilder::nics`], `n` must equal the number of names.
+    pub fn domains(mut self, n: usize) -> Self {
+        self.domains = Some(n);
+        self
+    }
+
+    /// How the engine's transfer methods spread transfers over NICs and what the target
+    /// counts (default: [`TransferOpts::default`], 1 MiB shards round-robin, one arrival per
+    /// shard). [`Engine::with`] overrides it for some calls.
+    pub fn transfer(mut self, opts: TransferOpts) -> Self {
+        self.transfer = opts;
+        self
+    }
+
+    /// The NIC names to open (`None`: the provider's default NIC), checked against
+    /// `domains(n)`.
+    fn nic_list(&self, names: Vec<String>) -> Result<Vec<Option<String>>> {
+        let list: Vec<Option<String>> =
+            if names.is_empty() { vec![None] } else { names.into_iter().map(Some).collect() };
+        match self.domains {
+            None => Ok(list),
+            Some(0) => Err(Error::Config("domains(0): an engine needs at least one NIC".into())),
+            Some(n) if list.len() == 1 => Ok(vec![list[0].clone(); n]),
+            Some(n) if n == list.len() => Ok(list),
+            Some(n) => Err(Error::Config(format!("domains({n}) with {} NIC names", list.len()))),
+        }
+    }
+
     /// Opens the NIC(s) and starts the reactor thread.
     pub fn build(self) -> Result<Engine> {
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
@@ -359,11 +446,29 @@ impl EngineBuilder {
         if self.provider == "verbs" || self.provider.starts_with("verbs:") {
             #[cfg(feature = "verbs")]
             {
-                let mut cfg = crate::provider::verbs::VerbsConfig::from_provider_name(&self.provider)
-                    .ok_or_else(|| Error::Config(format!("bad verbs provider name {:?}", self.provider)))?;
-                cfg.max_msg_size = self.max_msg_size;
-                let domain = crate::provider::verbs::VerbsDomain::open(&cfg)?;
-                return Engine::start(vec![domain], self);
+                let names: Vec<String> = match self.provider.strip_prefix("verbs:") {
+                    Some(_) if !self.nics.is_empty() => {
+                        return Err(Error::Config(format!(
+                            "provider {:?} names devices and nics() names {:?}: use one",
+                            self.provider, self.nics
+                        )));
+                    }
+                    Some(list) => list.split(',').map(|d| d.trim().to_owned()).collect(),
+                    None => self.nics.clone(),
+                };
+                if names.iter().any(String::is_empty) {
+                    return Err(Error::Config(format!("bad verbs provider name {:?}", self.provider)));
+                }
+                let mut domains = Vec::new();
+                for device in self.nic_list(names)? {
+                    let cfg = crate::provider::verbs::VerbsConfig {
+                        device,
+                        max_msg_size: self.max_msg_size,
+                        ..Default::default()
+                    };
+                    domains.push(crate::provider::verbs::VerbsDomain::open(&cfg)?);
+                }
+                return Engine::start(domains, self);
             }
             #[cfg(not(feature = "verbs"))]
             return Err(Error::ProviderNotFound {
@@ -373,14 +478,18 @@ impl EngineBuilder {
         }
         #[cfg(feature = "libfabric")]
         {
-            let cfg = crate::provider::libfabric::LibfabricConfig {
-                provider: self.provider.clone(),
-                node: self.node.clone(),
-                max_msg_size: self.max_msg_size,
-                ..Default::default()
-            };
-            let domain = crate::provider::libfabric::LibfabricDomain::open(&cfg)?;
-            Engine::start(vec![domain], self)
+            let mut domains = Vec::new();
+            for domain in self.nic_list(self.nics.clone())? {
+                let cfg = crate::provider::libfabric::LibfabricConfig {
+                    provider: self.provider.clone(),
+                    node: self.node.clone(),
+                    max_msg_size: self.max_msg_size,
+                    domain,
+                    ..Default::default()
+                };
+                domains.push(crate::provider::libfabric::LibfabricDomain::open(&cfg)?);
+            }
+            Engine::start(domains, self)
         }
         #[cfg(not(feature = "libfabric"))]
         Err(Error::ProviderNotFound {
@@ -438,6 +547,7 @@ impl Engine {
 
     /// Starts a reactor thread over already opened domains.
     pub(crate) fn start<D: Domain>(domains: Vec<D>, cfg: EngineBuilder) -> Result<Engine> {
+        cfg.transfer.validate(domains.len())?;
         let transport = domains[0].transport().to_string();
         let address = EngineAddress {
             transport: transport.clone(),
@@ -459,6 +569,9 @@ impl Engine {
             counters: Mutex::new(CounterTable::default()),
             npeers: AtomicU32::new(0),
             inbox: Mutex::new(Inbox::default()),
+            nics: domains.len(),
+            default_opts: cfg.transfer,
+            rotation: AtomicUsize::new(0),
         });
         let thread = reactor::spawn(domains, shared.clone(), cfg)?;
         Ok(Engine { inner: Arc::new(EngineInner { shared, thread: std::sync::Mutex::new(Some(thread)) }) })
@@ -584,63 +697,9 @@ impl Engine {
         ImmCounter::from_cell(self.shared().counter_cell(imm))
     }
 
-    fn make_write(
-        &self,
-        src: Option<(&MemoryRegion, u64)>,
-        dst: &RemoteRegion,
-        dst_off: u64,
-        len: u64,
-        imm: Option<u32>,
-        kind: OpKind,
-    ) -> Result<(OpReq, Option<Arc<RegionShared>>)> {
-        let shared = self.shared();
-        if dst.engine != Arc::as_ptr(shared) as usize {
-            return Err(Error::Config("the remote region was made by another engine".into()));
-        }
-        if dst.peer.0 >= shared.npeers.load(Ordering::Acquire) {
-            return Err(Error::UnknownPeer { peer: dst.peer.0 });
-        }
-        dst.check(dst_off, len)?;
-        let domain = 0;
-        let (local_addr, keep) = match src {
-            Some((r, off)) => {
-                if !Arc::ptr_eq(r.inner.engine(), shared) {
-                    return Err(Error::Config("the local region belongs to another engine".into()));
-                }
-                r.check(off, len)?;
-                (r.as_ptr() as u64 + off, Some(r.inner.clone()))
-            }
-            None => (0, None),
-        };
-        let key = &dst.desc.domains[domain];
-        let req = OpReq {
-            domain,
-            peer: dst.peer,
-            kind,
-            local_addr,
-            len: len as usize,
-            remote: RemoteSlice { addr: key.base.wrapping_add(dst_off), key: key.key },
-            imm,
-        };
-        Ok((req, keep))
-    }
-
-    fn submit_op(&self, made: Result<(OpReq, Option<Arc<RegionShared>>)>) -> OpFuture {
-        match made {
-            Err(e) => OpFuture::failed(e),
-            Ok((req, keep)) => {
-                let state = Arc::new(OpState::default());
-                let notify = Notify::Future(state.clone());
-                match self.shared().submit(Submission::Op { req, keep, notify }) {
-                    Ok(()) => OpFuture::pending(state),
-                    Err(_) => OpFuture::failed(Error::Shutdown),
-                }
-            }
-        }
-    }
-
-    /// Writes `len` bytes of `src` at `src_off` into `dst` at `dst_off`. Both ranges are
-    /// bounds-checked before anything is posted.
+    /// Writes `len` bytes of `src` at `src_off` into `dst` at `dst_off`, routed by the
+    /// engine's [`TransferOpts`] (see [`Transfers::write`]). Both ranges are bounds-checked
+    /// before anything is posted.
     ///
     /// # Cancel safety
     ///
@@ -654,11 +713,12 @@ impl Engine {
         dst_off: u64,
         len: u64,
     ) -> OpFuture {
-        self.submit_op(self.make_write(Some((src, src_off)), dst, dst_off, len, None, OpKind::Write))
+        self.transfers().write(src, src_off, dst, dst_off, len)
     }
 
-    /// Like [`Engine::write`], and the target counts one arrival of `imm` once the bytes
-    /// have landed (see [`ImmCounter`]).
+    /// Like [`Engine::write`], and the target counts arrivals of `imm` once the bytes have
+    /// landed (see [`ImmCounter`]): one with a single NIC; with several, as many as
+    /// [`Engine::write_arrivals`] says (one per shard by default).
     ///
     /// # Cancel safety
     ///
@@ -673,7 +733,25 @@ impl Engine {
         len: u64,
         imm: u32,
     ) -> OpFuture {
-        self.submit_op(self.make_write(Some((src, src_off)), dst, dst_off, len, Some(imm), OpKind::Write))
+        self.transfers().write_imm(src, src_off, dst, dst_off, len, imm)
+    }
+
+    /// Arrivals of the immediate that [`Engine::write_imm`] of `len` bytes into `dst`
+    /// produces at its owner (see [`Transfers::write_arrivals`]).
+    pub fn write_arrivals(&self, dst: &RemoteRegion, len: u64) -> Result<u64> {
+        self.transfers().write_arrivals(dst, len)
+    }
+
+    /// Arrivals of the immediate that [`Engine::write_paged`] of `pages` pages into `dst`
+    /// produces at its owner (see [`Transfers::paged_arrivals`]).
+    pub fn paged_arrivals(&self, dst: &RemoteRegion, pages: usize) -> Result<u64> {
+        self.transfers().paged_arrivals(dst, pages)
+    }
+
+    /// Arrivals of the immediate that [`Engine::scatter`] with `entries` produces at each
+    /// member of `group` (see [`Transfers::scatter_arrivals`]).
+    pub fn scatter_arrivals(&self, group: &PeerGroup, entries: &[ScatterEntry]) -> Result<Vec<u64>> {
+        self.transfers().scatter_arrivals(group, entries)
     }
 
     /// An imm-only write: zero bytes, one arrival of `imm` at the owner of `dst`.
@@ -682,10 +760,11 @@ impl Engine {
     ///
     /// As for [`Engine::write`].
     pub fn imm(&self, dst: &RemoteRegion, imm: u32) -> OpFuture {
-        self.submit_op(self.make_write(None, dst, 0, 0, Some(imm), OpKind::Write))
+        self.transfers().imm(dst, imm)
     }
 
-    /// Reads `len` bytes of the remote region `src` at `src_off` into `dst` at `dst_off`.
+    /// Reads `len` bytes of the remote region `src` at `src_off` into `dst` at `dst_off`
+    /// (see [`Transfers::read`]).
     ///
     /// # Cancel safety
     ///
@@ -699,7 +778,48 @@ impl Engine {
         src_off: u64,
         len: u64,
     ) -> OpFuture {
-        self.submit_op(self.make_write(Some((dst, dst_off)), src, src_off, len, None, OpKind::Read))
+        self.transfers().read(dst, dst_off, src, src_off, len)
+    }
+
+    /// Paged write with the engine's options; see [`Transfers::write_paged`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Engine::write`].
+    pub fn write_paged(
+        &self,
+        src: &MemoryRegion,
+        dst: &RemoteRegion,
+        layout: &PageLayout,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        imm: Option<u32>,
+    ) -> OpFuture {
+        self.transfers().write_paged(src, dst, layout, src_pages, dst_pages, imm)
+    }
+
+    /// Scatter with the engine's options; see [`Transfers::scatter`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Engine::write`].
+    pub fn scatter(
+        &self,
+        src: &MemoryRegion,
+        group: &PeerGroup,
+        entries: &[ScatterEntry],
+        imm: Option<u32>,
+    ) -> OpFuture {
+        self.transfers().scatter(src, group, entries, imm)
+    }
+
+    /// One imm-only write to every member of `group`; see [`Transfers::barrier`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Engine::write`].
+    pub fn barrier(&self, group: &PeerGroup, imm: u32) -> OpFuture {
+        self.transfers().barrier(group, imm)
     }
 
     /// Sends a small two-sided message (at most [`Engine::max_msg_size`] bytes) to `peer`,
@@ -745,7 +865,8 @@ impl Engine {
     /// Synchronous fast path: posts a write with immediate that completes into `batch`
     /// instead of a future. No waker, no allocation, and (with a spinning reactor) no
     /// syscall per operation. Errors that can be seen before posting are returned here;
-    /// completion errors are counted in the batch.
+    /// completion errors are counted in the batch. Never sharded: one call is one operation
+    /// on one NIC (the pinned one, or the next in rotation), one completion and one arrival.
     #[allow(clippy::too_many_arguments)]
     pub fn post_write_imm(
         &self,
@@ -757,14 +878,13 @@ impl Engine {
         len: u64,
         imm: u32,
     ) -> Result<()> {
-        let (req, keep) =
-            self.make_write(Some((src, src_off)), dst, dst_off, len, Some(imm), OpKind::Write)?;
+        let (req, keep) = self.transfers().single(Some((src, src_off)), dst, dst_off, len, imm)?;
         self.post_batch(batch, req, keep)
     }
 
     /// Synchronous fast path for an imm-only write; see [`Engine::post_write_imm`].
     pub fn post_imm(&self, batch: &OpBatch, dst: &RemoteRegion, imm: u32) -> Result<()> {
-        let (req, keep) = self.make_write(None, dst, 0, 0, Some(imm), OpKind::Write)?;
+        let (req, keep) = self.transfers().single(None, dst, 0, 0, imm)?;
         self.post_batch(batch, req, keep)
     }
 

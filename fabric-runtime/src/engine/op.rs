@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
+use super::{OpReq, Submission};
 use crate::error::Error;
 use crate::sync::lock;
 
@@ -18,16 +19,82 @@ pub(crate) enum Notify {
     Future(Arc<OpState>),
     /// A synchronous-path [`OpBatch`] counts completions.
     Batch(Arc<BatchState>),
+    /// One shard of a transfer made of several operations.
+    Group(Arc<GroupState>),
     /// Already told (the operation timed out); the entry only keeps memory alive.
     None,
 }
 
 impl Notify {
-    pub(crate) fn complete(self, result: Result<(), Error>) {
+    /// Completes the waiter. Returns the operations to post next when this was the last
+    /// shard of a group that ends with follow-ups (the imm-only writes of
+    /// `Arrivals::One`); only a success can return some.
+    #[must_use = "follow-up operations must be posted"]
+    pub(crate) fn complete(self, result: Result<(), Error>) -> Vec<Submission> {
         match self {
             Notify::Future(s) => s.complete(result),
             Notify::Batch(b) => b.complete(result),
+            Notify::Group(g) => return g.complete(result),
             Notify::None => {}
+        }
+        Vec::new()
+    }
+
+    /// Completes the waiter with an error (which never has a follow-up).
+    pub(crate) fn fail(self, e: Error) {
+        let next = self.complete(Err(e));
+        debug_assert!(next.is_empty(), "a failure never posts a follow-up");
+    }
+}
+
+/// A transfer posted as several operations: one waiter, completed once every shard has
+/// completed, with the first error any shard reported.
+pub(crate) struct GroupState {
+    inner: Mutex<GroupInner>,
+}
+
+struct GroupInner {
+    remaining: usize,
+    error: Option<Error>,
+    done: Option<Notify>,
+    /// Posted (with `done` as their waiter) once every shard succeeded.
+    then: Vec<OpReq>,
+}
+
+impl GroupState {
+    pub(crate) fn new(shards: usize, done: Notify, then: Vec<OpReq>) -> Arc<Self> {
+        Arc::new(GroupState {
+            inner: Mutex::new(GroupInner { remaining: shards, error: None, done: Some(done), then }),
+        })
+    }
+
+    fn complete(&self, result: Result<(), Error>) -> Vec<Submission> {
+        let (done, error, mut then) = {
+            let mut g = lock(&self.inner);
+            if let Err(e) = result {
+                g.error.get_or_insert(e);
+            }
+            g.remaining = g.remaining.saturating_sub(1);
+            if g.remaining > 0 {
+                return Vec::new();
+            }
+            let Some(done) = g.done.take() else { return Vec::new() };
+            (done, g.error.take(), std::mem::take(&mut g.then))
+        };
+        if let Some(e) = error {
+            done.fail(e);
+            return Vec::new();
+        }
+        match then.len() {
+            0 => done.complete(Ok(())),
+            1 => vec![Submission::Op { req: then.remove(0), keep: None, notify: done }],
+            n => {
+                // The follow-ups form a group of their own, with the same waiter.
+                let g = GroupState::new(n, done, Vec::new());
+                then.into_iter()
+                    .map(|req| Submission::Op { req, keep: None, notify: Notify::Group(g.clone()) })
+                    .collect()
+            }
         }
     }
 }
@@ -85,6 +152,13 @@ impl OpFuture {
 
     pub(crate) fn failed(e: Error) -> Self {
         OpFuture { inner: Inner::Failed(Some(e)) }
+    }
+
+    /// A future that is already complete (a transfer with nothing to post).
+    pub(crate) fn done() -> Self {
+        let state = Arc::new(OpState::default());
+        state.complete(Ok(()));
+        OpFuture::pending(state)
     }
 
     /// A pending future attached to no engine, and the reactor's side of it (completes it

@@ -82,6 +82,9 @@ pub struct LibfabricConfig {
     pub tx_depth: Option<usize>,
     /// Receive queue depth hint (`rx_attr.size`); provider default when `None`.
     pub rx_depth: Option<usize>,
+    /// The libfabric domain (NIC) to open, by its `fi_info` domain name (EFA:
+    /// `"rdmap16s27-rdm"`; `fi_info -p efa` lists them). `None`: the provider's first.
+    pub domain: Option<String>,
 }
 
 impl LibfabricConfig {
@@ -93,6 +96,7 @@ impl LibfabricConfig {
             max_msg_size: DEFAULT_MAX_MSG_SIZE,
             tx_depth: None,
             rx_depth: None,
+            domain: None,
         }
     }
 }
@@ -443,10 +447,14 @@ impl Query {
         let hints = Info::alloc()?;
         let h = hints.as_ptr();
         let prov = strdup(&self.prov_name)?;
+        let domain_name = cfg.domain.as_deref().map(strdup).transpose()?;
         // SAFETY: fi_allocinfo allocated hints and all its attribute structs (non-null, zeroed);
-        // the string is malloc'ed and becomes owned by hints (freed by fi_freeinfo).
+        // the strings are malloc'ed and become owned by hints (freed by fi_freeinfo).
         unsafe {
             (*(*h).fabric_attr).prov_name = prov;
+            if let Some(name) = domain_name {
+                (*(*h).domain_attr).name = name;
+            }
             (*(*h).ep_attr).type_ = sys::FI_EP_RDM;
             if self.socket {
                 (*h).addr_format = sys::FI_SOCKADDR_IN;

@@ -614,7 +614,7 @@ impl<D: Domain> Reactor<D> {
                 p.failed.get_or_insert_with(|| message.clone());
             }
             let notify = std::mem::replace(&mut op.notify, Notify::None);
-            notify.complete(Err(Error::PeerUnreachable { peer: op.peer.0, message }));
+            notify.fail(Error::PeerUnreachable { peer: op.peer.0, message });
         }
     }
 
@@ -622,8 +622,12 @@ impl<D: Domain> Reactor<D> {
         if let Some((d, slot)) = op.send_slot {
             self.send_pools[d].free.push(slot);
         }
-        op.notify.complete(result);
+        let next = op.notify.complete(result);
         drop(op.keep);
+        for s in next {
+            // The imm-only writes of an `Arrivals::One` transfer: its shards are all done.
+            self.handle(s);
+        }
     }
 
     /// Sleeps until a submission or a completion may be there (or the poll interval of a
@@ -698,10 +702,16 @@ impl<D: Domain> Reactor<D> {
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
+        // Follow-ups posted during the grace period may have been queued behind a full NIC.
+        for p in self.peers.iter_mut() {
+            for (_, s) in p.pending.drain(..) {
+                fail(s, Error::Shutdown);
+            }
+        }
         let mut keep = Vec::new();
         for op in self.slab.drain() {
             keep.push(op.keep);
-            op.notify.complete(Err(Error::Shutdown));
+            op.notify.fail(Error::Shutdown);
         }
         self.shared.close_counters();
         let waiters = {
@@ -746,7 +756,7 @@ impl Submission {
 /// Completes a submission that will never be posted.
 fn fail(s: Submission, e: Error) {
     match s {
-        Submission::Op { notify, .. } | Submission::Send { notify, .. } => notify.complete(Err(e)),
+        Submission::Op { notify, .. } | Submission::Send { notify, .. } => notify.fail(e),
         Submission::Register { reply, .. } => {
             let _ = reply.send(Err(e));
         }

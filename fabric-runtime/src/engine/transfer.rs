@@ -1,0 +1,571 @@
+//! The transfer shapes: single writes and reads cut into shards over the engine's NICs,
+//! paged writes (KV-cache blocks), scatter to a peer group, and barriers. Every shape is
+//! checked completely before anything is posted, is posted as one batch of operations, and
+//! resolves one [`OpFuture`] when all of them have completed.
+//!
+//! The sharding and arrival rules live in [`crate::pure::route`]; the `*_arrivals` methods
+//! here apply them to a request, so a receiver can compute what its counter will see.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::op::{GroupState, Notify, OpFuture, OpState};
+use super::region::{MemoryRegion, RegionShared, RemoteRegion};
+use super::{Engine, OpKind, OpReq, Shared, Submission};
+use crate::error::{Error, Result, Side};
+use crate::provider::RemoteSlice;
+use crate::pure::route::{Arrivals, PageLayout, TransferOpts};
+
+/// A set of remote regions, checked once, that scatter and barrier address by index.
+///
+/// Made by [`Engine::peer_group`]; only meaningful to that engine. Members may be regions
+/// of the same peer (a barrier then sends that peer one imm-only write per member).
+#[derive(Debug, Clone)]
+pub struct PeerGroup {
+    members: Vec<RemoteRegion>,
+    engine: usize,
+}
+
+impl PeerGroup {
+    /// The members, in the order given.
+    pub fn members(&self) -> &[RemoteRegion] {
+        &self.members
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the group has no member.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+}
+
+/// One piece of a scatter: `len` bytes of the source at `src_off` into member `member`'s
+/// region at `dst_off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScatterEntry {
+    /// Index into the [`PeerGroup`].
+    pub member: usize,
+    /// Offset in the local source region.
+    pub src_off: u64,
+    /// Offset in the member's region.
+    pub dst_off: u64,
+    /// Bytes to move.
+    pub len: u64,
+}
+
+/// The engine's transfer methods under given [`TransferOpts`] (routing and arrivals).
+/// Made by [`Engine::with`]; the engine's own methods use the builder's defaults.
+#[derive(Debug, Clone, Copy)]
+pub struct Transfers<'a> {
+    engine: &'a Engine,
+    opts: TransferOpts,
+}
+
+/// Operations of one transfer, ready to submit.
+struct Plan {
+    ops: Vec<OpReq>,
+    keep: Option<Arc<RegionShared>>,
+    /// Imm-only writes posted once every op has completed (`Arrivals::One`).
+    then: Vec<OpReq>,
+}
+
+impl Engine {
+    /// The transfer methods with other routing or arrival options than the engine's
+    /// defaults, for example `engine.with(TransferOpts::pinned(1)).write_imm(..)`.
+    pub fn with(&self, opts: TransferOpts) -> Transfers<'_> {
+        Transfers { engine: self, opts }
+    }
+
+    /// The transfer methods with the engine's default options.
+    pub(crate) fn transfers(&self) -> Transfers<'_> {
+        Transfers { engine: self, opts: self.shared().default_opts }
+    }
+
+    /// The routing and arrival options the engine's transfer methods use.
+    pub fn transfer_opts(&self) -> TransferOpts {
+        self.shared().default_opts
+    }
+
+    /// The number of NICs (domains) this engine drives.
+    pub fn nics(&self) -> usize {
+        self.shared().nics
+    }
+
+    /// Checks `members` once (they must have been made by this engine) and groups them for
+    /// [`Transfers::scatter`] and [`Transfers::barrier`].
+    pub fn peer_group(&self, members: Vec<RemoteRegion>) -> Result<PeerGroup> {
+        let t = self.transfers();
+        for m in &members {
+            t.check_remote(m)?;
+        }
+        Ok(PeerGroup { members, engine: t.id() })
+    }
+}
+
+impl<'a> Transfers<'a> {
+    fn shared(&self) -> &'a Arc<Shared> {
+        self.engine.shared()
+    }
+
+    fn id(&self) -> usize {
+        Arc::as_ptr(self.shared()) as usize
+    }
+
+    /// The options these methods use.
+    pub fn opts(&self) -> TransferOpts {
+        self.opts
+    }
+
+    fn check_remote(&self, r: &RemoteRegion) -> Result<()> {
+        if r.engine != self.id() {
+            return Err(Error::Config("the remote region was made by another engine".into()));
+        }
+        if r.peer.0 >= self.shared().npeers.load(Ordering::Acquire) {
+            return Err(Error::UnknownPeer { peer: r.peer.0 });
+        }
+        Ok(())
+    }
+
+    fn check_local(&self, r: &MemoryRegion) -> Result<()> {
+        if !Arc::ptr_eq(r.inner.engine(), self.shared()) {
+            return Err(Error::Config("the local region belongs to another engine".into()));
+        }
+        Ok(())
+    }
+
+    fn check_group(&self, g: &PeerGroup) -> Result<()> {
+        if g.engine != self.id() {
+            return Err(Error::Config("the peer group was made by another engine".into()));
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn req(
+        nic: usize,
+        kind: OpKind,
+        local_addr: u64,
+        len: u64,
+        dst: &RemoteRegion,
+        dst_off: u64,
+        imm: Option<u32>,
+    ) -> OpReq {
+        let key = &dst.desc.domains[nic];
+        OpReq {
+            domain: nic,
+            peer: dst.peer,
+            kind,
+            local_addr,
+            len: len as usize,
+            remote: RemoteSlice { addr: key.base.wrapping_add(dst_off), key: key.key },
+            imm,
+        }
+    }
+
+    /// Cuts one contiguous write or read into shards.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_contiguous(
+        &self,
+        plan: &mut Plan,
+        local_addr: u64,
+        dst: &RemoteRegion,
+        dst_off: u64,
+        len: u64,
+        imm: Option<u32>,
+        kind: OpKind,
+        start: usize,
+    ) -> Result<()> {
+        let nics = self.shared().nics;
+        let one = kind == OpKind::Write && imm.is_some() && self.opts.arrivals == Arrivals::One;
+        let shard_imm = if one { None } else { imm };
+        for s in self.opts.shards(len, nics, start)? {
+            if s.len == 0 && shard_imm.is_none() {
+                continue; // nothing to move and nothing to count
+            }
+            plan.ops.push(Self::req(
+                s.nic,
+                kind,
+                if s.len == 0 { 0 } else { local_addr + s.offset },
+                s.len,
+                dst,
+                dst_off + s.offset,
+                shard_imm,
+            ));
+        }
+        if one {
+            let nic = self.opts.nic_of(0, nics, start);
+            plan.then.push(Self::req(nic, OpKind::Write, 0, 0, dst, 0, imm));
+        }
+        Ok(())
+    }
+
+    fn submit(&self, plan: Plan) -> OpFuture {
+        let Plan { mut ops, keep, then } = plan;
+        let shared = self.shared();
+        if ops.is_empty() && then.is_empty() {
+            return OpFuture::done();
+        }
+        if ops.is_empty() {
+            // Only imm-only follow-ups (an `Arrivals::One` transfer of zero bytes): post
+            // them directly.
+            ops = then;
+            return self.submit(Plan { ops, keep, then: Vec::new() });
+        }
+        let state = Arc::new(OpState::default());
+        let done = Notify::Future(state.clone());
+        let subs: Vec<Submission> = if ops.len() == 1 && then.is_empty() {
+            let req = ops.pop().expect("one op");
+            vec![Submission::Op { req, keep, notify: done }]
+        } else {
+            let group = GroupState::new(ops.len(), done, then);
+            ops.into_iter()
+                .map(|req| Submission::Op { req, keep: keep.clone(), notify: Notify::Group(group.clone()) })
+                .collect()
+        };
+        match shared.submit_all(subs) {
+            Ok(()) => OpFuture::pending(state),
+            Err(_) => OpFuture::failed(Error::Shutdown),
+        }
+    }
+
+    fn contiguous(
+        &self,
+        local: Option<(&MemoryRegion, u64)>,
+        remote: &RemoteRegion,
+        remote_off: u64,
+        len: u64,
+        imm: Option<u32>,
+        kind: OpKind,
+    ) -> Result<Plan> {
+        self.check_remote(remote)?;
+        remote.check(remote_off, len)?;
+        let (local_addr, keep) = match local {
+            Some((r, off)) => {
+                self.check_local(r)?;
+                r.check(off, len)?;
+                (r.as_ptr() as u64 + off, Some(r.inner.clone()))
+            }
+            None => (0, None),
+        };
+        let mut plan = Plan { ops: Vec::new(), keep, then: Vec::new() };
+        let start = self.shared().next_start();
+        self.plan_contiguous(&mut plan, local_addr, remote, remote_off, len, imm, kind, start)?;
+        Ok(plan)
+    }
+
+    fn run(&self, plan: Result<Plan>) -> OpFuture {
+        match plan {
+            Ok(p) => self.submit(p),
+            Err(e) => OpFuture::failed(e),
+        }
+    }
+
+    /// Writes `len` bytes of `src` at `src_off` into `dst` at `dst_off`, sharded over the
+    /// NICs. Both ranges are bounds-checked before anything is posted.
+    ///
+    /// # Cancel safety
+    ///
+    /// See [`OpFuture`]: dropping the future does not cancel the write, and the source stays
+    /// registered and allocated until the NIC is done with it.
+    pub fn write(
+        &self,
+        src: &MemoryRegion,
+        src_off: u64,
+        dst: &RemoteRegion,
+        dst_off: u64,
+        len: u64,
+    ) -> OpFuture {
+        self.run(self.contiguous(Some((src, src_off)), dst, dst_off, len, None, OpKind::Write))
+    }
+
+    /// Like [`Transfers::write`], and the target counts arrivals of `imm` once the bytes
+    /// have landed: [`Transfers::write_arrivals`] of them (one per shard, or exactly one
+    /// with `Arrivals::One`).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Transfers::write`]: the write and its immediate still happen.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_imm(
+        &self,
+        src: &MemoryRegion,
+        src_off: u64,
+        dst: &RemoteRegion,
+        dst_off: u64,
+        len: u64,
+        imm: u32,
+    ) -> OpFuture {
+        self.run(self.contiguous(Some((src, src_off)), dst, dst_off, len, Some(imm), OpKind::Write))
+    }
+
+    /// An imm-only write: zero bytes, exactly one arrival of `imm` at the owner of `dst`.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Transfers::write`].
+    pub fn imm(&self, dst: &RemoteRegion, imm: u32) -> OpFuture {
+        let plan = self.contiguous(None, dst, 0, 0, Some(imm), OpKind::Write).map(|mut p| {
+            // An imm-only write is its own single arrival: no follow-up needed.
+            p.ops.append(&mut p.then);
+            p
+        });
+        self.run(plan)
+    }
+
+    /// Reads `len` bytes of the remote region `src` at `src_off` into `dst` at `dst_off`,
+    /// sharded over the NICs like a write (`fi_read` / `IBV_WR_RDMA_READ`). Reads produce
+    /// no arrivals at the remote side.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future does not cancel the read: `dst` keeps being written until the
+    /// NIC completes it (the region stays allocated until then).
+    pub fn read(
+        &self,
+        dst: &MemoryRegion,
+        dst_off: u64,
+        src: &RemoteRegion,
+        src_off: u64,
+        len: u64,
+    ) -> OpFuture {
+        self.run(self.contiguous(Some((dst, dst_off)), src, src_off, len, None, OpKind::Read))
+    }
+
+    /// Arrivals of `imm` that [`Transfers::write_imm`] of `len` bytes into `dst` produces
+    /// at its owner. A pure function of the options, `len` and the descriptor's NIC count:
+    /// the receiver can call it with its own [`TransferOpts`] knowledge and the length.
+    pub fn write_arrivals(&self, dst: &RemoteRegion, len: u64) -> Result<u64> {
+        self.opts.write_arrivals(len, dst.desc.domains.len())
+    }
+
+    /// Writes pages of `src` into pages of `dst` in one call (KV-cache blocks): page
+    /// `src_pages[i]` of the source goes to page `dst_pages[i]` of the destination, with
+    /// the geometry of `layout`. Each page is one write (never split), and pages are dealt
+    /// round-robin over the NICs (or all on the pinned one). With `imm`, the target counts
+    /// one arrival per page, or exactly one with `Arrivals::One` (see
+    /// [`Transfers::paged_arrivals`]).
+    ///
+    /// Everything is checked before anything is posted: equal list lengths, strides of at
+    /// least a page, every page inside its region, no destination page twice.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Transfers::write`].
+    pub fn write_paged(
+        &self,
+        src: &MemoryRegion,
+        dst: &RemoteRegion,
+        layout: &PageLayout,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        imm: Option<u32>,
+    ) -> OpFuture {
+        self.run(self.paged(src, dst, layout, src_pages, dst_pages, imm))
+    }
+
+    fn paged(
+        &self,
+        src: &MemoryRegion,
+        dst: &RemoteRegion,
+        layout: &PageLayout,
+        src_pages: &[u32],
+        dst_pages: &[u32],
+        imm: Option<u32>,
+    ) -> Result<Plan> {
+        self.check_remote(dst)?;
+        self.check_local(src)?;
+        let nics = self.shared().nics;
+        self.opts.validate(nics)?;
+        let pages = layout.resolve(src_pages, dst_pages, src.len() as u64, dst.len())?;
+        let one = imm.is_some() && self.opts.arrivals == Arrivals::One;
+        let page_imm = if one { None } else { imm };
+        let start = self.shared().next_start();
+        let base = src.as_ptr() as u64;
+        let mut plan =
+            Plan { ops: Vec::with_capacity(pages.len()), keep: Some(src.inner.clone()), then: Vec::new() };
+        for (i, (so, doff)) in pages.into_iter().enumerate() {
+            let nic = self.opts.nic_of(i, nics, start);
+            plan.ops.push(Self::req(nic, OpKind::Write, base + so, layout.page_len, dst, doff, page_imm));
+        }
+        if one && !plan.ops.is_empty() {
+            plan.then.push(Self::req(self.opts.nic_of(0, nics, start), OpKind::Write, 0, 0, dst, 0, imm));
+        }
+        Ok(plan)
+    }
+
+    /// Arrivals of the immediate that [`Transfers::write_paged`] of `pages` pages into `dst`
+    /// produces at its owner.
+    pub fn paged_arrivals(&self, dst: &RemoteRegion, pages: usize) -> Result<u64> {
+        self.opts.paged_arrivals(pages, dst.desc.domains.len())
+    }
+
+    /// Writes pieces of one source region to the members of a peer group (MoE dispatch, a
+    /// weight shard per rank), each piece sharded like [`Transfers::write_imm`]. With `imm`,
+    /// each member counts [`Transfers::scatter_arrivals`] arrivals. One future for all.
+    ///
+    /// Everything is checked before anything is posted: member indices, both ranges of
+    /// every entry, and that no two entries overlap in the same member's region.
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Transfers::write`].
+    pub fn scatter(
+        &self,
+        src: &MemoryRegion,
+        group: &PeerGroup,
+        entries: &[ScatterEntry],
+        imm: Option<u32>,
+    ) -> OpFuture {
+        self.run(self.scatter_plan(src, group, entries, imm))
+    }
+
+    fn check_entries(&self, src_len: Option<u64>, group: &PeerGroup, entries: &[ScatterEntry]) -> Result<()> {
+        self.check_group(group)?;
+        let mut ranges: Vec<(usize, u64, u64)> = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Some(m) = group.members.get(e.member) else {
+                return Err(Error::Config(format!(
+                    "scatter entry names member {} of a {}-member group",
+                    e.member,
+                    group.len()
+                )));
+            };
+            m.check(e.dst_off, e.len)?;
+            if let Some(src_len) = src_len {
+                super::region::check_range(Side::Local, e.src_off, e.len, src_len)?;
+            }
+            if e.len > 0 {
+                ranges.push((e.member, e.dst_off, e.dst_off + e.len));
+            }
+        }
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if a.0 == b.0 && b.1 < a.2 {
+                return Err(Error::Config(format!(
+                    "scatter entries overlap in member {}'s region: [{}, {}) and [{}, {})",
+                    a.0, a.1, a.2, b.1, b.2
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn scatter_plan(
+        &self,
+        src: &MemoryRegion,
+        group: &PeerGroup,
+        entries: &[ScatterEntry],
+        imm: Option<u32>,
+    ) -> Result<Plan> {
+        self.check_local(src)?;
+        self.check_entries(Some(src.len() as u64), group, entries)?;
+        let nics = self.shared().nics;
+        self.opts.validate(nics)?;
+        let one = imm.is_some() && self.opts.arrivals == Arrivals::One;
+        let base = src.as_ptr() as u64;
+        let mut plan = Plan { ops: Vec::new(), keep: Some(src.inner.clone()), then: Vec::new() };
+        let mut told = vec![false; group.len()];
+        for e in entries {
+            let dst = &group.members[e.member];
+            let start = self.shared().next_start();
+            // Per entry, without its own follow-up: `Arrivals::One` means one per member.
+            let per_entry =
+                Transfers { opts: TransferOpts { arrivals: Arrivals::PerShard, ..self.opts }, ..*self };
+            let shard_imm = if one { None } else { imm };
+            per_entry.plan_contiguous(
+                &mut plan,
+                base + e.src_off,
+                dst,
+                e.dst_off,
+                e.len,
+                shard_imm,
+                OpKind::Write,
+                start,
+            )?;
+            if one && !told[e.member] {
+                told[e.member] = true;
+                plan.then.push(Self::req(self.opts.nic_of(0, nics, start), OpKind::Write, 0, 0, dst, 0, imm));
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Arrivals of the immediate that [`Transfers::scatter`] with `entries` produces at each
+    /// member, indexed like the group.
+    pub fn scatter_arrivals(&self, group: &PeerGroup, entries: &[ScatterEntry]) -> Result<Vec<u64>> {
+        self.check_entries(None, group, entries)?;
+        let mut out = vec![0u64; group.len()];
+        for e in entries {
+            let nics = group.members[e.member].desc.domains.len();
+            let n = self.opts.write_arrivals(e.len, nics)?;
+            out[e.member] = match self.opts.arrivals {
+                Arrivals::One => 1,
+                _ => out[e.member] + n,
+            };
+        }
+        Ok(out)
+    }
+
+    /// One imm-only write of `imm` to every member of `group`: each member counts exactly
+    /// one arrival per barrier. A full barrier among N ranks: every rank calls this with the
+    /// group of the others and then waits for N-1 arrivals of `imm` on its own counter (use
+    /// a new `imm`, or the cumulative count, per round).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Transfers::write`].
+    pub fn barrier(&self, group: &PeerGroup, imm: u32) -> OpFuture {
+        let plan = (|| {
+            self.check_group(group)?;
+            let nics = self.shared().nics;
+            self.opts.validate(nics)?;
+            let start = self.shared().next_start();
+            let ops = group
+                .members
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    Self::req(self.opts.nic_of(i, nics, start), OpKind::Write, 0, 0, m, 0, Some(imm))
+                })
+                .collect();
+            Ok(Plan { ops, keep: None, then: Vec::new() })
+        })();
+        self.run(plan)
+    }
+
+    /// The request of the synchronous fast path: one operation on one NIC, never sharded
+    /// (so one completion and one arrival per call).
+    pub(crate) fn single(
+        &self,
+        src: Option<(&MemoryRegion, u64)>,
+        dst: &RemoteRegion,
+        dst_off: u64,
+        len: u64,
+        imm: u32,
+    ) -> Result<(OpReq, Option<Arc<RegionShared>>)> {
+        let single = TransferOpts {
+            route: match self.opts.route {
+                crate::pure::route::Route::Sharded { .. } => {
+                    crate::pure::route::Route::Sharded { chunk: u64::MAX }
+                }
+                r => r,
+            },
+            arrivals: Arrivals::PerShard,
+        };
+        let mut plan = Transfers { opts: single, ..*self }.contiguous(
+            src,
+            dst,
+            dst_off,
+            len,
+            Some(imm),
+            OpKind::Write,
+        )?;
+        let req = plan.ops.pop().expect("an imm write is one operation");
+        Ok((req, plan.keep))
+    }
+}
