@@ -45,5 +45,7 @@ async fn event_mode_sleeps_and_busy_poll_spins() {
     }
     let busy = idle_cpu(&p, ReactorMode::BusyPoll).await;
     eprintln!("idle CPU, {p}, BusyPoll mode: {:.0}% of one core", busy * 100.0);
-    assert!(busy > 0.6, "BusyPoll should spin about one core, used {:.0}%", busy * 100.0);
+    // A spinning thread gets a whole core only on a quiet machine; on a loaded 2-core CI
+    // machine it was measured at 40%. Sleeping would show as under 5% (like Event above).
+    assert!(busy > 0.25, "BusyPoll should spin (about one core), used {:.0}%", busy * 100.0);
 }
