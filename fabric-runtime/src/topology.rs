@@ -257,8 +257,14 @@ impl Topology {
     /// Reads the topology from a sysfs tree rooted at `root` (`root/sys/bus/pci/...`);
     /// `/` for this machine. Missing directories mean "none of those" (a machine without
     /// RDMA NICs has no `/sys/class/infiniband`); files that exist but cannot be read or
-    /// parsed are an [`Error::Sysfs`] naming the file.
+    /// parsed are an [`Error::Sysfs`] naming the file, and so is a `root` that is not a
+    /// directory.
     pub fn from_sysfs(root: &Path) -> Result<Topology> {
+        match fs::metadata(root) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(sysfs_err(root, "not a directory")),
+            Err(e) => return Err(sysfs_err(root, e)),
+        }
         let sysfs = Sysfs::new(root);
         let gpus = sysfs.gpus()?;
         let nics = sysfs.nics()?;

@@ -723,6 +723,10 @@ fn missing_optional_files_are_fine() {
         t.gpus().is_empty() && t.nics().is_empty() && t.numa_nodes().is_empty() && t.online_cpus().is_empty()
     );
 
+    // But the root itself must exist.
+    let gone = f.root.join("nope");
+    assert!(matches!(Topology::from_sysfs(&gone), Err(Error::Sysfs { ref path, .. }) if *path == gone));
+
     // A GPU without numa_node, ports without rate, a NIC whose PCI device lost its files.
     let f = dgx_h100();
     fs::remove_file(
