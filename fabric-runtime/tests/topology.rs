@@ -527,6 +527,7 @@ fn mixed_machine_splits_and_falls_back() {
     assert_eq!(t.plan(2).unwrap().cpus, [0, 1, 2, 3, 8, 9, 10, 11]);
     let reactors: Vec<Option<u32>> = t.plans().iter().map(|p| p.reactor_core).collect();
     assert_eq!(reactors, [3, 2, 1, 7, 6].map(Some));
+    println!("{t}");
 }
 
 #[test]
