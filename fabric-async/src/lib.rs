@@ -27,6 +27,9 @@ mod ext;
 pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};
 
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
+/// GPU/NIC topology from sysfs: which NICs and cores each GPU should use
+/// (`docs/topology.md`).
+pub use fabric_runtime::topology;
 pub use fabric_runtime::{
     Arrivals, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch,
     OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result,

@@ -1,6 +1,7 @@
 //! Errors a caller can act on: one variant per failed operation, with its context.
 
 use std::fmt;
+use std::path::PathBuf;
 
 /// Which side of a transfer a bounds error is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +81,15 @@ pub enum Error {
     /// The builder was given an invalid configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+
+    /// A sysfs file that topology detection reads is unreadable or malformed.
+    #[error("topology: {path}: {message}")]
+    Sysfs { path: PathBuf, message: String },
+
+    /// A topology override (`FABRIC_TOPOLOGY`) does not parse, or names a GPU, NIC, NUMA
+    /// node or CPU that this machine does not have. `token` is the offending piece.
+    #[error("topology override: bad token {token:?}: {reason}")]
+    TopologyOverride { token: String, reason: String },
 }
 
 /// Short for `Result<T, fabric_runtime::Error>`.

@@ -17,6 +17,8 @@ pub mod pure;
 #[cfg(not(loom))]
 pub(crate) mod reactor;
 pub(crate) mod sync;
+#[cfg(not(loom))]
+pub mod topology;
 
 pub use counter::{ImmCounter, WaitFor};
 #[cfg(not(loom))]
