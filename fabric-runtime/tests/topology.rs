@@ -778,3 +778,27 @@ fn detect_follows_a_symlinked_root() {
     assert_eq!(t.plan(3).unwrap().nics, ["mlx5_3"]);
     assert_eq!(t.gpus()[3].pci_path, ["0000:5b:01.0", "0000:5c:00.0", "0000:5d:01.0"]);
 }
+
+#[test]
+fn engine_builder_takes_nics_and_reactor_core_from_the_plan() {
+    use fabric_runtime::Engine;
+    let dgx = dgx_h100().topology();
+    for gpu in 0..8 {
+        let plan = dgx.plan(gpu).unwrap();
+        let b = Engine::builder().for_gpu(&dgx, gpu).unwrap();
+        assert_eq!(b.provider_name(), "verbs");
+        assert_eq!(b.nic_names(), [format!("mlx5_{gpu}")], "GPU {gpu} gets the CX-7 on its switch");
+        assert_eq!(b.reactor_core(), plan.reactor_core.map(|c| c as usize));
+        assert!(b.reactor_core().is_some());
+    }
+    let p5 = p5_48xlarge().topology();
+    let b = Engine::builder().for_gpu(&p5, 0).unwrap();
+    assert_eq!(b.provider_name(), "efa");
+    assert_eq!(b.nic_names().len(), 4, "four EFA devices per GPU");
+    assert!(b.nic_names().iter().all(|n| n.ends_with("-rdm")), "libfabric domain names: {:?}", b.nic_names());
+    // No RDMA NIC (this machine): a clear error, the caller falls back to a libfabric provider.
+    let e = Engine::builder().for_gpu(&ci_vm().topology(), 0).unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e}");
+    let e = Engine::builder().for_gpu(&dgx, 8).unwrap_err();
+    assert!(e.to_string().contains("GPU 8"), "{e}");
+}

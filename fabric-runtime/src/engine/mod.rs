@@ -424,6 +424,59 @@ impl EngineBuilder {
         self
     }
 
+    /// The NICs and reactor core that `topology` plans for GPU `gpu` (see
+    /// `docs/topology.md`): sets the provider (`verbs` for ConnectX and software RoCE NICs,
+    /// `efa` for EFA, whose libfabric domains are named `<device>-rdm`), the NIC list, and
+    /// pins the reactor thread to the plan's reactor core. A later [`EngineBuilder::pin_core`]
+    /// or [`EngineBuilder::nics`] overrides what this set.
+    ///
+    /// Errors ([`Error::Config`]): no such GPU, or no RDMA NIC for it (a machine without
+    /// one: use a libfabric provider such as `tcp` instead).
+    pub fn for_gpu(mut self, topology: &crate::topology::Topology, gpu: usize) -> Result<Self> {
+        use crate::topology::NicKind;
+        let plan = topology.plan(gpu).ok_or_else(|| {
+            Error::Config(format!("GPU {gpu} is not in the topology ({} GPU(s))", topology.plans().len()))
+        })?;
+        if plan.nics.is_empty() {
+            return Err(Error::Config(format!("the topology has no RDMA NIC for GPU {gpu} ({})", plan.pci)));
+        }
+        let kinds: Vec<NicKind> =
+            plan.nics.iter().map(|n| topology.nic(n).map_or(NicKind::Verbs, |nic| nic.kind)).collect();
+        if kinds.iter().any(|k| *k == NicKind::Efa) {
+            if kinds.iter().any(|k| *k != NicKind::Efa) {
+                return Err(Error::Config(format!(
+                    "GPU {gpu}'s NICs {:?} mix EFA and verbs devices; one engine speaks one transport",
+                    plan.nics
+                )));
+            }
+            self.provider = "efa".into();
+            self.nics = plan.nics.iter().map(|n| format!("{n}-rdm")).collect();
+        } else {
+            self.provider = "verbs".into();
+            self.nics = plan.nics.clone();
+        }
+        if let Some(core) = plan.reactor_core {
+            self.pin_core = Some(core as usize);
+        }
+        Ok(self)
+    }
+
+    /// The provider this builder will open.
+    pub fn provider_name(&self) -> &str {
+        &self.provider
+    }
+
+    /// The NIC names set by [`EngineBuilder::nics`] or [`EngineBuilder::for_gpu`] (empty:
+    /// the provider's first NIC).
+    pub fn nic_names(&self) -> &[String] {
+        &self.nics
+    }
+
+    /// The core the reactor thread will be pinned to, if any.
+    pub fn reactor_core(&self) -> Option<usize> {
+        self.pin_core
+    }
+
     /// The NIC names to open (`None`: the provider's default NIC), checked against
     /// `domains(n)`.
     fn nic_list(&self, names: Vec<String>) -> Result<Vec<Option<String>>> {
