@@ -442,7 +442,7 @@ impl EngineBuilder {
         }
         let kinds: Vec<NicKind> =
             plan.nics.iter().map(|n| topology.nic(n).map_or(NicKind::Verbs, |nic| nic.kind)).collect();
-        if kinds.iter().any(|k| *k == NicKind::Efa) {
+        if kinds.contains(&NicKind::Efa) {
             if kinds.iter().any(|k| *k != NicKind::Efa) {
                 return Err(Error::Config(format!(
                     "GPU {gpu}'s NICs {:?} mix EFA and verbs devices; one engine speaks one transport",
