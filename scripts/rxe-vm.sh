@@ -2,7 +2,8 @@
 # rxe-vm.sh: run a command against a REAL software RDMA device (Soft-RoCE, rdma_rxe) inside a
 # throw-away qemu VM. The development/CI kernel has no InfiniBand support, but Debian's own
 # kernel package does: we boot that kernel (unpacked, never installed on the host) under qemu
-# TCG with a tiny busybox initramfs, create rxe0 on the VM's virtio NIC, and run the command in
+# TCG with a tiny busybox initramfs, create rxe0 and rxe1 on the VM's two virtio NICs (eth0,
+# eth1: an engine with two domains gets one device per domain), and run the command in
 # a chroot of the HOST root file system (shared read-only over virtio-9p, tmpfs overlay on top),
 # so host-built binaries run unchanged at their host paths. Recipe and measured facts:
 # shared/docs/TESTBEDS.md section 2; usage: docs/testbed-rxe.md.
@@ -14,20 +15,22 @@
 #       modules and builds the initramfs. Cache: $RXE_VM_DIR (default <repo>/target/rxe-vm),
 #       one folder per kernel version; the initramfs is rebuilt when this script changes.
 #   rxe-vm.sh run [--timeout SECS] -- CMD [ARGS...]
-#       Boots one VM, runs CMD inside (same working directory, selected environment, rxe0 up,
-#       `ulimit -l unlimited`), streams its stdout+stderr (merged) to our stdout and exits with
-#       CMD's exit code. Runs `setup` first if the cache is missing.
+#       Boots one VM, runs CMD inside (same working directory, selected environment, rxe0 and
+#       rxe1 ACTIVE, `ulimit -l unlimited`), streams its stdout+stderr (merged) to our stdout
+#       and exits with CMD's exit code. Runs `setup` first if the cache is missing.
 #   rxe-vm.sh selftest [--timeout SECS]
-#       One VM: shows rxe0, its RoCEv2 IPv4 GID, and runs perftest ib_write_bw (64 KiB) and
-#       ib_write_lat (2 B) over loopback QPs on rxe0, then the command in $FABRIC_SELFTEST_THEN
-#       if set (same VM). Ends with "1 passed, 0 failed" or fails.
+#       One VM: shows rxe0 and rxe1 with their RoCEv2 IPv4 GIDs, runs perftest ib_write_bw
+#       (64 KiB) over loopback QPs on each device and ib_write_lat (2 B) on rxe0, then the
+#       command in $FABRIC_SELFTEST_THEN if set (same VM). Ends with "1 passed, 0 failed" or
+#       fails.
 #   rxe-vm.sh cargo-runner BINARY [ARGS...]
 #       Same as `run -- BINARY ARGS...`, for cargo's runner setting: one VM per test binary:
 #         cargo test --config 'target.x86_64-unknown-linux-gnu.runner="scripts/rxe-vm.sh cargo-runner"'
 #
 # Exit codes of run/cargo-runner: CMD's own code; 124 if the host-side timeout fired (qemu is
-# killed); 97 if the VM could not boot, the modules could not load or rxe0 could not be created
-# (a clear message and the tail of the guest console follow on stderr). Never "skipped".
+# killed); 97 if the VM could not boot, the modules could not load or rxe0 or rxe1 could not be
+# created or did not become ACTIVE (a clear message and the tail of the guest console follow on
+# stderr). Never "skipped".
 #
 # Environment
 #   RXE_VM_DIR        cache folder (default <repo>/target/rxe-vm)
@@ -38,11 +41,18 @@
 #   RXE_VM_KEEP=1     keep the per-run folder (console.log, out.log, job.sh) and print its path
 #   RXE_VM_QUIET=1    no summary line on stderr
 #   RXE_VM_APPEND     extra kernel command line (e.g. "loglevel=7" to see the boot in console.log)
-# Inside the guest RXE_VM_GUEST=1, RXE_VM_DEVICE=rxe0 and RXE_VM_GUEST_IP=10.0.2.15 (eth0, /24,
-# the address rxe0 uses) are set. Pick GIDs by type/address, never by a hard-coded index.
+# Inside the guest these are set:
+#   RXE_VM_GUEST=1
+#   RXE_VM_DEVICE=rxe0              RXE_VM_GUEST_IP=10.0.2.15   (eth0, /24: rxe0's address)
+#   RXE_VM_DEVICES="rxe0 rxe1"      RXE_VM_GUEST_IPS="10.0.2.15 10.0.3.15"
+#                                   (same order: rxe1 sits on eth1, 10.0.3.15/24)
+# Pick GIDs by type/address, never by a hard-coded index.
 #
-# Network: qemu user-mode networking with restrict=on and no host forwards, so no packet can
-# leave the VM; the RDMA traffic is rxe0 talking to its own address (loopback QPs).
+# Network: one qemu user-mode network per NIC (10.0.2.0/24 and 10.0.3.0/24), each with
+# restrict=on and no host forwards, so no packet can leave the VM; the RDMA traffic is each
+# device talking to its own address (loopback QPs on rxe0, loopback QPs on rxe1). A QP on rxe0
+# and one on rxe1 do NOT connect (ibv_modify_qp to RTR fails with ETIMEDOUT): pair QPs on the
+# same device only.
 # Writes inside the guest go to a tmpfs overlay and are discarded when the VM exits.
 set -euo pipefail
 
@@ -57,8 +67,13 @@ PKGS=(qemu-system-x86 busybox-static rdma-core ibverbs-utils ibverbs-providers l
 # crc32_generic: rxe needs a crc32 implementation when the device is created.
 KMODS=(virtio_pci virtio_net virtio_console 9pnet_virtio 9p overlay crc32_generic
        udp_tunnel ip6_udp_tunnel ib_core ib_uverbs rdma_rxe rdma_ucm)
-# The guest's NIC address (qemu user-net default guest address); rxe0 sits on it.
-GUEST_IP=10.0.2.15
+# The guest's NICs, their addresses (each qemu user-net's default guest address, net/24) and
+# the Soft-RoCE device on each, by position: rxe0 on eth0 (10.0.2.15), rxe1 on eth1 (10.0.3.15).
+# GUEST_IP (rxe0's) stays the primary address: RXE_VM_GUEST_IP predates the second device.
+NETDEVS=(eth0 eth1)
+GUEST_IPS=(10.0.2.15 10.0.3.15)
+RXE_DEVS=(rxe0 rxe1)
+GUEST_IP=${GUEST_IPS[0]}
 INFRA_FAIL=97
 
 log() { echo "rxe-vm: $*" >&2; }
@@ -179,22 +194,41 @@ mount -t devpts devpts $R/dev/pts
 mount -t tmpfs tmpfs $R/dev/shm
 mount --bind /mnt/ctl $R/run/rxe-vm
 
+# One Soft-RoCE device per NIC. @LINKS@ is "DEV:NETDEV:ADDR ..." (rxe0:eth0:10.0.2.15
+# rxe1:eth1:10.0.3.15). The address goes on first, so each device's GID table gets its RoCEv2
+# IPv4 GID as soon as it exists.
 ip link set lo up
-ip link set eth0 up || fail "no eth0 (virtio_net)"
-ip addr add @GUEST_IP@/24 dev eth0
-
-# Soft-RoCE on eth0, with the host's own iproute2 `rdma` tool.
-chroot $R /usr/bin/env PATH=/usr/sbin:/usr/bin:/sbin:/bin rdma link add rxe0 type rxe netdev eth0 \
-  > /dev/console 2>&1 || fail "rdma link add rxe0 type rxe netdev eth0"
-state=""
-for i in 1 2 3 4 5 6 7 8 9 10; do
-  read -r state < /sys/class/infiniband/rxe0/ports/1/state || state=""
-  case "$state" in *ACTIVE*) break ;; esac
-  sleep 0.5
+DEVS=""
+CMDS=""
+for l in @LINKS@; do
+  dev=${l%%:*}; rest=${l#*:}; nd=${rest%%:*}; addr=${rest#*:}
+  ip link set "$nd" up || fail "no $nd (virtio_net): the NIC for $dev is missing"
+  ip addr add "$addr/24" dev "$nd" || fail "ip addr add $addr/24 dev $nd"
+  DEVS="$DEVS $dev"
+  CMDS="${CMDS}link add $dev type rxe netdev $nd
+"
 done
-case "$state" in *ACTIVE*) ;; *) fail "rxe0 port 1 not ACTIVE (state: $state)" ;; esac
+# All devices with ONE run of the host's iproute2 `rdma` (batch mode, stops at the first error):
+# each exec of a dynamic binary costs up to a second under TCG on a loaded host. Its error
+# message goes to the console; the first device that is missing names the failed command.
+echo "$CMDS" | PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot $R rdma -b - > /dev/console 2>&1
+for l in @LINKS@; do
+  dev=${l%%:*}; rest=${l#*:}; nd=${rest%%:*}
+  [ -d /sys/class/infiniband/$dev ] || fail "rdma link add $dev type rxe netdev $nd"
+done
+# Every port ACTIVE; the devices come up concurrently, so the later ones are usually ready by
+# the time the first is.
+for dev in $DEVS; do
+  state=""
+  for i in 1 2 3 4 5 6 7 8 9 10; do
+    read -r state < /sys/class/infiniband/$dev/ports/1/state || state=""
+    case "$state" in *ACTIVE*) break ;; esac
+    sleep 0.5
+  done
+  case "$state" in *ACTIVE*) ;; *) fail "$dev port 1 not ACTIVE (state: $state)" ;; esac
+done
 read -r ready _ < /proc/uptime
-say "rxe0 ACTIVE at ${ready}s"
+say "$DEVS ACTIVE at ${ready}s"
 
 # The job's output goes to the virtio-serial port named rxe-vm.out (a host file).
 out=""
@@ -207,7 +241,9 @@ rc=$?
 read -r end _ < /proc/uptime
 finish "exit $rc $ready $end"
 INIT
-  sed -i "s/@GUEST_IP@/$GUEST_IP/g" "$1"
+  local links="" i
+  for i in "${!RXE_DEVS[@]}"; do links+="${links:+ }${RXE_DEVS[i]}:${NETDEVS[i]}:${GUEST_IPS[i]}"; done
+  sed -i "s/@LINKS@/$links/g" "$1"
   chmod 755 "$1"
 }
 
@@ -302,7 +338,8 @@ write_job() {
     while read -r name; do
       pass_var "$name" && printf 'export %s=%q\n' "$name" "${!name}"
     done < <(compgen -e)
-    echo "export RXE_VM_GUEST=1 RXE_VM_DEVICE=rxe0 RXE_VM_GUEST_IP=$GUEST_IP"
+    echo "export RXE_VM_GUEST=1 RXE_VM_DEVICE=${RXE_DEVS[0]} RXE_VM_GUEST_IP=$GUEST_IP"
+    echo "export RXE_VM_DEVICES='${RXE_DEVS[*]}' RXE_VM_GUEST_IPS='${GUEST_IPS[*]}'"
     echo 'ulimit -l unlimited || echo "rxe-vm: ulimit -l unlimited failed" >&2'
     printf 'exec'; printf ' %q' "$@"; printf '\n'
   } > "$job"
@@ -346,6 +383,14 @@ cmd_run() {
   write_job "$CTL_DIR/job.sh" "$@"
   : > "$CTL_DIR/out.log"
 
+  # One NIC per device, each on its own user-net (restrict=on, no forwards: nothing leaves the
+  # VM) whose subnet holds the guest's address. The MACs are qemu's default sequence written out,
+  # so that they (and the link-local GIDs derived from them) are known and distinct.
+  local nic_args=() i
+  for i in "${!NETDEVS[@]}"; do
+    nic_args+=(-netdev "user,id=n$i,restrict=on,net=${GUEST_IPS[i]%.*}.0/24"
+               -device "virtio-net-pci,netdev=n$i,mac=52:54:00:12:34:$((56 + i)),romfile=")
+  done
   local t0 t1 qrc=0 status="" tail_pid
   t0=$(date +%s.%N)
   # Hard host-side limit: timeout kills qemu (TERM, then KILL 5 s later).
@@ -355,7 +400,7 @@ cmd_run() {
     -serial "file:$CTL_DIR/console.log" \
     -kernel "$kernel" -initrd "$kdir/initramfs.cpio.gz" \
     -append "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init ${RXE_VM_APPEND:-}" \
-    -netdev user,id=n0,restrict=on -device virtio-net-pci,netdev=n0,romfile= \
+    "${nic_args[@]}" \
     -virtfs local,path=/,mount_tag=hostroot,readonly=on,security_model=none,multidevs=remap \
     -virtfs "local,path=$CTL_DIR,mount_tag=ctl,security_model=none" \
     -device virtio-serial-pci \
@@ -384,7 +429,7 @@ cmd_run() {
       local rc ready end
       read -r _ rc ready end <<< "$status"
       [ -n "${RXE_VM_QUIET:-}" ] ||
-        log "exit $rc; rxe0 ready at ${ready}s guest uptime, job ${end}s; total ${total}s wall (kernel $kv)"
+        log "exit $rc; ${RXE_DEVS[*]} ready at ${ready}s guest uptime, job ${end}s; total ${total}s wall (kernel $kv)"
       RUN_RC=$rc ;;
     fail\ *)
       log "VM setup FAILED: ${status#fail } (qemu rc $qrc, ${total}s)"
@@ -416,13 +461,21 @@ cleanup_run() {
   fi
 }
 
-# A self-check of the test bed, for CI: the device and its RoCEv2 IPv4 GID, then perftest RDMA
-# WRITE bandwidth (64 KiB) and latency (2 B) over loopback QPs on rxe0, all in one VM.
+# A self-check of the test bed, for CI: each device and its RoCEv2 IPv4 GID (its own address),
+# then perftest RDMA WRITE bandwidth (64 KiB) over loopback QPs on each device and latency (2 B)
+# on rxe0, all in one VM. A device that exists but cannot move data fails it.
 SELFTEST_JOB=$(cat <<'JOB'
 set -u
-ibv_devinfo -d rxe0 | grep -E "hca_id|state|active_mtu|link_layer"
-rdma link show rxe0/1
-ibv_devinfo -v -d rxe0 | grep -F "::ffff:" || { echo "no IPv4 RoCE GID on rxe0"; exit 1; }
+read -r -a devs <<< "$RXE_VM_DEVICES"
+read -r -a ips <<< "$RXE_VM_GUEST_IPS"
+((${#devs[@]} == 2 && ${#ips[@]} == 2)) ||
+  { echo "expected 2 devices and 2 addresses: '$RXE_VM_DEVICES' / '$RXE_VM_GUEST_IPS'"; exit 1; }
+for i in "${!devs[@]}"; do
+  ibv_devinfo -d "${devs[i]}" | grep -E "hca_id|state|active_mtu|link_layer"
+  rdma link show "${devs[i]}/1"
+  ibv_devinfo -v -d "${devs[i]}" | grep -F "::ffff:${ips[i]}," ||
+    { echo "no RoCE IPv4 GID for ${ips[i]} on ${devs[i]}"; exit 1; }
+done
 # Waits (up to ~20 s) until a TCP socket listens on port $1, without forking: every exec costs
 # tens to hundreds of ms under TCG. Sleeps with read -t on a FIFO nobody writes.
 mkfifo /tmp/rxe-selftest.fifo; exec 9<> /tmp/rxe-selftest.fifo
@@ -437,31 +490,36 @@ wait_listen() {
   done
   return 1
 }
-# server in the background, client to our own address once the server listens (perftest's
-# default port 18515).
-perf() {  # perf TOOL ARGS...: prints the client result, fails if either side fails
+# server in the background, client to the device's own address once the server listens
+# (perftest's default port 18515): both QPs on the one device.
+perf() {  # perf ADDR TOOL ARGS...: prints the client result, fails if either side fails
+  local addr=$1; shift
   local log=/tmp/rxe-selftest-$1.log
   "$@" > "$log" 2>&1 &
   local srv=$!
   wait_listen 18515 || { echo "$1 server did not listen"; kill $srv; cat "$log"; return 1; }
-  "$@" "$RXE_VM_GUEST_IP" 2>&1 || { echo "$1 client failed"; kill $srv; cat "$log"; return 1; }
+  "$@" "$addr" 2>&1 || { echo "$1 client failed"; kill $srv; cat "$log"; return 1; }
   wait $srv || { echo "$1 server failed"; cat "$log"; return 1; }
 }
 TIMEFORMAT="(%1R s)"
 # perftest calibrates the CPU clock by sampling; on a busy TCG host that can fail
 # ("Correlation coefficient r^2 < 0.9") and then it prints inf, 0.00 or wrong numbers: retry,
 # then only warn (the RDMA transfers themselves worked; only the clock is off).
-measure() {  # measure TOOL ARGS...
+measure() {  # measure ADDR TOOL ARGS...
   local try out
   for try in 1 2 3; do
     time out=$(perf "$@") || { echo "$out"; return 1; }
     echo "$out" | tail -n 3
     [[ "$out" == *inf* || "$out" == *Correlation* ]] || return 0
-    echo "$1: clock calibration failed, numbers above are not valid (try $try of 3)"
+    echo "$2: clock calibration failed, numbers above are not valid (try $try of 3)"
   done
 }
-measure ib_write_bw -d rxe0 -F -s 65536 -n 2000 || exit 1
-measure ib_write_lat -d rxe0 -F -s 2 -n 1000 || exit 1
+echo "== ${devs[0]} (${ips[0]})"
+measure "${ips[0]}" ib_write_bw -d "${devs[0]}" -F -s 65536 -n 2000 || exit 1
+measure "${ips[0]}" ib_write_lat -d "${devs[0]}" -F -s 2 -n 1000 || exit 1
+# The second device: a shorter run, only to prove it moves data.
+echo "== ${devs[1]} (${ips[1]})"
+measure "${ips[1]}" ib_write_bw -d "${devs[1]}" -F -s 65536 -n 1000 || exit 1
 # Anything else to measure beside perftest in this same VM (for example the quickstart over
 # verbs, so both figures come from one boot).
 if [ -n "${FABRIC_SELFTEST_THEN:-}" ]; then
