@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Every libfabric call goes through the C shim of `fabric-libfabric-sys` (most of libfabric's
-//! API is `static inline`), and every negative return code goes through [`check`], which turns
+//! API is `static inline`), and every negative return code goes through `check`, which turns
 //! it into [`Error::Provider`] with libfabric's own `fi_strerror` text.
 //!
 //! Provider names: `"tcp"` → `"tcp;ofi_rxm"`, `"udp"` → `"udp;ofi_rxd"`, `"shm"`, `"efa"`; any

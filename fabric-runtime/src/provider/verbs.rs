@@ -77,7 +77,7 @@
 //! was posted.
 //!
 //! All `unsafe` of the verbs backend lives in this module; every verbs return code goes
-//! through [`check`] / [`check_ptr`].
+//! through `check` / `check_ptr`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void, CStr};
