@@ -246,6 +246,10 @@ async fn leader_main(o: Opts) -> Res<()> {
     let t0 = Instant::now();
     let result = run_tests(&mut ctx, &mut rep).await;
     eprintln!("\r\x1b[2Kdone in {:.1} s", t0.elapsed().as_secs_f64());
+    if result.is_err() {
+        // The peer may be waiting for this side at the store (up to its 300 s timeout).
+        let _ = child.kill();
+    }
     let status = tokio::task::spawn_blocking(move || child.wait()).await??;
     result?;
     if !status.success() {
@@ -385,13 +389,17 @@ fn mem_available() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Resident set size of this process, bytes.
+/// Resident set size of this process, bytes. From `smaps_rollup`, which walks the page
+/// tables: `VmRSS` in `status` comes from counters that kernels before 6.2 (the test VM's
+/// 6.1) update per thread in batches of 64 pages, so a few hundred KiB of growth could read 0.
 fn rss() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
+    let field = |file: &str, key: &str| {
+        let s = std::fs::read_to_string(file).ok()?;
+        let l = s.lines().find(|l| l.starts_with(key))?;
+        l.split_whitespace().nth(1)?.parse::<u64>().ok()
+    };
+    field("/proc/self/smaps_rollup", "Rss:")
+        .or_else(|| field("/proc/self/status", "VmRSS:"))
         .map_or(0, |kb| kb * 1024)
 }
 
