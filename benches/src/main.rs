@@ -1,16 +1,19 @@
 //! fabric-bench: the engine measured beside its ceiling, in the same run.
 //!
 //! ```text
-//! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm]
+//! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
 //!     [--domains 1] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
 //! ```
 //!
 //! This process is the leader. It starts a second copy of itself as the peer; the two meet
 //! through a `TcpStore` on 127.0.0.1 and then run the same sequence of phases, each side
 //! playing its role. Every engine figure is printed beside a baseline measured in the same
-//! run: the raw provider loop (`raw.rs`: a `LibfabricDomain` driven through the `Domain`
-//! trait by a plain thread), and iperf3 for tcp bandwidth when it is installed.
+//! run: the raw provider loop (`raw.rs`: the provider's domain driven through the `Domain`
+//! trait by a plain thread), iperf3 for tcp bandwidth when it is installed, and perftest's
+//! `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the test sizes are
+//! smaller (`Budget`): the only verbs device here is Soft-RoCE in an emulated VM, ~20-45 MB/s.
 
+mod perftest;
 mod raw;
 mod report;
 
@@ -55,13 +58,22 @@ struct Opts {
     peer_of: Option<String>,
 }
 
+/// Whether the run is on the ibverbs backend. The only verbs device on these machines is
+/// Soft-RoCE inside an emulated (TCG) VM: ~20-45 MB/s and tens of microseconds per operation,
+/// so every test moves less data there (sized for `all --quick` in well under a minute of VM
+/// time and `all` in a few minutes); the figures' meaning does not change.
+fn on_verbs(o: &Opts) -> bool {
+    raw::is_verbs(&o.provider)
+}
+
 fn usage() -> ! {
     eprintln!(
-        "usage: fabric-bench <bw|lat|rate|wake|scale|all> [--provider tcp|shm] [--domains 1]\n\
+        "usage: fabric-bench <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]] [--domains 1]\n\
          \x20                   [--sizes 4K,64K,1M,..] [--iters N] [--window N] [--json PATH]\n\
          \x20                   [--plot PATH] [--quick] [--mode event|adaptive|busypoll]\n\
          \n\
-         bw     write_imm bandwidth, 4 KiB..64 MiB, `window` writes in flight (default 16)\n\
+         bw     write_imm bandwidth, 4 KiB..64 MiB, `window` writes in flight (default 16;\n\
+         \x20      verbs: 128, ib_write_bw's default -t; verbs sizes 4 KiB..1 MiB)\n\
          lat    write_imm ping-pong round trip p50/p99 (8 B, 256 B, 4 KiB)\n\
          rate   imm-only operations per second\n\
          wake   8 B ping-pong in Event, Adaptive, BusyPoll and the sync spin path, with CPU use\n\
@@ -69,7 +81,8 @@ fn usage() -> ! {
          all    every test\n\
          --iters sets the operations per bw point / round trips per latency case.\n\
          --mode is the engine's reactor mode in bw and rate (default event).\n\
-         --quick is a smoke run (seconds). Baselines: the raw provider loop, and iperf3 on tcp."
+         --quick is a smoke run (seconds). Baselines: the raw provider loop, iperf3 on tcp,\n\
+         \x20      ib_write_bw / ib_write_lat (perftest) on verbs."
     );
     std::process::exit(2)
 }
@@ -99,6 +112,7 @@ fn parse() -> Opts {
         mode: ReactorMode::Event,
         peer_of: None,
     };
+    let mut window = None;
     let mut args = std::env::args().skip(1);
     while let Some(k) = args.next() {
         let mut val = || args.next().unwrap_or_else(|| usage());
@@ -119,7 +133,7 @@ fn parse() -> Opts {
                 o.sizes = Some(v.unwrap_or_else(|| usage()));
             }
             "--iters" => o.iters = Some(val().parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage())),
-            "--window" => o.window = val().parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage()),
+            "--window" => window = Some(val().parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage())),
             "--json" => o.json = Some(val().into()),
             "--plot" => o.plot = Some(val().into()),
             "--quick" => o.quick = true,
@@ -140,10 +154,14 @@ fn parse() -> Opts {
     if o.test != "all" && !TESTS.contains(&o.test.as_str()) {
         usage();
     }
-    if !matches!(o.provider.as_str(), "tcp" | "shm") {
-        eprintln!("fabric-bench: --provider {}: only tcp and shm are benchmarked", o.provider);
+    if !matches!(o.provider.as_str(), "tcp" | "shm") && !raw::is_verbs(&o.provider) {
+        eprintln!("fabric-bench: --provider {}: only tcp, shm and verbs[:DEV] are benchmarked", o.provider);
         std::process::exit(2);
     }
+    // On verbs the baseline is ib_write_bw, whose default send queue depth (`-t`) is 128: the
+    // engine gets as many writes in flight. With 16, its bandwidth on Soft-RoCE in the VM
+    // depends on how soon the (sleeping) reactor reaps each completion: docs/performance.md.
+    o.window = window.unwrap_or(if on_verbs(&o) { 128 } else { 16 });
     o
 }
 
@@ -228,6 +246,10 @@ async fn leader_main(o: Opts) -> Res<()> {
     let t0 = Instant::now();
     let result = run_tests(&mut ctx, &mut rep).await;
     eprintln!("\r\x1b[2Kdone in {:.1} s", t0.elapsed().as_secs_f64());
+    if result.is_err() {
+        // The peer may be waiting for this side at the store (up to its 300 s timeout).
+        let _ = child.kill();
+    }
     let status = tokio::task::spawn_blocking(move || child.wait()).await??;
     result?;
     if !status.success() {
@@ -271,6 +293,9 @@ async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     }
     if lat {
         lat_test(ctx, rep).await?;
+        if ctx.lead {
+            perftest_lat(ctx, rep).await?;
+        }
     }
     if rate {
         rate_test(ctx, rep).await?;
@@ -364,13 +389,17 @@ fn mem_available() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Resident set size of this process, bytes.
+/// Resident set size of this process, bytes. From `smaps_rollup`, which walks the page
+/// tables: `VmRSS` in `status` comes from counters that kernels before 6.2 (the test VM's
+/// 6.1) update per thread in batches of 64 pages, so a few hundred KiB of growth could read 0.
 fn rss() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<u64>().ok())
+    let field = |file: &str, key: &str| {
+        let s = std::fs::read_to_string(file).ok()?;
+        let l = s.lines().find(|l| l.starts_with(key))?;
+        l.split_whitespace().nth(1)?.parse::<u64>().ok()
+    };
+    field("/proc/self/smaps_rollup", "Rss:")
+        .or_else(|| field("/proc/self/status", "VmRSS:"))
         .map_or(0, |kb| kb * 1024)
 }
 
@@ -439,39 +468,59 @@ fn bw_sizes(o: &Opts) -> Vec<usize> {
     if let Some(s) = &o.sizes {
         return s.clone();
     }
-    if o.quick {
-        vec![4 << 10, 64 << 10, 1 << 20, 4 << 20]
-    } else {
-        (0..8).map(|i| (4usize << 10) << (2 * i)).collect() // 4 KiB .. 64 MiB, x4 steps
+    match (on_verbs(o), o.quick) {
+        (false, true) => vec![4 << 10, 64 << 10, 1 << 20, 4 << 20],
+        (false, false) => (0..8).map(|i| (4usize << 10) << (2 * i)).collect(), // 4 KiB .. 64 MiB, x4
+        (true, true) => vec![4 << 10, 64 << 10, 1 << 20],
+        (true, false) => (0..5).map(|i| (4usize << 10) << (2 * i)).collect(), // 4 KiB .. 1 MiB, x4
     }
 }
 
-/// Writes per measured burst: about 1 GiB (quick: 16 MiB), at least two windows, bounded.
+/// Writes per measured burst: about 1 GiB (quick: 16 MiB; verbs: 32 MiB, quick 8 MiB), at
+/// least two windows (verbs: 32 writes), bounded.
 fn bw_ops(o: &Opts, size: usize) -> u64 {
     if let Some(n) = o.iters {
         return n as u64;
     }
-    let (target, max) = if o.quick { (16usize << 20, 1000) } else { (1 << 30, 30_000) };
+    let (target, max) = match (on_verbs(o), o.quick) {
+        (false, true) => (16usize << 20, 1000),
+        (false, false) => (1 << 30, 30_000),
+        (true, true) => (8 << 20, 1000),
+        (true, false) => (32 << 20, 4000),
+    };
+    if on_verbs(o) {
+        // ~30 MB/s: two windows of 128 x 1 MiB would take 8 s per burst. At least 32 writes;
+        // fewer than the window means every write is posted at once (ib_write_bw, given the
+        // same -n and -t, does the same).
+        return (target / size).clamp(32, max) as u64;
+    }
     (target / size).clamp(2 * o.window, max) as u64
 }
 
-/// Region per side: up to `window` slots of the largest size, capped at 256 MiB.
-fn region_len(sizes: &[usize], window: usize) -> usize {
+/// Region per side: up to `window` slots of the largest size, capped at 256 MiB (verbs:
+/// 64 MiB; the test VM has 2 GiB for both processes, and writes in flight may share a slot).
+fn region_len(o: &Opts, sizes: &[usize]) -> usize {
     let max = sizes.iter().copied().max().unwrap_or(1 << 20);
-    (max * window).min(256 << 20).max(max).max(1 << 20)
+    let cap = if on_verbs(o) { 64 << 20 } else { 256 << 20 };
+    (max * o.window).min(cap).max(max).max(1 << 20)
 }
 
 async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let sizes = bw_sizes(&ctx.o);
     let reps = if ctx.o.quick { 1 } else { 3 };
     let window = ctx.o.window;
-    let len = region_len(&sizes, window);
+    let len = region_len(&ctx.o, &sizes);
     // Event mode: engine and raw loop alternate per size, so drift on this shared machine hits
     // both (an idle Event reactor sleeps). A spinning reactor would steal a core from the raw
     // loop on 2 cores, so other modes run the engine sweep, drop the engine, then the raw one.
     let interleave = ctx.o.mode == ReactorMode::Event;
     let passes: &[(bool, bool)] = if interleave { &[(true, true)] } else { &[(true, false), (false, true)] };
     let (mut e, mut b) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
+    // On verbs, perftest's ib_write_bw too, run by the leader after each raw burst (so that
+    // drift hits all three alike), with as many bytes and as many writes in flight (`-t`).
+    let verbs = on_verbs(&ctx.o);
+    let perftest = if verbs && ctx.lead { perftest_target(ctx, "ib_write_bw").await? } else { None };
+    let mut p = vec![Vec::new(); sizes.len()];
     let mut side = Some(engine_side(ctx, ctx.o.mode, len).await?);
     let mut raw = if interleave { Some(raw_side(ctx, len).await?) } else { None };
     for &(do_engine, do_raw) in passes {
@@ -508,6 +557,17 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                                 .await?;
                         raw = Some(r2);
                     }
+                    if verbs {
+                        if let Some(t) = perftest.clone() {
+                            ctx.progress(
+                                "bw",
+                                &format!("{what}: ib_write_bw -s {size} -n {ops} -t {window}"),
+                            );
+                            let run = move || perftest::write_bw(&t, size, ops, window);
+                            p[k].push(tokio::task::spawn_blocking(run).await??);
+                        }
+                        ctx.barrier("bw-perftest").await?;
+                    }
                 }
             }
         }
@@ -520,6 +580,11 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             };
             let row = Row::new("bw", &case, "gbps", median(e[k].clone())).size(size);
             rep.push(row.baseline("raw", median(b[k].clone())));
+        }
+        for (k, &size) in sizes.iter().enumerate().filter(|_| verbs) {
+            let case = format!("{} vs ib_write_bw -t {window}", human(size));
+            let row = Row::new("bw", &case, "gbps", median(e[k].clone())).size(size);
+            rep.push(if p[k].is_empty() { row } else { row.baseline("ib_write_bw", median(p[k].clone())) });
         }
     }
     ctx.barrier("bw-end").await?;
@@ -548,6 +613,42 @@ async fn iperf3(ctx: &mut Ctx, rep: &mut Report) {
         Ok(Err(e)) => println!("iperf3 failed: {e}"),
         Err(e) => println!("iperf3 failed: {e}"),
     }
+}
+
+/// perftest's `ib_write_lat -s 8` beside the engine's 8 B round trip (verbs only). perftest
+/// reports half a round trip, so its figures are doubled here.
+async fn perftest_lat(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
+    if !on_verbs(&ctx.o) {
+        return Ok(());
+    }
+    let tool = "ib_write_lat";
+    let size = 8usize;
+    let m = mode_name(lat_mode(&ctx.o));
+    let e50 = rep.engine_of("lat", &format!("8 B p50 [{m}]")).unwrap_or(f64::NAN);
+    let e99 = rep.engine_of("lat", &format!("8 B p99 [{m}]")).unwrap_or(f64::NAN);
+    let r50 = Row::new("lat", &format!("8 B p50 [{m}] vs {tool} (2 x t_typical)"), "us", e50).size(size);
+    let r99 = Row::new("lat", &format!("8 B p99 [{m}] vs {tool} (2 x 99%)"), "us", e99).size(size);
+    let Some(t) = perftest_target(ctx, tool).await? else {
+        rep.push(r50);
+        rep.push(r99);
+        return Ok(());
+    };
+    let iters = lat_iters(&ctx.o) as u64;
+    ctx.progress("lat", &format!("{tool} -s {size} -n {iters}"));
+    let (typ, p99) = tokio::task::spawn_blocking(move || perftest::write_lat(&t, size, iters)).await??;
+    rep.push(r50.baseline(tool, 2.0 * typ));
+    rep.push(r99.baseline(tool, 2.0 * p99));
+    Ok(())
+}
+
+/// Where perftest runs, or `None` (with a note) when `tool` is not installed.
+async fn perftest_target(ctx: &Ctx, tool: &'static str) -> Res<Option<perftest::Target>> {
+    if !perftest::installed(tool) {
+        println!("{tool} not installed (Debian package perftest): its rows have no baseline");
+        return Ok(None);
+    }
+    let provider = ctx.o.provider.clone();
+    Ok(Some(tokio::task::spawn_blocking(move || perftest::Target::for_provider(&provider)).await??))
 }
 
 fn run_iperf3(secs: &str) -> Res<f64> {
@@ -795,12 +896,17 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         ctx.progress("wake", &format!("{name} x{iters}"));
         let side = Arc::new(engine_side(ctx, mode, 1 << 20).await?);
         // Some cases are pathological on 2 cores (four spinning threads): a short probe sets
-        // how many round trips fit in about 3 s, so the run stays bounded in time.
-        let probe = 20;
+        // how many round trips fit in about 3 s (verbs in the VM: 1.5 s, quick 0.5 s), so the
+        // run stays bounded in time.
+        let (probe, budget_us) = match (on_verbs(&ctx.o), ctx.o.quick) {
+            (false, _) => (20, 3e6),
+            (true, false) => (10, 1.5e6),
+            (true, true) => (10, 0.5e6),
+        };
         let rt = run_wake(ctx, case, &side, size, probe).await?;
         let n = if ctx.lead {
             let p50 = percentiles(&rt).0.max(1.0);
-            let n = (iters as f64).min(3e6 / p50).max(probe as f64) as u64;
+            let n = (iters as f64).min(budget_us / p50).max(probe as f64) as u64;
             ctx.swap("wake-n", n.to_le_bytes().to_vec()).await?;
             n as usize
         } else {
@@ -840,7 +946,13 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
 // ---------------------------------------------------------------------------------------------
 
 fn rate_ops(o: &Opts) -> u64 {
-    o.iters.map_or(if o.quick { 5_000 } else { 200_000 }, |n| n as u64)
+    let n = match (on_verbs(o), o.quick) {
+        (false, true) => 5_000,
+        (false, false) => 200_000,
+        (true, true) => 2_000,
+        (true, false) => 20_000,
+    };
+    o.iters.map_or(n, |n| n as u64)
 }
 
 const RATE_WINDOW: usize = 64;
@@ -920,10 +1032,21 @@ async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
 // ---------------------------------------------------------------------------------------------
 
 async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
-    let peer_counts: Vec<usize> = if ctx.o.quick { vec![1, 4] } else { vec![1, 4, 16, 64, 256] };
+    let verbs = on_verbs(&ctx.o);
+    let peer_counts: Vec<usize> = match (verbs, ctx.o.quick) {
+        (_, true) => vec![1, 4],
+        (false, false) => vec![1, 4, 16, 64, 256],
+        (true, false) => vec![1, 4, 16],
+    };
     let size = 64usize << 10;
-    // About 256 MiB per point (quick: 16 MiB), spread evenly over the peers.
-    let total: u64 = if ctx.o.quick { 256 } else { 4096 };
+    // About 256 MiB per point (quick: 16 MiB; verbs: 16 MiB, quick 4 MiB), spread evenly over
+    // the peers.
+    let total: u64 = match (verbs, ctx.o.quick) {
+        (false, true) => 256,
+        (false, false) => 4096,
+        (true, true) => 64,
+        (true, false) => 256,
+    };
     let mut one_peer = None;
     for &k in &peer_counts {
         ctx.progress("scale", &format!("{k} peers"));
@@ -1042,12 +1165,20 @@ fn decode_descs(b: &[u8]) -> Res<Vec<Vec<u8>>> {
 }
 
 async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
-    let counts: Vec<u64> =
-        if ctx.o.quick { vec![1, 100, 1000] } else { vec![1, 10, 100, 1000, 10_000, 100_000] };
+    let counts: Vec<u64> = match (on_verbs(&ctx.o), ctx.o.quick) {
+        (_, true) => vec![1, 100, 1000],
+        (false, false) => vec![1, 10, 100, 1000, 10_000, 100_000],
+        (true, false) => vec![1, 10, 100, 1000, 10_000],
+    };
     let side = engine_side(ctx, ReactorMode::Event, 1 << 20).await?;
     // The baseline is the raw loop's imm-only rate: measured by `rate`, or here if it did not run.
     if !(ctx.o.test == "all" || ctx.o.test == "rate") {
-        let ops = if ctx.o.quick { 5_000 } else { 50_000 };
+        let ops = match (on_verbs(&ctx.o), ctx.o.quick) {
+            (false, true) => 5_000,
+            (false, false) => 50_000,
+            (true, true) => 2_000,
+            (true, false) => 20_000,
+        };
         let raw = raw_side(ctx, 1 << 20).await?;
         if ctx.lead {
             let (_, t) =

@@ -1,13 +1,18 @@
-//! The ceiling: a `LibfabricDomain` driven directly through the `Domain` trait by one plain
-//! thread per side. Post + poll in a loop: no engine, no futures, no reactor, no queue.
+//! The ceiling: the provider's domain (a `LibfabricDomain`, or a `VerbsDomain` for
+//! `verbs[:DEV]`), opened exactly as the engine opens it and driven directly through the
+//! `Domain` trait by one plain thread per side. Post, flush, poll in a loop: no engine, no
+//! futures, no reactor, no queue.
 
 use std::collections::HashMap;
+use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use fabric_runtime::provider::libfabric::{LibfabricConfig, LibfabricDomain};
+use fabric_runtime::provider::verbs::{VerbsConfig, VerbsDomain};
 use fabric_runtime::provider::{
     Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration, RemoteSlice,
 };
+use fabric_runtime::Error;
 
 /// Tokens of posted receives carry this bit; writes use a plain counter.
 const RECV_TAG: u64 = 1 << 63;
@@ -18,8 +23,90 @@ const STALL: Duration = Duration::from_secs(60);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-pub struct Raw {
-    dom: LibfabricDomain,
+/// Whether `provider` names the ibverbs backend (`verbs`, `verbs:DEV`), as the engine reads it.
+pub fn is_verbs(provider: &str) -> bool {
+    VerbsConfig::from_provider_name(provider).is_some()
+}
+
+/// The domain of any backend the bench runs on. One branch per call; the raw loop's
+/// operations take microseconds, so this costs nothing measurable.
+// One value per side, moved only between bursts: the size of the larger variant is harmless,
+// and boxing it would put an indirection on the loop being measured.
+#[allow(clippy::large_enum_variant)]
+pub enum AnyDomain {
+    Libfabric(LibfabricDomain),
+    Verbs(VerbsDomain),
+}
+
+impl AnyDomain {
+    /// Opens the domain the engine would open for this provider name (same config).
+    pub fn open(provider: &str) -> Result<AnyDomain, Error> {
+        match VerbsConfig::from_provider_name(provider) {
+            Some(cfg) => Ok(AnyDomain::Verbs(VerbsDomain::open(&cfg)?)),
+            None => Ok(AnyDomain::Libfabric(LibfabricDomain::open(&LibfabricConfig::new(provider))?)),
+        }
+    }
+}
+
+/// `$d.$call` on whichever domain this is.
+macro_rules! each {
+    ($self:expr, $d:ident => $e:expr) => {
+        match $self {
+            AnyDomain::Libfabric($d) => $e,
+            AnyDomain::Verbs($d) => $e,
+        }
+    };
+}
+
+impl Domain for AnyDomain {
+    fn transport(&self) -> &str {
+        each!(self, d => d.transport())
+    }
+    fn address(&self) -> Vec<u8> {
+        each!(self, d => d.address())
+    }
+    fn max_msg_size(&self) -> usize {
+        each!(self, d => d.max_msg_size())
+    }
+    unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        location: MemoryLocation,
+    ) -> Result<Registration, Error> {
+        // SAFETY: forwarded from the caller.
+        each!(self, d => unsafe { d.register(addr, len, location) })
+    }
+    fn deregister(&mut self, reg: Registration) {
+        each!(self, d => d.deregister(reg))
+    }
+    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error> {
+        each!(self, d => d.add_peer(addr))
+    }
+    unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
+        // SAFETY: forwarded from the caller.
+        each!(self, d => unsafe { d.post(token, op) })
+    }
+    fn flush(&mut self) {
+        each!(self, d => d.flush())
+    }
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error> {
+        each!(self, d => d.poll(out, max))
+    }
+    fn wait_fd(&self) -> Option<RawFd> {
+        each!(self, d => d.wait_fd())
+    }
+    fn arm(&mut self) -> bool {
+        each!(self, d => d.arm())
+    }
+    fn ack_wakeup(&mut self) {
+        each!(self, d => d.ack_wakeup())
+    }
+}
+
+/// One side of the raw loop over domain `D` (the bench uses [`AnyDomain`]).
+pub struct Raw<D: Domain = AnyDomain> {
+    dom: D,
     buf: Vec<u8>,
     len: usize,
     reg: Registration,
@@ -36,10 +123,17 @@ pub struct Raw {
 }
 
 impl Raw {
-    /// Opens a domain and registers `len` bytes (plus a few receive buffers). Returns the
-    /// side and the bytes to give to the other side.
+    /// Opens the provider's domain (as the engine does) and registers `len` bytes (plus a few
+    /// receive buffers). Returns the side and the bytes to give to the other side.
     pub fn open(provider: &str, len: usize) -> Result<(Raw, Vec<u8>), BoxError> {
-        let mut dom = LibfabricDomain::open(&LibfabricConfig::new(provider))?;
+        Raw::with_domain(AnyDomain::open(provider)?, len)
+    }
+}
+
+impl<D: Domain> Raw<D> {
+    /// Registers `len` bytes (plus a few receive buffers) with `dom`. Returns the side and
+    /// the bytes to give to the other side.
+    pub fn with_domain(mut dom: D, len: usize) -> Result<(Raw<D>, Vec<u8>), BoxError> {
         let total = len + RECVS * RECV_SLOT;
         let buf = vec![0x5au8; total];
         // SAFETY: `buf` is owned by the returned `Raw`, never reallocated, and is dropped only
@@ -68,7 +162,9 @@ impl Raw {
         Ok((raw, mine))
     }
 
-    /// Adds the other side from its `open` bytes and posts the receive buffers.
+    /// Adds the other side from its `open` bytes and posts the receive buffers. Both sides
+    /// call it (verbs resolves the simultaneous open; its posts return `Again` until the
+    /// connection is up, and `post` keeps polling, which drives the handshake).
     pub fn connect(&mut self, theirs: &[u8]) -> Result<(), BoxError> {
         let n = u32::from_le_bytes(theirs[0..4].try_into()?) as usize;
         let addr = &theirs[4..4 + n];
@@ -97,8 +193,11 @@ impl Raw {
         }
     }
 
-    /// One poll of the CQ: counts immediates and local completions.
+    /// One poll of the CQ: counts immediates and local completions. Flushes first: a backend
+    /// may hold posted work until `flush` (verbs chains work requests and rings the doorbell
+    /// only there), so every post is followed by a poll before anything waits on it.
     fn poll(&mut self) -> Result<(), BoxError> {
+        self.dom.flush();
         let mut comps = std::mem::take(&mut self.comps);
         if self.dom.poll(&mut comps, 64)? == 0 && self.yield_idle {
             std::thread::yield_now();
@@ -145,6 +244,8 @@ impl Raw {
                 return Err("raw loop: the send queue stayed full".into());
             }
         }
+        // To the NIC now, not at the next poll (a ping-pong waits on the answer to this one).
+        self.dom.flush();
         Ok(())
     }
 
@@ -206,6 +307,7 @@ impl Raw {
                 }
                 posted += 1;
             }
+            // `poll` flushes the batch just posted (one doorbell on verbs), then reaps.
             self.poll()?;
             if t0.elapsed() > STALL {
                 return Err("raw stream stalled".into());
@@ -246,7 +348,7 @@ impl Raw {
     }
 }
 
-impl Drop for Raw {
+impl<D: Domain> Drop for Raw<D> {
     fn drop(&mut self) {
         // Completions still owed by the provider are flushed by closing the endpoint (in
         // the domain's own Drop), which happens after this deregistration: the buffer itself
@@ -256,7 +358,7 @@ impl Drop for Raw {
     }
 }
 
-impl Raw {
+impl<D: Domain> Raw<D> {
     fn drain_briefly(&mut self) -> Result<(), BoxError> {
         let t = Instant::now();
         while self.outstanding > 0 && t.elapsed() < Duration::from_secs(1) {

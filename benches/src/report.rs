@@ -64,8 +64,11 @@ fn fmt(v: f64) -> String {
         format!("{:.0}", v)
     } else if v.abs() >= 100.0 {
         format!("{:.1}", v)
-    } else {
+    } else if v.abs() >= 1.0 || v == 0.0 {
         format!("{:.2}", v)
+    } else {
+        // Three significant digits at least (Soft-RoCE in the VM moves ~0.1-0.4 Gbit/s).
+        format!("{:.3}", v)
     }
 }
 
@@ -94,6 +97,11 @@ impl Report {
         self.rows.iter().filter(|r| {
             r.test == "bw" && r.baseline.as_ref().is_some_and(|(n, _)| n == "raw") && r.size.is_some()
         })
+    }
+
+    /// The engine figure of the row `test`/`case`.
+    pub fn engine_of(&self, test: &str, case: &str) -> Option<f64> {
+        self.rows.iter().find(|r| r.test == test && r.case == case).map(|r| r.engine)
     }
 
     /// The engine's bandwidth at `size` from the sweep (or the nearest size above it).
