@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
-//!     [--domains 1] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
+//!     [--domains N] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
 //! ```
 //!
 //! This process is the leader. It starts a second copy of itself as the peer; the two meet
@@ -56,6 +56,8 @@ struct Opts {
     /// Reactor mode of the engine in bw and rate (default Event).
     mode: ReactorMode,
     peer_of: Option<String>,
+    /// NICs (domains) per engine: `EngineBuilder::domains`. The raw baselines use one.
+    domains: usize,
 }
 
 /// Whether the run is on the ibverbs backend. The only verbs device on these machines is
@@ -66,9 +68,20 @@ fn on_verbs(o: &Opts) -> bool {
     raw::is_verbs(&o.provider)
 }
 
+/// An engine builder for the run's provider and NIC count. `--domains N` shards every
+/// engine transfer over N domains (the default 1 MiB shards); the raw baselines stay on one.
+fn builder(o: &Opts) -> fabric_async::EngineBuilder {
+    let b = Engine::builder().provider(&o.provider);
+    if o.domains > 1 {
+        b.domains(o.domains)
+    } else {
+        b
+    }
+}
+
 fn usage() -> ! {
     eprintln!(
-        "usage: fabric-bench <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]] [--domains 1]\n\
+        "usage: fabric-bench <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]] [--domains N]\n\
          \x20                   [--sizes 4K,64K,1M,..] [--iters N] [--window N] [--json PATH]\n\
          \x20                   [--plot PATH] [--quick] [--mode event|adaptive|busypoll]\n\
          \n\
@@ -111,6 +124,7 @@ fn parse() -> Opts {
         quick: false,
         mode: ReactorMode::Event,
         peer_of: None,
+        domains: 1,
     };
     let mut window = None;
     let mut args = std::env::args().skip(1);
@@ -119,14 +133,7 @@ fn parse() -> Opts {
         match k.as_str() {
             "--provider" => o.provider = val(),
             "--domains" => {
-                let n: usize = val().parse().unwrap_or_else(|_| usage());
-                if n != 1 {
-                    eprintln!(
-                        "fabric-bench: --domains {n}: only 1 domain (NIC) per engine is supported until \
-                         multi-NIC support lands in fabric-runtime"
-                    );
-                    std::process::exit(2);
-                }
+                o.domains = val().parse().ok().filter(|n| *n > 0).unwrap_or_else(|| usage());
             }
             "--sizes" => {
                 let v: Option<Vec<usize>> = val().split(',').map(parse_size).collect();
@@ -237,11 +244,16 @@ async fn leader_main(o: Opts) -> Res<()> {
     let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0 };
     let mut rep = Report::new(&o.provider);
     eprintln!(
-        "fabric-bench {} on {} ({} cores){}",
+        "fabric-bench {} on {} ({} cores){}{}",
         o.test,
         o.provider,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
-        if o.quick { ", quick" } else { "" }
+        if o.quick { ", quick" } else { "" },
+        if o.domains > 1 {
+            format!(", engines with {} domains (raw baselines: 1)", o.domains)
+        } else {
+            String::new()
+        }
     );
     let t0 = Instant::now();
     let result = run_tests(&mut ctx, &mut rep).await;
@@ -322,7 +334,7 @@ struct Side {
 }
 
 async fn engine_side(ctx: &mut Ctx, mode: ReactorMode, len: usize) -> Res<Side> {
-    let engine = Engine::builder().provider(&ctx.o.provider).mode(mode).build()?;
+    let engine = builder(&ctx.o).mode(mode).build()?;
     let region = engine.alloc(len).await?;
     fill(&region)?;
     let theirs = ctx.swap("engine", region.descriptor().to_bytes()).await?;
@@ -454,8 +466,15 @@ async fn engine_stream(s: &Side, size: usize, ops: u64, window: usize) -> Res<Du
     Ok(t0.elapsed())
 }
 
-async fn engine_absorb(s: &Side, ops: u64) -> Res<()> {
-    s.engine.imm_counter(IMM_DATA).wait_for(ops).await.expect("engine shut down during the benchmark");
+/// Waits for the arrivals of `ops` write_imm of `size` bytes (`0`: imm-only): with several
+/// domains a write larger than a shard is several arrivals (`Engine::write_arrivals`).
+async fn engine_absorb(s: &Side, ops: u64, size: usize) -> Res<()> {
+    let per_op = s.engine.write_arrivals(&s.remote, size as u64)?;
+    s.engine
+        .imm_counter(IMM_DATA)
+        .wait_for(ops * per_op)
+        .await
+        .expect("engine shut down during the benchmark");
     s.engine.imm(&s.remote, IMM_ACK).await?;
     Ok(())
 }
@@ -539,7 +558,7 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     if ctx.lead {
                         e[k].push(gbps(size as u64 * ops, engine_stream(s, size, ops, window).await?));
                     } else {
-                        engine_absorb(s, ops).await?;
+                        engine_absorb(s, ops, size).await?;
                     }
                 }
                 if do_raw {
@@ -997,7 +1016,7 @@ async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             raw = Some(r2);
             b.push(ops as f64 / t.as_secs_f64());
         } else {
-            engine_absorb(&side, ops).await?;
+            engine_absorb(&side, ops, 0).await?;
             let (r2, ()) =
                 on_thread(raw.take().expect("raw"), move |r| r.absorb(ops, IMM_DATA, IMM_ACK)).await?;
             raw = Some(r2);
@@ -1021,7 +1040,7 @@ async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         let row = Row::new("rate", &format!("imm post_imm+OpBatch, window {RATE_WINDOW}"), "ops_per_s", v);
         rep.push(row.baseline("raw", rep.raw_rate().unwrap_or(f64::NAN)));
     } else {
-        engine_absorb(&side, ops).await?;
+        engine_absorb(&side, ops, 0).await?;
     }
     ctx.barrier("rate-batch-end").await?;
     Ok(())
@@ -1054,7 +1073,7 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         // The peer process hosts k engines (k reactor threads, k endpoints); the leader has
         // one engine with k peers.
         if ctx.lead {
-            let engine = Engine::builder().provider(&ctx.o.provider).build()?;
+            let engine = builder(&ctx.o).build()?;
             let src = engine.alloc(size).await?;
             fill(&src)?;
             let theirs = ctx.swap("scale", src.descriptor().to_bytes()).await?;
@@ -1115,7 +1134,7 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             let rss0 = rss();
             let mut engines = Vec::with_capacity(k);
             for _ in 0..k {
-                let e = Engine::builder().provider(&ctx.o.provider).build()?;
+                let e = builder(&ctx.o).build()?;
                 let r = e.alloc(size).await?;
                 engines.push((e, r));
             }
@@ -1209,7 +1228,7 @@ async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             let per = rss1.saturating_sub(rss0) as f64 / n as f64;
             rep.push(Row::new("scale", &format!("{n} in flight: RSS per future"), "bytes", per));
         } else {
-            engine_absorb(&side, n).await?;
+            engine_absorb(&side, n, 0).await?;
         }
     }
     ctx.barrier("inflight-end").await?;
