@@ -137,6 +137,23 @@ impl<'a> Transfers<'a> {
         Ok(())
     }
 
+    /// Checks the local side of a transfer of `len` bytes: its address, and the region to
+    /// keep alive until the NIC is done (none for imm-only writes).
+    fn local(
+        &self,
+        local: Option<(&MemoryRegion, u64)>,
+        len: u64,
+    ) -> Result<(u64, Option<Arc<RegionShared>>)> {
+        match local {
+            Some((r, off)) => {
+                self.check_local(r)?;
+                r.check(off, len)?;
+                Ok((r.as_ptr() as u64 + off, Some(r.inner.clone())))
+            }
+            None => Ok((0, None)),
+        }
+    }
+
     fn check_group(&self, g: &PeerGroup) -> Result<()> {
         if g.engine != self.id() {
             return Err(Error::Config("the peer group was made by another engine".into()));
@@ -243,14 +260,7 @@ impl<'a> Transfers<'a> {
     ) -> Result<Plan> {
         self.check_remote(remote)?;
         remote.check(remote_off, len)?;
-        let (local_addr, keep) = match local {
-            Some((r, off)) => {
-                self.check_local(r)?;
-                r.check(off, len)?;
-                (r.as_ptr() as u64 + off, Some(r.inner.clone()))
-            }
-            None => (0, None),
-        };
+        let (local_addr, keep) = self.local(local, len)?;
         let mut plan = Plan { ops: Vec::new(), keep, then: Vec::new() };
         let start = self.shared().next_start();
         self.plan_contiguous(&mut plan, local_addr, remote, remote_off, len, imm, kind, start)?;
@@ -539,7 +549,8 @@ impl<'a> Transfers<'a> {
     }
 
     /// The request of the synchronous fast path: one operation on one NIC, never sharded
-    /// (so one completion and one arrival per call).
+    /// (so one completion and one arrival per call). Builds the request directly, with no
+    /// plan or shard list, so posting allocates nothing.
     pub(crate) fn single(
         &self,
         src: Option<(&MemoryRegion, u64)>,
@@ -548,24 +559,13 @@ impl<'a> Transfers<'a> {
         len: u64,
         imm: u32,
     ) -> Result<(OpReq, Option<Arc<RegionShared>>)> {
-        let single = TransferOpts {
-            route: match self.opts.route {
-                crate::pure::route::Route::Sharded { .. } => {
-                    crate::pure::route::Route::Sharded { chunk: u64::MAX }
-                }
-                r => r,
-            },
-            arrivals: Arrivals::PerShard,
-        };
-        let mut plan = Transfers { opts: single, ..*self }.contiguous(
-            src,
-            dst,
-            dst_off,
-            len,
-            Some(imm),
-            OpKind::Write,
-        )?;
-        let req = plan.ops.pop().expect("an imm write is one operation");
-        Ok((req, plan.keep))
+        self.check_remote(dst)?;
+        dst.check(dst_off, len)?;
+        let nics = self.shared().nics;
+        self.opts.validate(nics)?;
+        let (local_addr, keep) = self.local(src, len)?;
+        let nic = self.opts.nic_of(0, nics, self.shared().next_start());
+        let local_addr = if len == 0 { 0 } else { local_addr };
+        Ok((Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, Some(imm)), keep))
     }
 }
