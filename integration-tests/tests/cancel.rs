@@ -7,13 +7,15 @@ use std::task::Context;
 use std::time::Duration;
 
 use fabric_async::bootstrap::Rendezvous;
-use fabric_async::Engine;
+use fabric_async::{Engine, OpFuture};
 use integration_tests::{fill_pattern, get, get_str, hash, providers, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
-const SIZE: usize = 1 << 20;
+const SIZE: usize = 2 << 20;
 const SENTINEL: u8 = 0xEE;
 const WRITES: usize = 100;
+/// Writes awaited to completion in between (one per 10 created), to other ranges.
+const AWAITED: usize = WRITES / 10;
 
 fn range(i: usize) -> (u64, u64) {
     ((i * 10_000 + (i % 7) * 13) as u64, (1000 + (i * 37) % 5000) as u64)
@@ -21,7 +23,7 @@ fn range(i: usize) -> (u64, u64) {
 
 async fn cancel(provider: &str) {
     let (_server, store, addr) = store().await;
-    let wait = format!("5={}", WRITES + 1);
+    let wait = format!("5={}", WRITES + AWAITED + 1);
     let mut peer = Peer::spawn(
         PEER,
         addr,
@@ -41,36 +43,60 @@ async fn cancel(provider: &str) {
         rng ^= rng << 17;
         rng
     };
+    // All WRITES futures are dropped, none awaited to its end: each is created (which
+    // submits its write), polled a random number of times at random moments, and dropped at
+    // a random later point, in random order. Awaited writes to other ranges run in
+    // between, so the engine is busy with live and abandoned operations at once.
     let waker = futures::task::noop_waker();
+    let mut live = Vec::new();
+    let mut dropped = 0;
+    let mut pending_at_drop = 0;
+    let mut awaited = 0;
+    let mut drop_one = |live: &mut Vec<(OpFuture, bool)>, i: usize| {
+        let (f, pending) = live.swap_remove(i);
+        pending_at_drop += pending as usize;
+        dropped += 1;
+        drop(f);
+    };
     for i in 0..WRITES {
         let (off, len) = range(i);
-        let mut f = engine.write_imm(&src, off, &dst, off, len, 5);
-        match next() % 4 {
-            0 => drop(f), // never polled
-            1 => {
-                // polled once, then dropped
-                let _ = Pin::new(&mut f).poll(&mut Context::from_waker(&waker));
-                drop(f);
-            }
-            2 => {
-                // raced against a short timer, dropped if the timer wins
-                let d = Duration::from_micros(next() % 200);
-                let _ = tokio::time::timeout(d, f).await;
-            }
-            _ => f.await.expect("an awaited write succeeds"),
+        live.push((engine.write_imm(&src, off, &dst, off, len, 5), true));
+        for _ in 0..next() % 3 {
+            let k = next() as usize % live.len();
+            let (f, pending) = &mut live[k];
+            *pending = Pin::new(f).poll(&mut Context::from_waker(&waker)).is_pending();
+        }
+        if next() % 2 == 0 {
+            let k = next() as usize % live.len();
+            drop_one(&mut live, k);
+        }
+        if i % 10 == 9 {
+            let (off, len) = range(WRITES + awaited);
+            engine.write_imm(&src, off, &dst, off, len, 5).await.expect("an awaited write succeeds");
+            awaited += 1;
+        } else if next() % 4 == 0 {
+            tokio::task::yield_now().await;
         }
     }
+    while !live.is_empty() {
+        let k = next() as usize % live.len();
+        drop_one(&mut live, k);
+    }
+    assert_eq!((dropped, awaited), (WRITES, AWAITED), "every write future dropped");
+    eprintln!(
+        "{provider}: {dropped} write futures dropped, {pending_at_drop} of them pending at their last poll"
+    );
     // The source region handle goes away too while writes may still be in flight: the
     // operations keep its memory registered and alive until they complete.
     drop(src);
 
     // The engine keeps working: one more write, awaited.
     let src2 = engine.register(data.clone()).await.expect("register again");
-    let (off, len) = range(WRITES);
+    let (off, len) = range(WRITES + AWAITED);
     engine.write_imm(&src2, off, &dst, off, len, 5).await.expect("engine still works");
 
     let mut expected = vec![SENTINEL; SIZE];
-    for i in 0..=WRITES {
+    for i in 0..=WRITES + AWAITED {
         let (off, len) = range(i);
         let (o, l) = (off as usize, len as usize);
         expected[o..o + l].copy_from_slice(&data[o..o + l]);
