@@ -317,6 +317,25 @@ fn unknown_provider_is_not_found() {
     }
 }
 
+/// A provider that exists but cannot carry the remote CQ data asked for is told apart from
+/// a missing one: real `fi_getinfo` calls, the full hints refused, the minimal ones not.
+#[test]
+fn provider_without_enough_cq_data_is_refused() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    for provider in ["tcp", "shm"] {
+        let cfg = LibfabricConfig { cq_data_size: 64, ..LibfabricConfig::new(provider) };
+        match LibfabricDomain::open(&cfg) {
+            Err(Error::NoRemoteCqData { provider: p, reason }) => {
+                assert!(p.starts_with(provider), "{p}");
+                assert!(reason.contains("remote CQ data"), "{reason}");
+            }
+            other => panic!("{provider}: expected NoRemoteCqData, got {other:?}"),
+        }
+        // The same provider with the immediate's 4 bytes opens.
+        LibfabricDomain::open(&LibfabricConfig::new(provider)).expect("4 bytes of CQ data");
+    }
+}
+
 #[test]
 fn bad_peer_addresses_are_malformed() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

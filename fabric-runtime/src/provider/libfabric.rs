@@ -85,6 +85,10 @@ pub struct LibfabricConfig {
     /// The libfabric domain (NIC) to open, by its `fi_info` domain name (EFA:
     /// `"rdmap16s27-rdm"`; `fi_info -p efa` lists them). `None`: the provider's first.
     pub domain: Option<String>,
+    /// Bytes of remote CQ data every write must be able to carry: 4 (the 32-bit immediate)
+    /// by default. A provider offering less is refused with [`Error::NoRemoteCqData`] (every
+    /// provider of libfabric 1.17 offers 8, so asking for more is how that path is tested).
+    pub cq_data_size: usize,
 }
 
 impl LibfabricConfig {
@@ -97,6 +101,7 @@ impl LibfabricConfig {
             tx_depth: None,
             rx_depth: None,
             domain: None,
+            cq_data_size: IMM_BYTES,
         }
     }
 }
@@ -471,7 +476,7 @@ impl Query {
                 let d = (*h).domain_attr;
                 (*d).mr_mode = MR_MODE_OFFERED as c_int;
                 (*d).threading = sys::FI_THREAD_DOMAIN;
-                (*d).cq_data_size = IMM_BYTES;
+                (*d).cq_data_size = cfg.cq_data_size.max(IMM_BYTES);
                 if let Some(n) = cfg.tx_depth {
                     (*(*h).tx_attr).size = n;
                 }
@@ -558,10 +563,10 @@ impl LibfabricDomain {
             };
             ((*d).cq_data_size, (*d).mr_mode as u32, (*i).addr_format, (*(*i).ep_attr).max_msg_size, resolved)
         };
-        if cq_data_size < IMM_BYTES {
+        if cq_data_size < cfg.cq_data_size.max(IMM_BYTES) {
             return Err(Error::NoRemoteCqData {
                 provider: resolved,
-                reason: format!("cq_data_size is {cq_data_size}, need {IMM_BYTES}"),
+                reason: format!("cq_data_size is {cq_data_size}, need {}", cfg.cq_data_size.max(IMM_BYTES)),
             });
         }
         tracing::debug!(provider = %resolved, mr_mode = format_args!("{mr_mode:#x}"), "libfabric provider chosen");
