@@ -395,6 +395,19 @@ mod tests {
     }
 
     #[test]
+    fn dropped_pending_wait_leaves_everything_for_the_next() {
+        let c = counter();
+        c.cell.arrive(100);
+        let mut big = c.wait_for(150);
+        assert_eq!(poll(&mut big), Poll::Pending);
+        drop(big);
+        assert_eq!(c.available(), 100);
+        let mut f = c.wait_for(100);
+        assert_eq!(poll(&mut f), Poll::Ready(()));
+        assert_eq!(c.available(), 0);
+    }
+
+    #[test]
     fn waits_then_consumes_exactly_n() {
         let c = counter();
         let mut f = c.wait_for(5);

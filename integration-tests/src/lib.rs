@@ -26,6 +26,13 @@ pub fn primary() -> String {
     providers().into_iter().next().unwrap_or_else(|| "tcp".into())
 }
 
+/// Says that a test did not run, and why, on the process's stderr: the test harness
+/// captures `println!` and `eprintln!`, and a skip must be visible without `--nocapture`.
+pub fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {test}: {why}");
+}
+
 /// A transport other than `p`, for tests of foreign descriptors.
 pub fn other_than(p: &str) -> &'static str {
     if p == "shm" {

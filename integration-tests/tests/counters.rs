@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use fabric_async::bootstrap::Rendezvous;
 use fabric_async::{Engine, ImmCounterExt};
-use integration_tests::{get_str, plan_counts, primary, providers, store, storm_plan, Peer};
+use integration_tests::{get_str, plan_counts, primary, providers, skipped, store, storm_plan, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 
@@ -26,10 +26,15 @@ async fn storm(provider: &str, total: usize, tasks: usize, distinct: u32) {
     assert_eq!(counts.values().sum::<u64>(), total as u64);
     let (&first_imm, &first_n) = counts.iter().next().unwrap();
     let first = engine.imm_counter(first_imm);
-    // A wait for one more than will ever arrive times out and consumes nothing.
-    assert!(first.wait_for_timeout(first_n, Duration::from_secs(30)).await.unwrap());
-    // Put them back by not consuming: re-check with a fresh window instead.
-    for (&imm, &n) in counts.iter().skip(1) {
+    // Wait until all of the first value's arrivals are there ...
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while first.available() < first_n && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ... then a wait for one more than was sent times out and consumes nothing.
+    assert!(!first.wait_for_timeout(first_n + 1, Duration::from_millis(200)).await.unwrap());
+    assert_eq!(first.available(), first_n, "{provider}: a timed-out wait consumed arrivals");
+    for (&imm, &n) in &counts {
         let c = engine.imm_counter(imm);
         assert!(
             c.wait_for_timeout(n, Duration::from_secs(30)).await.unwrap(),
@@ -57,7 +62,7 @@ async fn eight_tasks_ten_thousand_shuffled_imms_exact_counts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_run_on_udp() {
     if !providers().iter().any(|p| p == "tcp") {
-        println!("SKIPPED: udp runs with the libfabric suite (FABRIC_TEST_PROVIDERS has no tcp)");
+        skipped("small_run_on_udp", "udp runs with the libfabric suite (FABRIC_TEST_PROVIDERS has no tcp)");
         return;
     }
     storm("udp", 200, 2, 4).await;
@@ -92,14 +97,22 @@ async fn timed_out_wait_consumes_nothing_and_early_arrivals_count() {
     a.unwrap();
     b.unwrap();
     assert_eq!(c.available(), 0);
-    // select!: the counter loses to a ready branch without losing arrivals.
+    // select!: a wait that was polled (and registered its waker) loses to a timer and is
+    // dropped while pending; it consumes nothing, and a later wait gets every arrival.
     let c2 = engine.imm_counter(101);
-    tokio::select! {
-        biased;
-        _ = std::future::ready(()) => {}
-        _ = c2.wait_for(50) => panic!("not polled first"),
-    }
+    let mut polled = false;
+    {
+        let wait = c2.wait_for(150);
+        tokio::pin!(wait);
+        tokio::select! {
+            biased;
+            _ = &mut wait => panic!("150 of 100 cannot be satisfied"),
+            _ = async { polled = true; tokio::time::sleep(Duration::from_millis(100)).await } => {}
+        }
+    } // the pending wait is dropped here
+    assert!(polled, "the wait was polled first (biased), then the timer won");
     assert!(c2.wait_for_timeout(100, Duration::from_secs(10)).await.unwrap());
+    assert_eq!(c2.available(), 0, "exactly 100 arrivals of 101");
     store.put("writer/exit", vec![]).await.unwrap();
     assert!(peer.wait_success(Duration::from_secs(20)).await);
 }
