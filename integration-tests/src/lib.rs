@@ -174,7 +174,28 @@ pub async fn get_str(store: &TcpStore, key: &str) -> String {
     String::from_utf8(get(store, key).await).expect("utf-8 value")
 }
 
-/// CPU time (user + system) this process has used so far.
+/// Per thread of this process named `fabric-reactor`: its id and the time it has spent
+/// runnable (running on a CPU plus waiting in the run queue for one; `schedstat` in /proc).
+/// A spinning thread is runnable all the time however loaded the machine is; a sleeping
+/// one is not, so this tells the two apart where CPU time alone would depend on the load.
+pub fn reactor_runnable_times() -> Vec<(u32, Duration)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").expect("/proc/self/task").flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != "fabric-reactor" {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
+        let ns: Vec<u64> = stat.split_whitespace().take(2).filter_map(|x| x.parse().ok()).collect();
+        let tid = task.file_name().to_string_lossy().parse().unwrap_or(0);
+        if let [run, wait] = ns[..] {
+            out.push((tid, Duration::from_nanos(run + wait)));
+        }
+    }
+    out
+}
+
+/// CPU time (user + system) of this whole process so far.
 pub fn process_cpu_time() -> Duration {
     // SAFETY: getrusage only writes the struct we pass, which is plain data.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
