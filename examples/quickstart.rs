@@ -33,7 +33,7 @@ struct Opts {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: quickstart [--provider tcp|shm|udp] [--size MiB] [--chunk KiB] [--window N] [--rounds N]"
+        "usage: quickstart [--provider tcp|shm|udp|verbs[:DEV]] [--size MiB] [--chunk KiB] [--window N] [--rounds N]"
     );
     std::process::exit(2)
 }

@@ -37,7 +37,7 @@ use crate::sync::{lock, Arc, AtomicU64, Mutex, Ordering};
 /// Shared state of one immediate value's counter.
 pub(crate) struct CounterCell {
     imm: u32,
-    /// Arrivals not yet consumed (low 63 bits) and [`QUEUED`]: set while `waiters` is not
+    /// Arrivals not yet consumed ([`COUNT`], low 62 bits), [`CLOSED`], and [`QUEUED`]: set while `waiters` is not
     /// empty, so the arrival path knows when it must take the lock.
     state: AtomicU64,
     /// Arrivals ever seen (for metrics and `Debug`).

@@ -461,10 +461,10 @@ fn bad_remote_key(provider: &str, read: bool) -> Completion {
     c
 }
 
-/// Measured on libfabric 1.17: only tcp;ofi_rxm reports a bad key to the initiator, and only
-/// for a read (`Failed`, errno 125 ECANCELED, provider text "No such file or directory"). A
-/// small write completes locally (`Done`) before the target checks the key, on tcp and shm;
-/// shm does not check the key of a read either. In every case: exactly one completion.
+/// Measured on libfabric 1.17: tcp;ofi_rxm reports a bad key to the initiator for a read and,
+/// because the backend asks for delivery-complete writes, for a write too (`Failed`, errno
+/// 125 ECANCELED, provider text "No such file or directory"). shm does not check keys at all
+/// (its writes and reads complete `Done`). In every case: exactly one completion.
 #[test]
 fn bad_remote_key_gives_one_completion() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -475,7 +475,14 @@ fn bad_remote_key_gives_one_completion() {
         }
         other => panic!("tcp read with a bad key gave {other:?}"),
     }
-    for (p, read) in [("tcp", false), ("shm", false), ("shm", true)] {
+    match bad_remote_key("tcp", false) {
+        Completion::Failed { token: 9, errno, message } => {
+            assert!(errno > 0, "errno {errno}");
+            assert!(!message.is_empty());
+        }
+        other => panic!("tcp write with a bad key gave {other:?} (delivery-complete lost?)"),
+    }
+    for (p, read) in [("shm", false), ("shm", true)] {
         let c = bad_remote_key(p, read);
         assert!(
             matches!(c, Completion::Done { token: 9 } | Completion::Failed { token: 9, .. }),
