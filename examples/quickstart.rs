@@ -1,7 +1,7 @@
 //! Quickstart: a real RDMA-style transfer between two processes on this machine.
 //!
 //! ```text
-//! cargo run --release --example quickstart -- [--provider tcp|shm|udp] [--size MiB]
+//! cargo run --release --example quickstart -- [--provider tcp|shm|udp|verbs[:DEV]] [--size MiB]
 //!                                             [--chunk KiB] [--window N] [--rounds N]
 //! ```
 //!
