@@ -306,3 +306,62 @@ fn chained_posts_reach_the_nic_on_flush() {
     });
     assert_eq!(bbuf.bytes(0, 10 * 1024), data);
 }
+
+/// The GID index can be given instead of chosen (builder, config and environment), and a
+/// wrong one is refused before anything is created: outside the table, or an empty entry.
+#[test]
+fn gid_index_is_overridable_and_checked() {
+    // On any machine: the verbs-only knobs are refused on another provider.
+    for b in [
+        fabric_runtime::Engine::builder().provider("tcp").verbs_gid_index(1),
+        fabric_runtime::Engine::builder().provider("tcp").verbs_port(1),
+    ] {
+        match b.build() {
+            Err(Error::Config(m)) => assert!(m.contains("verbs"), "{m}"),
+            other => panic!("verbs knobs on tcp: {other:?}"),
+        }
+    }
+    let Some(auto) = open() else { return };
+    let (name, port, chosen) = {
+        let (n, p, g) = auto.device();
+        (n.to_owned(), p, g)
+    };
+    drop(auto);
+    let cfg = |gid_index| VerbsConfig {
+        device: Some(name.clone()),
+        port: Some(port),
+        gid_index: Some(gid_index),
+        ..VerbsConfig::default()
+    };
+    let d = VerbsDomain::open(&cfg(chosen)).expect("the chosen index, given explicitly");
+    assert_eq!(d.device(), (name.as_str(), port, chosen));
+    drop(d);
+    match VerbsDomain::open(&cfg(4096)) {
+        Err(Error::Config(m)) => assert!(m.contains("outside"), "{m}"),
+        other => panic!("GID index 4096: {other:?}"),
+    }
+    let zero = "0000:0000:0000:0000:0000:0000:0000:0000";
+    let empty = (0..256u32).find(|i| {
+        std::fs::read_to_string(format!("/sys/class/infiniband/{name}/ports/{port}/gids/{i}"))
+            .is_ok_and(|g| g.trim() == zero)
+    });
+    match empty {
+        Some(i) => match VerbsDomain::open(&cfg(i)) {
+            Err(Error::Config(m)) => assert!(m.contains("empty"), "{m}"),
+            other => panic!("empty GID index {i}: {other:?}"),
+        },
+        None => eprintln!("{name} port {port}: no empty GID entry below 256 to try"),
+    }
+    // Through the engine builder: the same index, on the named device.
+    let engine = fabric_runtime::Engine::builder()
+        .provider(format!("verbs:{name}"))
+        .verbs_port(port)
+        .verbs_gid_index(chosen)
+        .build()
+        .expect("engine with an explicit GID index");
+    drop(engine);
+    match fabric_runtime::Engine::builder().provider(format!("verbs:{name}")).verbs_gid_index(4096).build() {
+        Err(Error::Config(m)) => assert!(m.contains("outside"), "{m}"),
+        other => panic!("engine with GID index 4096: {other:?}"),
+    }
+}

@@ -311,6 +311,8 @@ pub struct EngineBuilder {
     pub(crate) nics: Vec<String>,
     pub(crate) domains: Option<usize>,
     pub(crate) transfer: TransferOpts,
+    pub(crate) verbs_port: Option<u8>,
+    pub(crate) verbs_gid_index: Option<u32>,
 }
 
 impl Default for EngineBuilder {
@@ -329,6 +331,8 @@ impl Default for EngineBuilder {
             nics: Vec::new(),
             domains: None,
             transfer: TransferOpts::default(),
+            verbs_port: None,
+            verbs_gid_index: None,
         }
     }
 }
@@ -378,6 +382,25 @@ impl EngineBuilder {
     /// The local address to bind (for `tcp`/`udp`: an IP address; default `127.0.0.1`).
     pub fn node(mut self, node: impl Into<String>) -> Self {
         self.node = Some(node.into());
+        self
+    }
+
+    /// verbs: the port of every device to use. Default: the first ACTIVE port. Building an
+    /// engine on another provider with this set is an [`Error::Config`].
+    pub fn verbs_port(mut self, port: u8) -> Self {
+        self.verbs_port = Some(port);
+        self
+    }
+
+    /// verbs: the GID index to use on every device, instead of the one chosen by type and
+    /// address (RoCEv2 with an IPv4 address first, then RoCEv2 IPv6, then RoCEv1/IB; never a
+    /// fixed index). For setups whose routable GID is not the first of its kind, such as a
+    /// RoCE VLAN interface. `FABRIC_VERBS_GID_INDEX` sets it from the environment (the
+    /// builder method wins). An index outside the port's GID table, or one naming an empty
+    /// entry, fails the build with [`Error::Config`]. Building an engine on another provider
+    /// with this set is an [`Error::Config`].
+    pub fn verbs_gid_index(mut self, index: u32) -> Self {
+        self.verbs_gid_index = Some(index);
         self
     }
 
@@ -496,9 +519,23 @@ impl EngineBuilder {
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
         }
-        if self.provider == "verbs" || self.provider.starts_with("verbs:") {
+        let verbs = self.provider == "verbs" || self.provider.starts_with("verbs:");
+        if !verbs && (self.verbs_port.is_some() || self.verbs_gid_index.is_some()) {
+            return Err(Error::Config(format!(
+                "verbs_port / verbs_gid_index apply to the verbs provider, not {:?}",
+                self.provider
+            )));
+        }
+        if verbs {
             #[cfg(feature = "verbs")]
             {
+                let gid_index = match (self.verbs_gid_index, std::env::var("FABRIC_VERBS_GID_INDEX")) {
+                    (Some(i), _) => Some(i),
+                    (None, Ok(v)) => Some(v.trim().parse().map_err(|_| {
+                        Error::Config(format!("FABRIC_VERBS_GID_INDEX={v:?} is not a GID index"))
+                    })?),
+                    (None, Err(_)) => None,
+                };
                 let names: Vec<String> = match self.provider.strip_prefix("verbs:") {
                     Some(_) if !self.nics.is_empty() => {
                         return Err(Error::Config(format!(
@@ -516,6 +553,8 @@ impl EngineBuilder {
                 for device in self.nic_list(names)? {
                     let cfg = crate::provider::verbs::VerbsConfig {
                         device,
+                        port: self.verbs_port,
+                        gid_index,
                         max_msg_size: self.max_msg_size,
                         ..Default::default()
                     };

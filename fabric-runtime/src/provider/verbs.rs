@@ -934,7 +934,17 @@ impl VerbsDomain {
             .map_err(|_| Error::Config(format!("max_msg_size {} exceeds 4 GiB", cfg.max_msg_size)))?;
         let Chosen { ctx, name, port, attr, port_attr } = choose_device(cfg)?;
         let gid_index = match cfg.gid_index {
-            Some(i) => i,
+            Some(i) => {
+                // The index travels in a u8 field of the address handle and QP attributes
+                // (`sgid_index`); an index outside the table would be silently wrong.
+                let len = u32::try_from(port_attr.gid_tbl_len).unwrap_or(0).min(256);
+                if i >= len {
+                    return Err(Error::Config(format!(
+                        "GID index {i} is outside {name} port {port}'s GID table (0..{len})"
+                    )));
+                }
+                i
+            }
             None => {
                 let table = gid_table(&ctx, &name, port, port_attr.gid_tbl_len);
                 select_gid(&table)
@@ -949,6 +959,9 @@ impl VerbsDomain {
         })?;
         // SAFETY: raw is the byte view of the GID union.
         let gid = unsafe { gid.raw };
+        if gid == [0u8; 16] {
+            return Err(Error::Config(format!("GID index {gid_index} of {name} port {port} is empty")));
+        }
         tracing::debug!(device = %name, port, gid_index, gid = ?gid, "verbs device chosen");
 
         let cap = |v: c_int, want: u64| want.min(u64::try_from(v).unwrap_or(0).max(1));
