@@ -259,7 +259,12 @@ fn one_sided_add_and_bad_key() {
     let bad = RemoteSlice { addr: cbuf.base, key: cbuf.key ^ 0xff00 };
     post(ds, &mut got, 0, 2, Op::Write { peer: hc, local: abuf.slice(0, 64), remote: bad, imm: None });
     pump(ds, &mut got, |g| g[0].iter().any(|c| matches!(c, Completion::Failed { token: 2, .. })));
-    println!("bad key: {:?}", got[0].iter().find(|c| matches!(c, Completion::Failed { .. })));
+    match got[0].iter().find(|c| matches!(c, Completion::Failed { .. })) {
+        Some(Completion::Failed { errno, message, .. }) => {
+            assert_eq!(*errno, libc::EACCES, "remote access error: {message}");
+        }
+        other => panic!("{other:?}"),
+    }
     // SAFETY: leaked, registered memory.
     match unsafe { ds[0].post(3, &Op::Send { peer: hc, local: abuf.slice(0, 8) }) } {
         Err(PostError::Failed(Error::PeerUnreachable { .. })) => {}

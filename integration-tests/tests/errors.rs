@@ -133,6 +133,44 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
     assert!(peer.wait_success(Duration::from_secs(20)).await);
 }
 
+/// A bad key among many writes in flight to one peer: every operation resolves, each with
+/// success or a typed error (never a hang, never an untyped one). On verbs the bad write kills
+/// the RC queue pair, so every write queued behind it fails, as `PeerUnreachable` naming
+/// the first cause, and the peer is marked failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_in_flight_behind_a_bad_key_get_typed_errors() {
+    let (_server, store, addr) = store().await;
+    let mut peer = Peer::spawn(PEER, addr, &primary(), &["target", "--size", "1048576"]);
+    let a = Engine::builder().provider(primary()).build().unwrap();
+    let src = a.alloc(1 << 20).await.unwrap();
+    let good_desc = get(&store, "target/desc").await;
+    let good = a.remote_region(&good_desc).await.unwrap();
+    bounded(a.write(&src, 0, &good, 0, 4096)).await.expect("a first good write connects");
+    let mut desc = RegionDescriptor::from_bytes(&good_desc).unwrap();
+    desc.domains[0].key ^= 0x5a5a_0000;
+    let forged = a.remote_region(&desc.to_bytes()).await.unwrap();
+    let mut writes = vec![a.write(&src, 0, &good, 0, 4096), a.write(&src, 0, &forged, 0, 4096)];
+    writes.extend((1..=32u64).map(|i| a.write(&src, i * 16384, &good, i * 16384, 16384)));
+    let results = bounded(futures::future::join_all(writes)).await;
+    let typed = |r: &Result<(), Error>| {
+        matches!(r, Ok(()) | Err(Error::Completion { .. } | Error::PeerUnreachable { .. }))
+    };
+    assert!(results.iter().all(typed), "{results:?}");
+    assert!(results[1].is_err(), "the bad key is reported: {:?}", results[1]);
+    if primary().starts_with("verbs") {
+        for (i, r) in results.iter().enumerate().skip(2) {
+            match r {
+                Err(Error::PeerUnreachable { message, .. }) => assert!(!message.is_empty()),
+                other => panic!("write {i} behind the bad key: {other:?}"),
+            }
+        }
+        let e = bounded(a.imm(&good, 1)).await.unwrap_err();
+        assert!(matches!(e, Error::PeerUnreachable { .. }), "the peer is marked failed: {e}");
+    }
+    store.put("target/exit", vec![]).await.unwrap();
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_peer_is_an_error_not_a_hang() {
     let (_server, store, addr) = store().await;

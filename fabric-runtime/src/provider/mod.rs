@@ -201,6 +201,13 @@ pub trait Domain: Send + 'static {
 
     /// Called once after `wait_fd` was seen readable, before polling.
     fn ack_wakeup(&mut self);
+
+    /// The longest a sleeping caller may wait before calling [`Domain::poll`] again even if
+    /// `wait_fd` stays quiet: the backend's own timers (verbs: re-sending a connection
+    /// handshake that may have been lost, and its timeout). `None` (the default): no timer.
+    fn timer(&self) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 impl fmt::Display for MemoryLocation {

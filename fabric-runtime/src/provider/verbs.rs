@@ -1421,15 +1421,21 @@ impl VerbsDomain {
                     self.ready.push_back(Completion::Done { token });
                 } else {
                     let message = format!("{} (vendor error {:#x})", status_str(wc.status), wc.vendor_err);
-                    if wc.status != sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                    let (errno, message) = if wc.status == sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
+                        // Flushed because the QP went to the error state earlier: the
+                        // connection to this peer is gone (ECONNRESET, so the engine reports
+                        // `PeerUnreachable` and marks the peer failed), with the first cause.
+                        let cause = match &self.peers[peer].state {
+                            PeerState::Failed(m) => m.clone(),
+                            _ => "the queue pair left the ready state".into(),
+                        };
+                        (libc::ECONNRESET, format!("{message}: {cause}"))
+                    } else {
                         // Any error completion moves an RC QP to the error state.
                         self.fail_peer(peer, format!("queue pair failed: {message}"));
-                    }
-                    self.ready.push_back(Completion::Failed {
-                        token,
-                        errno: status_errno(wc.status),
-                        message,
-                    });
+                        (status_errno(wc.status), message)
+                    };
+                    self.ready.push_back(Completion::Failed { token, errno, message });
                 }
             }
             WR_SRQ => {
@@ -1618,9 +1624,10 @@ impl VerbsDomain {
         if refused.is_empty() {
             return;
         }
-        let message = match check("ibv_post_send", ret) {
-            Err(Error::Provider { message, .. }) => message,
-            _ => format!("ibv_post_send returned {ret}"),
+        let (errno, message) = match check("ibv_post_send", ret) {
+            Err(Error::Provider { errno, message, .. }) => (errno, message),
+            // A partial post reports success for the posted part; the rest was still refused.
+            _ => (libc::EIO, format!("ibv_post_send returned {ret} and refused part of a chain")),
         };
         for wr_id in refused {
             let index = (wr_id & !WR_OP) as usize;
@@ -1628,7 +1635,7 @@ impl VerbsDomain {
                 self.free_ops.push(index as u32);
                 self.peers[peer].outstanding -= 1;
                 self.outstanding -= 1;
-                self.ready.push_back(Completion::Failed { token, errno: ret, message: message.clone() });
+                self.ready.push_back(Completion::Failed { token, errno, message: message.clone() });
             }
         }
     }
@@ -1812,6 +1819,12 @@ impl Domain for VerbsDomain {
 
     fn wait_fd(&self) -> Option<RawFd> {
         Some(self.wait_fd)
+    }
+
+    fn timer(&self) -> Option<Duration> {
+        // A REQ or REP travels over UD and may be lost: while a peer is connecting, `poll`
+        // must run every HANDSHAKE_RETRY to re-send it (and to enforce the connect timeout).
+        self.peers.iter().any(|p| matches!(p.state, PeerState::Connecting { .. })).then_some(HANDSHAKE_RETRY)
     }
 
     fn arm(&mut self) -> bool {

@@ -154,6 +154,8 @@ struct Reactor<D: Domain> {
     send_pools: Vec<Pool>,
     /// Something was posted since the domains were last flushed.
     unflushed: bool,
+    /// The `ppoll` set of `sleep`, kept between sleeps (no allocation per sleep).
+    pollfds: Vec<libc::pollfd>,
 }
 
 /// Opens the message pools, then moves the domains to a new reactor thread.
@@ -191,6 +193,7 @@ pub(crate) fn spawn<D: Domain>(
         recv_pools,
         send_pools,
         unflushed: false,
+        pollfds: Vec::with_capacity(1 + n),
     };
     r.post_all_recvs()?;
     for d in r.domains.iter_mut() {
@@ -633,24 +636,30 @@ impl<D: Domain> Reactor<D> {
     /// Sleeps until a submission or a completion may be there (or the poll interval of a
     /// domain without a wait fd passes).
     fn sleep(&mut self, idle_interval: Duration) {
-        let mut fds = Vec::with_capacity(1 + self.domains.len());
+        let mut fds = std::mem::take(&mut self.pollfds);
+        fds.clear();
         fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
-        let mut timeout = None;
+        let mut timeout: Option<Duration> = None;
         for d in self.domains.iter_mut() {
+            if let Some(t) = d.timer() {
+                timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
+            }
             match d.wait_fd() {
                 Some(fd) => {
                     if !d.arm() {
+                        self.pollfds = fds;
                         return; // completions pending: poll again
                     }
                     fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
                 }
-                None => timeout = Some(idle_interval),
+                None => timeout = Some(timeout.map_or(idle_interval, |cur| cur.min(idle_interval))),
             }
         }
-        if self.has_pending() && timeout.is_none() {
+        if self.has_pending() {
             // Posts are waiting for queue space; completions will wake us, but stay safe
             // against a provider that frees space without one.
-            timeout = Some(Duration::from_micros(100));
+            let t = Duration::from_micros(100);
+            timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
         }
         if self.cfg.op_timeout.is_some() && self.slab.len > 0 {
             // Wake up to check deadlines even if the peer never answers.
@@ -659,6 +668,8 @@ impl<D: Domain> Reactor<D> {
         {
             let mut q = lock(&self.shared.queue);
             if !q.items.is_empty() || q.state != QueueState::Open {
+                drop(q);
+                self.pollfds = fds;
                 return;
             }
             q.sleeping = true;
@@ -679,6 +690,7 @@ impl<D: Domain> Reactor<D> {
                 i += 1;
             }
         }
+        self.pollfds = fds;
     }
 
     /// Shutdown: refuse new work, drain, cancel, close NIC objects, then free memory.
