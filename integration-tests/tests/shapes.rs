@@ -410,6 +410,65 @@ async fn arrival_function_matches_real_arrivals() {
     }
 }
 
+/// `Arrivals::One` over several NICs is only sound where a write's completion means its
+/// data landed. tcp (asked for `FI_DELIVERY_COMPLETE`, granted) and verbs RC have it, and a
+/// sharded one-arrival write works there; shm (not asked) lacks it, and such a transfer is
+/// refused with `Error::Unsupported` before anything is posted, while what stays sound on it
+/// (one arrival per shard, one arrival pinned to one NIC, imm-only) still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_arrival_over_several_nics_needs_delivery_complete() {
+    let Some((a, b)) = pair(2) else { return };
+    assert!(a.delivery_complete(), "{}: writes complete once delivered", a.transport());
+    let src = patterned(&a, 1 << 20, 61).await;
+    let dst = b.alloc(1 << 20).await.unwrap();
+    let rdst = remote(&a, &dst).await;
+    let one = a.with(TransferOpts::sharded(64 << 10).one_arrival());
+    one.write_imm(&src, 0, &rdst, 0, 1 << 20, 4000).await.expect("sharded one-arrival write");
+    expect_arrivals(&b, 4000, 1, "Arrivals::One over 2 NICs").await;
+    assert!(dst.to_vec().iter().enumerate().all(|(i, &x)| x == pattern_byte(61, i as u64)));
+
+    if primary().starts_with("verbs") || !integration_tests::providers().iter().any(|p| p == "shm") {
+        return; // shm is not among the providers under test
+    }
+    let shm = || Engine::builder().provider("shm").domains(2).build().expect("shm engine of 2 domains");
+    let (a, b) = (shm(), shm());
+    assert!(!a.delivery_complete(), "shm was not asked for FI_DELIVERY_COMPLETE");
+    let src = patterned(&a, 1 << 20, 62).await;
+    let dst = b.alloc(1 << 20).await.unwrap();
+    let rdst = remote(&a, &dst).await;
+    let group = a.peer_group(vec![rdst.clone()]).unwrap();
+    let one = a.with(TransferOpts::sharded(64 << 10).one_arrival());
+    let unsupported = |e: Error| matches!(e, Error::Unsupported(ref m) if m.contains("Arrivals::One"));
+    let e = one.write_imm(&src, 0, &rdst, 0, 1 << 20, 4001).await.unwrap_err();
+    assert!(unsupported(e.clone()), "write_imm: {e}");
+    let e = one.write_imm(&src, 0, &rdst, 0, 100, 4001).await.unwrap_err();
+    assert!(unsupported(e.clone()), "a write of one shard is refused too (options decide): {e}");
+    let layout = PageLayout::packed(4096);
+    let e = one.write_paged(&src, &rdst, &layout, &[0, 1, 2], &[2, 1, 0], Some(4001)).await.unwrap_err();
+    assert!(unsupported(e.clone()), "write_paged: {e}");
+    let entry = ScatterEntry { member: 0, src_off: 0, dst_off: 0, len: 200_000 };
+    let e = one.scatter(&src, &group, &[entry], Some(4001)).await.unwrap_err();
+    assert!(unsupported(e.clone()), "scatter: {e}");
+    // Writes without an immediate have no arrival to order, and a plain write is allowed.
+    one.write(&src, 0, &rdst, 0, 1 << 20).await.expect("write without immediate");
+    // An imm-only write has no data to overtake.
+    one.imm(&rdst, 4002).await.expect("imm-only under Arrivals::One");
+    expect_arrivals(&b, 4002, 1, "imm-only on shm").await;
+    // Nothing of the refused transfers reached the target.
+    assert_eq!(b.imm_counter(4001).total_arrived(), 0, "a refused transfer posted something");
+    // One arrival per shard, and one arrival on one pinned NIC, stay available.
+    dst.write_at(0, &vec![0u8; 1 << 20]).unwrap();
+    let per_shard = a.with(TransferOpts::sharded(64 << 10));
+    let n = per_shard.write_arrivals(&rdst, 1 << 20).unwrap();
+    assert_eq!(n, 16);
+    per_shard.write_imm(&src, 0, &rdst, 0, 1 << 20, 4003).await.expect("per-shard write on shm");
+    expect_arrivals(&b, 4003, n, "per shard on shm").await;
+    let pinned = a.with(TransferOpts::pinned(1).one_arrival());
+    pinned.write_imm(&src, 0, &rdst, 0, 1 << 20, 4004).await.expect("pinned one-arrival write on shm");
+    expect_arrivals(&b, 4004, 1, "pinned one arrival on shm").await;
+    assert!(dst.to_vec().iter().enumerate().all(|(i, &x)| x == pattern_byte(62, i as u64)));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_shapes_are_refused_before_anything_is_posted() {
     let Some((a, b)) = pair(2) else { return };
