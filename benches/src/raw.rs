@@ -68,6 +68,9 @@ impl Domain for AnyDomain {
     fn max_msg_size(&self) -> usize {
         each!(self, d => d.max_msg_size())
     }
+    fn delivery_complete(&self) -> bool {
+        each!(self, d => d.delivery_complete())
+    }
     unsafe fn register(
         &mut self,
         addr: u64,

@@ -490,3 +490,17 @@ fn bad_remote_key_gives_one_completion() {
         );
     }
 }
+
+/// `Arrivals::One` over several NICs relies on writes completing only once their data is
+/// placed at the target. The backend asks `tcp` for `FI_DELIVERY_COMPLETE` and reports what
+/// the provider granted: tcp;ofi_rxm grants it. `shm` is not asked, and completes a small
+/// write as soon as it is queued (libfabric 1.17 `smr` only waits for the peer with the
+/// flag), so it must not claim it.
+#[test]
+fn delivery_complete_is_what_the_provider_granted() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let tcp = LibfabricDomain::open(&LibfabricConfig::new("tcp")).expect("tcp");
+    assert!(tcp.delivery_complete(), "tcp;ofi_rxm was asked for FI_DELIVERY_COMPLETE and grants it");
+    let shm = LibfabricDomain::open(&LibfabricConfig::new("shm")).expect("shm");
+    assert!(!shm.delivery_complete(), "shm was not asked for FI_DELIVERY_COMPLETE");
+}

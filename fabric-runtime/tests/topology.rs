@@ -1,6 +1,7 @@
 //! Topology detection on sysfs trees shaped like real servers: a DGX H100 (8 GPUs, 8 CX-7),
 //! a p5.48xlarge (8 GPUs, 32 EFA), a machine with no GPU or RDMA NIC (like the CI machine),
-//! one with only Soft-RoCE, and a mixed one for the assignment rules. The fixtures use real
+//! one with a GPU but no RDMA NIC, one with only Soft-RoCE, and a mixed one for the
+//! assignment rules. The fixtures use real
 //! symlinks laid out as the kernel lays them out, so detection follows them as it would on
 //! `/sys`.
 
@@ -316,6 +317,14 @@ fn mixed() -> Fixture {
         f.write(&format!("{t}/core_id"), &(cpu % 8).to_string());
         f.write(&format!("{t}/physical_package_id"), &((cpu % 8) / 4).to_string());
     }
+    f
+}
+
+/// The CI VM with one H100 passed through and still no RDMA device: no
+/// `/sys/class/infiniband` at all.
+fn gpu_without_rdma_nic() -> Fixture {
+    let f = ci_vm();
+    f.pci(&Pci { host: "pci0000:00", bridges: &[], bdf: "0000:00:06.0" }, &H100, -1);
     f
 }
 
@@ -796,9 +805,32 @@ fn engine_builder_takes_nics_and_reactor_core_from_the_plan() {
     assert_eq!(b.provider_name(), "efa");
     assert_eq!(b.nic_names().len(), 4, "four EFA devices per GPU");
     assert!(b.nic_names().iter().all(|n| n.ends_with("-rdm")), "libfabric domain names: {:?}", b.nic_names());
-    // No RDMA NIC (this machine): a clear error, the caller falls back to a libfabric provider.
+    // No GPU at all (this machine): GPU 0 is not in the topology. (A GPU without an RDMA NIC:
+    // see gpu_without_rdma_nic_is_a_config_error_for_the_builder.)
     let e = Engine::builder().for_gpu(&ci_vm().topology(), 0).unwrap_err();
-    assert!(matches!(e, Error::Config(_)), "{e}");
+    assert!(matches!(e, Error::Config(ref m) if m.contains("GPU 0 is not in the topology")), "{e}");
     let e = Engine::builder().for_gpu(&dgx, 8).unwrap_err();
     assert!(e.to_string().contains("GPU 8"), "{e}");
+}
+
+/// A GPU but no RDMA NIC: the GPU gets a plan with no NICs (and still its cores), and
+/// `for_gpu` refuses it with `Error::Config` naming the GPU, as documented in
+/// `docs/topology.md`, rather than choosing a provider on its own.
+#[test]
+fn gpu_without_rdma_nic_is_a_config_error_for_the_builder() {
+    use fabric_runtime::Engine;
+    let f = gpu_without_rdma_nic();
+    assert!(!f.root.join("sys/class/infiniband").exists());
+    let t = f.topology();
+    assert_eq!(t.gpus().len(), 1);
+    assert!(t.nics().is_empty() && t.groups().is_empty());
+    let p = t.plan(0).expect("the GPU has a plan");
+    assert_eq!((p.pci.as_str(), p.nics.is_empty(), p.affinity), ("0000:00:06.0", true, None));
+    assert_eq!((p.cores.clone(), p.reactor_core), (vec![0, 1], Some(1)), "cores are planned anyway");
+    match Engine::builder().for_gpu(&t, 0) {
+        Err(Error::Config(m)) => {
+            assert_eq!(m, "the topology has no RDMA NIC for GPU 0 (0000:00:06.0)");
+        }
+        other => panic!("expected Error::Config, got {other:?}"),
+    }
 }

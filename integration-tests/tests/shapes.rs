@@ -270,8 +270,17 @@ impl Rng {
     }
 }
 
-/// Property: for random lengths, offsets, shard sizes, routes and arrival modes, the target
-/// counts exactly what `write_arrivals` / `paged_arrivals` said, and the bytes land.
+/// Waits for `n` arrivals of `imm` at `e` (within [`WAIT`]), consuming them.
+async fn wait_arrivals(e: &Engine, imm: u32, n: u64, what: &str) {
+    let got = tokio::time::timeout(WAIT, e.imm_counter(imm).wait_for(n)).await;
+    assert!(matches!(got, Ok(Ok(()))), "{what}: {n} arrivals of imm {imm} did not come ({got:?})");
+}
+
+/// Property: for random single writes, paged writes and scatters (random lengths, offsets,
+/// page lists, entries, shard sizes, routes and arrival modes) on 1, 2 and 4 NICs, each
+/// target counts exactly what `write_arrivals` / `paged_arrivals` / `scatter_arrivals`
+/// predicted, and once it has counted them the bytes are there. The scatter group has two
+/// members on one engine, whose counts add up there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn arrival_function_matches_real_arrivals() {
     let seed: u64 =
@@ -279,11 +288,22 @@ async fn arrival_function_matches_real_arrivals() {
     let cases: usize = std::env::var("FABRIC_PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(24);
     let mut rng = Rng(seed | 1);
     const REGION: usize = 1 << 20;
-    for nics in [2, 4] {
+    for nics in nic_counts() {
         let Some((a, b)) = pair(nics) else { continue };
+        let Some(c) = engine(nics) else { continue };
         let src = patterned(&a, REGION, 51).await;
         let dst = b.alloc(REGION).await.unwrap();
+        let dst2 = b.alloc(REGION / 2).await.unwrap();
+        let on_c = c.alloc(REGION).await.unwrap();
         let rdst = remote(&a, &dst).await;
+        // Members 0 and 2 are regions of b, member 1 of c.
+        let members = [&dst, &on_c, &dst2];
+        let group =
+            a.peer_group(vec![rdst.clone(), remote(&a, &on_c).await, remote(&a, &dst2).await]).unwrap();
+        // (imm, arrivals predicted at b, at c): checked once more at the end, when any extra
+        // arrival would have had time to land.
+        let mut promised: Vec<(u32, u64, u64)> = Vec::with_capacity(cases);
+        let mut shapes = [0usize; 3];
         for case in 0..cases {
             let route = match rng.below(3) {
                 0 => Route::Pinned { nic: rng.below(nics as u64) as usize },
@@ -293,38 +313,160 @@ async fn arrival_function_matches_real_arrivals() {
             let opts = TransferOpts { route, arrivals };
             let imm = 10_000 + (nics * 1000 + case) as u32;
             let t = a.with(opts);
-            let what = format!("seed {seed:#x} case {case}, {nics} NICs, {opts:?}");
-            let expected = if rng.below(3) == 0 {
-                let pages = rng.below(24) as usize;
-                let layout = PageLayout::packed(1 + rng.below(8 << 10));
-                let max_pages = (REGION as u64 / layout.page_len).min(u32::MAX as u64) as u32;
-                let src_pages: Vec<u32> = (0..pages).map(|_| rng.below(max_pages as u64) as u32).collect();
-                let mut dst_pages: Vec<u32> = Vec::new();
-                while dst_pages.len() < pages {
-                    let p = rng.below(max_pages as u64) as u32;
-                    if !dst_pages.contains(&p) {
-                        dst_pages.push(p);
+            let shape = rng.below(3) as usize;
+            shapes[shape] += 1;
+            let what = format!("seed {seed:#x} case {case} (shape {shape}), {nics} NICs, {opts:?}");
+            match shape {
+                0 => {
+                    let pages = rng.below(24) as usize;
+                    let layout = PageLayout::packed(1 + rng.below(8 << 10));
+                    let max_pages = (REGION as u64 / layout.page_len).min(u32::MAX as u64) as u32;
+                    let src_pages: Vec<u32> =
+                        (0..pages).map(|_| rng.below(max_pages as u64) as u32).collect();
+                    let mut dst_pages: Vec<u32> = Vec::new();
+                    while dst_pages.len() < pages {
+                        let p = rng.below(max_pages as u64) as u32;
+                        if !dst_pages.contains(&p) {
+                            dst_pages.push(p);
+                        }
                     }
+                    let n = t.paged_arrivals(&rdst, pages).unwrap();
+                    t.write_paged(&src, &rdst, &layout, &src_pages, &dst_pages, Some(imm))
+                        .await
+                        .expect(&what);
+                    wait_arrivals(&b, imm, n, &what).await;
+                    let got = dst.to_vec();
+                    let pl = layout.page_len;
+                    for (s, d) in src_pages.iter().zip(&dst_pages) {
+                        let (so, dof) = (u64::from(*s) * pl, u64::from(*d) * pl);
+                        for j in (0..pl).step_by(61).chain([pl - 1]) {
+                            assert_eq!(
+                                got[(dof + j) as usize],
+                                pattern_byte(51, so + j),
+                                "{what}: page {s} -> {d}, byte {j}"
+                            );
+                        }
+                    }
+                    promised.push((imm, n, 0));
                 }
-                let n = t.paged_arrivals(&rdst, pages).unwrap();
-                t.write_paged(&src, &rdst, &layout, &src_pages, &dst_pages, Some(imm)).await.expect(&what);
-                n
-            } else {
-                let len = rng.below(REGION as u64 / 2);
-                let so = rng.below(REGION as u64 - len);
-                let dof = rng.below(REGION as u64 - len);
-                let n = t.write_arrivals(&rdst, len).unwrap();
-                t.write_imm(&src, so, &rdst, dof, len, imm).await.expect(&what);
-                let got = dst.to_vec();
-                for j in (0..len).step_by(251) {
-                    assert_eq!(got[(dof + j) as usize], pattern_byte(51, so + j), "{what}: byte {j}");
+                1 => {
+                    // Up to 6 entries over the three members, never overlapping within one
+                    // member's region; some empty (an imm-only write, or nothing with One).
+                    let mut cursor = [0u64; 3];
+                    let mut entries = Vec::new();
+                    for _ in 0..rng.below(7) {
+                        let member = rng.below(3) as usize;
+                        let len = if rng.below(6) == 0 { 0 } else { 1 + rng.below(96 << 10) };
+                        let dst_off = cursor[member] + rng.below(4096);
+                        if dst_off + len > members[member].len() as u64 {
+                            continue;
+                        }
+                        cursor[member] = dst_off + len;
+                        let src_off = rng.below(REGION as u64 - len);
+                        entries.push(ScatterEntry { member, src_off, dst_off, len });
+                    }
+                    let per_member = t.scatter_arrivals(&group, &entries).unwrap();
+                    let (at_b, at_c) = (per_member[0] + per_member[2], per_member[1]);
+                    let what = format!("{what}, {entries:?}");
+                    t.scatter(&src, &group, &entries, Some(imm)).await.expect(&what);
+                    wait_arrivals(&b, imm, at_b, &what).await;
+                    wait_arrivals(&c, imm, at_c, &what).await;
+                    let got: Vec<Vec<u8>> = members.iter().map(|m| m.to_vec()).collect();
+                    for e in &entries {
+                        for j in (0..e.len).step_by(97).chain(e.len.checked_sub(1)) {
+                            assert_eq!(
+                                got[e.member][(e.dst_off + j) as usize],
+                                pattern_byte(51, e.src_off + j),
+                                "{what}: {e:?} byte {j}"
+                            );
+                        }
+                    }
+                    promised.push((imm, at_b, at_c));
                 }
-                n
-            };
-            expect_arrivals(&b, imm, expected, &what).await;
+                _ => {
+                    let len = rng.below(REGION as u64 / 2);
+                    let so = rng.below(REGION as u64 - len);
+                    let dof = rng.below(REGION as u64 - len);
+                    let n = t.write_arrivals(&rdst, len).unwrap();
+                    t.write_imm(&src, so, &rdst, dof, len, imm).await.expect(&what);
+                    wait_arrivals(&b, imm, n, &what).await;
+                    let got = dst.to_vec();
+                    for j in (0..len).step_by(251).chain(len.checked_sub(1)) {
+                        assert_eq!(got[(dof + j) as usize], pattern_byte(51, so + j), "{what}: byte {j}");
+                    }
+                    promised.push((imm, n, 0));
+                }
+            }
         }
-        eprintln!("{nics} NICs: {cases} random requests counted exactly");
+        // Nothing beyond the prediction arrived later (one wait for all cases).
+        tokio::time::sleep(SETTLE).await;
+        for (imm, at_b, at_c) in promised {
+            let got = (b.imm_counter(imm).total_arrived(), c.imm_counter(imm).total_arrived());
+            assert_eq!(got, (at_b, at_c), "seed {seed:#x}, {nics} NICs, imm {imm}: arrivals at (b, c)");
+        }
+        eprintln!(
+            "{nics} NIC(s): {cases} random requests (paged, scatter, single: {shapes:?}) counted exactly"
+        );
     }
+}
+
+/// `Arrivals::One` over several NICs is only sound where a write's completion means its
+/// data landed. tcp (asked for `FI_DELIVERY_COMPLETE`, granted) and verbs RC have it, and a
+/// sharded one-arrival write works there; shm (not asked) lacks it, and such a transfer is
+/// refused with `Error::Unsupported` before anything is posted, while what stays sound on it
+/// (one arrival per shard, one arrival pinned to one NIC, imm-only) still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_arrival_over_several_nics_needs_delivery_complete() {
+    let Some((a, b)) = pair(2) else { return };
+    assert!(a.delivery_complete(), "{}: writes complete once delivered", a.transport());
+    let src = patterned(&a, 1 << 20, 61).await;
+    let dst = b.alloc(1 << 20).await.unwrap();
+    let rdst = remote(&a, &dst).await;
+    let one = a.with(TransferOpts::sharded(64 << 10).one_arrival());
+    one.write_imm(&src, 0, &rdst, 0, 1 << 20, 4000).await.expect("sharded one-arrival write");
+    expect_arrivals(&b, 4000, 1, "Arrivals::One over 2 NICs").await;
+    assert!(dst.to_vec().iter().enumerate().all(|(i, &x)| x == pattern_byte(61, i as u64)));
+
+    if primary().starts_with("verbs") || !integration_tests::providers().iter().any(|p| p == "shm") {
+        return; // shm is not among the providers under test
+    }
+    let shm = || Engine::builder().provider("shm").domains(2).build().expect("shm engine of 2 domains");
+    let (a, b) = (shm(), shm());
+    assert!(!a.delivery_complete(), "shm was not asked for FI_DELIVERY_COMPLETE");
+    let src = patterned(&a, 1 << 20, 62).await;
+    let dst = b.alloc(1 << 20).await.unwrap();
+    let rdst = remote(&a, &dst).await;
+    let group = a.peer_group(vec![rdst.clone()]).unwrap();
+    let one = a.with(TransferOpts::sharded(64 << 10).one_arrival());
+    let unsupported = |e: Error| matches!(e, Error::Unsupported(ref m) if m.contains("Arrivals::One"));
+    let e = one.write_imm(&src, 0, &rdst, 0, 1 << 20, 4001).await.unwrap_err();
+    assert!(unsupported(e.clone()), "write_imm: {e}");
+    let e = one.write_imm(&src, 0, &rdst, 0, 100, 4001).await.unwrap_err();
+    assert!(unsupported(e.clone()), "a write of one shard is refused too (options decide): {e}");
+    let layout = PageLayout::packed(4096);
+    let e = one.write_paged(&src, &rdst, &layout, &[0, 1, 2], &[2, 1, 0], Some(4001)).await.unwrap_err();
+    assert!(unsupported(e.clone()), "write_paged: {e}");
+    let entry = ScatterEntry { member: 0, src_off: 0, dst_off: 0, len: 200_000 };
+    let e = one.scatter(&src, &group, &[entry], Some(4001)).await.unwrap_err();
+    assert!(unsupported(e.clone()), "scatter: {e}");
+    // Writes without an immediate have no arrival to order, and a plain write is allowed.
+    one.write(&src, 0, &rdst, 0, 1 << 20).await.expect("write without immediate");
+    // An imm-only write has no data to overtake.
+    one.imm(&rdst, 4002).await.expect("imm-only under Arrivals::One");
+    expect_arrivals(&b, 4002, 1, "imm-only on shm").await;
+    // Nothing of the refused transfers reached the target.
+    assert_eq!(b.imm_counter(4001).total_arrived(), 0, "a refused transfer posted something");
+    // One arrival per shard, and one arrival on one pinned NIC, stay available.
+    dst.write_at(0, &vec![0u8; 1 << 20]).unwrap();
+    let per_shard = a.with(TransferOpts::sharded(64 << 10));
+    let n = per_shard.write_arrivals(&rdst, 1 << 20).unwrap();
+    assert_eq!(n, 16);
+    per_shard.write_imm(&src, 0, &rdst, 0, 1 << 20, 4003).await.expect("per-shard write on shm");
+    expect_arrivals(&b, 4003, n, "per shard on shm").await;
+    let pinned = a.with(TransferOpts::pinned(1).one_arrival());
+    pinned.write_imm(&src, 0, &rdst, 0, 1 << 20, 4004).await.expect("pinned one-arrival write on shm");
+    expect_arrivals(&b, 4004, 1, "pinned one arrival on shm").await;
+    assert!(dst.to_vec().iter().enumerate().all(|(i, &x)| x == pattern_byte(62, i as u64)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

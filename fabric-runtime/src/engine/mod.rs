@@ -188,6 +188,8 @@ pub(crate) struct Shared {
     pub(crate) default_opts: TransferOpts,
     /// Where the next sharded transfer starts (round-robin over NICs).
     pub(crate) rotation: AtomicUsize,
+    /// Every NIC's write completions are delivery-complete ([`Domain::delivery_complete`]).
+    pub(crate) delivery_complete: bool,
 }
 
 impl Shared {
@@ -664,6 +666,7 @@ impl Engine {
             nics: domains.len(),
             default_opts: cfg.transfer,
             rotation: AtomicUsize::new(0),
+            delivery_complete: domains.iter().all(|d| d.delivery_complete()),
         });
         let thread = reactor::spawn(domains, shared.clone(), cfg)?;
         Ok(Engine { inner: Arc::new(EngineInner { shared, thread: std::sync::Mutex::new(Some(thread)) }) })
@@ -687,6 +690,15 @@ impl Engine {
     /// This engine's address: bytes to give to peers (by any means) for [`Engine::add_peer`].
     pub fn address(&self) -> Vec<u8> {
         self.shared().address.to_bytes()
+    }
+
+    /// Whether a write's local completion means its data has landed at the target on every
+    /// NIC of this engine (verbs: yes; libfabric: where the provider granted
+    /// `FI_DELIVERY_COMPLETE`, as `tcp` does). Without it, `Arrivals::One` transfers with
+    /// `Route::Sharded` over several NICs are refused with [`Error::Unsupported`] (see
+    /// [`TransferOpts::check_one_arrival`]).
+    pub fn delivery_complete(&self) -> bool {
+        self.shared().delivery_complete
     }
 
     /// The largest message [`Engine::send`] accepts.

@@ -232,6 +232,13 @@ impl<'a> Transfers<'a> {
             ops = then;
             return self.submit(Plan { ops, keep, then: Vec::new() });
         }
+        if !then.is_empty() {
+            // Data shards with a follow-up (`Arrivals::One`): refused before anything is
+            // posted if the arrival could overtake the data.
+            if let Err(e) = self.opts.check_one_arrival(shared.nics, shared.delivery_complete) {
+                return OpFuture::failed(e);
+            }
+        }
         let state = Arc::new(OpState::default());
         let done = Notify::Future(state.clone());
         let subs: Vec<Submission> = if ops.len() == 1 && then.is_empty() {
@@ -294,7 +301,9 @@ impl<'a> Transfers<'a> {
 
     /// Like [`Transfers::write`], and the target counts arrivals of `imm` once the bytes
     /// have landed: [`Transfers::write_arrivals`] of them (one per shard, or exactly one
-    /// with `Arrivals::One`).
+    /// with `Arrivals::One`). `Arrivals::One` sharded over several NICs whose writes are not
+    /// delivery-complete fails with [`Error::Unsupported`] before anything is posted (see
+    /// [`TransferOpts::check_one_arrival`]; the same holds for paged writes and scatters).
     ///
     /// # Cancel safety
     ///

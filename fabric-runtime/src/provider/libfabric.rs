@@ -376,6 +376,9 @@ pub struct LibfabricDomain {
     address: Vec<u8>,
     addr_format: u32,
     max_msg_size: usize,
+    /// Whether the provider granted `FI_DELIVERY_COMPLETE` as a default transmit op flag:
+    /// then a write completes only once its data is placed at the target.
+    delivery_complete: bool,
     mr_mode: u32,
     next_key: u64,
     wait_fd: Option<RawFd>,
@@ -395,6 +398,7 @@ impl fmt::Debug for LibfabricDomain {
             .field("transport", &self.transport)
             .field("address_len", &self.address.len())
             .field("max_msg_size", &self.max_msg_size)
+            .field("delivery_complete", &self.delivery_complete)
             .field("mr_mode", &format_args!("{:#x}", self.mr_mode))
             .field("wait_fd", &self.wait_fd)
             .field("registrations", &self.mrs.len())
@@ -419,7 +423,8 @@ fn strdup(s: &str) -> Result<*mut c_char, Error> {
 ///   the target (`FI_DELIVERY_COMPLETE` as the default op flag), as on verbs RC. Without it
 ///   `tcp;ofi_rxm` completes a write once it is sent, so a write the target rejects (a bad
 ///   key) would look successful. Measured on loopback tcp at 4 MiB writes: no visible
-///   throughput cost.
+///   throughput cost. Asked of `tcp` only; whether it was granted is read back from the
+///   `fi_info` the endpoint is opened with ([`Domain::delivery_complete`]), never assumed.
 /// * `source`: the `FI_SOURCE` capability, so received messages name their sender.
 #[derive(Debug, Clone, Copy)]
 struct Extras {
@@ -553,7 +558,7 @@ impl LibfabricDomain {
         tracing::debug!(provider = %prov_name, ?extras, "libfabric provider opened");
         let i = info.as_ptr();
         // SAFETY: fi_getinfo returned a valid fi_info whose attribute pointers are non-null.
-        let (cq_data_size, mr_mode, addr_format, ep_max_msg, resolved) = unsafe {
+        let (cq_data_size, mr_mode, addr_format, ep_max_msg, resolved, tx_op_flags) = unsafe {
             let d = (*i).domain_attr;
             let prov = (*(*i).fabric_attr).prov_name;
             let resolved = if prov.is_null() {
@@ -561,8 +566,26 @@ impl LibfabricDomain {
             } else {
                 CStr::from_ptr(prov).to_string_lossy().into_owned()
             };
-            ((*d).cq_data_size, (*d).mr_mode as u32, (*i).addr_format, (*(*i).ep_attr).max_msg_size, resolved)
+            (
+                (*d).cq_data_size,
+                (*d).mr_mode as u32,
+                (*i).addr_format,
+                (*(*i).ep_attr).max_msg_size,
+                resolved,
+                (*(*i).tx_attr).op_flags,
+            )
         };
+        // The endpoint's default transmit flags (what fi_write and fi_writedata use) are the
+        // tx_attr op_flags of this fi_info: delivery complete only if they say so, whatever
+        // was asked.
+        let delivery_complete = tx_op_flags & sys::FI_DELIVERY_COMPLETE as u64 != 0;
+        if !delivery_complete && prov_name.starts_with("tcp") {
+            tracing::warn!(
+                provider = %resolved,
+                asked = extras.delivery_complete,
+                "FI_DELIVERY_COMPLETE was not granted: Arrivals::One over several NICs is refused"
+            );
+        }
         if cq_data_size < cfg.cq_data_size.max(IMM_BYTES) {
             return Err(Error::NoRemoteCqData {
                 provider: resolved,
@@ -622,6 +645,7 @@ impl LibfabricDomain {
             address,
             addr_format,
             max_msg_size: cfg.max_msg_size.min(ep_max_msg),
+            delivery_complete,
             mr_mode,
             next_key: 1,
             wait_fd,
@@ -837,6 +861,10 @@ impl Domain for LibfabricDomain {
 
     fn max_msg_size(&self) -> usize {
         self.max_msg_size
+    }
+
+    fn delivery_complete(&self) -> bool {
+        self.delivery_complete
     }
 
     unsafe fn register(

@@ -18,6 +18,11 @@
 //!   completion carrying that token (success or failure), unless the post itself returned an
 //!   error, in which case it produces none. A full send queue is [`PostError::Again`]
 //!   (backpressure: the engine retries after polling), never a hard error.
+//! * **Completion semantics** ([`Domain::delivery_complete`]): whether a write's local
+//!   completion means its data has been placed in the target's memory, not merely sent.
+//!   `Arrivals::One` across several NICs relies on it (see `docs/transfers.md`); a backend
+//!   that cannot promise it says `false` (the default), and the engine refuses those
+//!   transfers instead of letting an arrival overtake its data.
 //! * **Polling** ([`Domain::poll`]): drains completions into typed [`Completion`]s: a local
 //!   operation done, a local operation failed (with the provider's message), a remote
 //!   immediate arrived, a two-sided message received.
@@ -148,6 +153,15 @@ pub trait Domain: Send + 'static {
 
     /// Largest message [`Op::Send`] accepts, in bytes.
     fn max_msg_size(&self) -> usize;
+
+    /// Whether the local completion of a write (with or without immediate) means its data
+    /// has been placed in the target's memory (`FI_DELIVERY_COMPLETE` semantics; verbs RC,
+    /// where the completion follows the responder's acknowledgement), rather than only that
+    /// the source buffer may be reused or the data has left. Fixed when the domain is
+    /// opened. The default, `false`, promises nothing.
+    fn delivery_complete(&self) -> bool {
+        false
+    }
 
     /// Registers `len` bytes at `addr` for local use and remote write (and read) access.
     ///

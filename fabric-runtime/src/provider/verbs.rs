@@ -1724,6 +1724,13 @@ impl Domain for VerbsDomain {
         self.cfg.max_msg_size
     }
 
+    /// Writes go over RC queue pairs, whose send completion is generated only after the
+    /// responder acknowledged the write, which it does once it has taken the data for
+    /// placement in its memory.
+    fn delivery_complete(&self) -> bool {
+        true
+    }
+
     unsafe fn register(
         &mut self,
         addr: u64,

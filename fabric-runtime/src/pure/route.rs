@@ -57,7 +57,8 @@ pub enum Arrivals {
     /// Exactly one arrival however the transfer is sharded: the shards are written without
     /// an immediate, then one imm-only write follows once all of them have completed
     /// locally. Costs one extra one-way trip plus the sender's completion round (see
-    /// `docs/transfers.md`).
+    /// `docs/transfers.md`). Needs delivery-complete writes when sharded over several NICs
+    /// (see [`TransferOpts::check_one_arrival`]).
     One,
 }
 
@@ -93,6 +94,29 @@ impl TransferOpts {
             Route::Sharded { chunk: 0 } => Err(Error::Config("the shard size of Route::Sharded is 0".into())),
             Route::Pinned { nic } if nic >= nics => {
                 Err(Error::Config(format!("Route::Pinned names NIC {nic}, but there are only {nics}")))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a transfer with data under these options may be posted on an engine of `nics`
+    /// NICs whose write completions are (or are not) delivery-complete.
+    ///
+    /// [`Arrivals::One`] posts its imm-only write once every shard has completed locally.
+    /// That arrival means "all bytes landed" only if a local completion means the data was
+    /// placed at the target; otherwise the imm-only write, on one NIC, may overtake a shard
+    /// still in flight on another. So `Arrivals::One` with [`Route::Sharded`] over more than
+    /// one NIC without delivery-complete completions is [`Error::Unsupported`]. With one NIC
+    /// or [`Route::Pinned`], the shards and the imm-only write share one endpoint and are
+    /// allowed.
+    pub fn check_one_arrival(&self, nics: usize, delivery_complete: bool) -> Result<(), Error> {
+        match (self.arrivals, self.route) {
+            (Arrivals::One, Route::Sharded { .. }) if nics > 1 && !delivery_complete => {
+                Err(Error::Unsupported(format!(
+                    "Arrivals::One with Route::Sharded over {nics} NICs: this transport's write \
+                     completions are not delivery-complete, so the one arrival could overtake \
+                     shards on other NICs; use Arrivals::PerShard or Route::Pinned"
+                )))
             }
             _ => Ok(()),
         }
@@ -283,6 +307,23 @@ mod tests {
         assert_eq!(TransferOpts::pinned(1).write_arrivals(64 << 20, 2).unwrap(), 1);
         assert_eq!(o.paged_arrivals(17, 2).unwrap(), 17);
         assert_eq!(o.one_arrival().paged_arrivals(17, 2).unwrap(), 1);
+    }
+
+    #[test]
+    fn one_arrival_over_several_nics_needs_delivery_complete() {
+        let sharded = TransferOpts::sharded(1 << 20);
+        let one = sharded.one_arrival();
+        let e = one.check_one_arrival(2, false).unwrap_err();
+        assert!(
+            matches!(e, Error::Unsupported(ref m) if m.contains("Arrivals::One") && m.contains("2 NICs")),
+            "{e}"
+        );
+        assert!(matches!(one.check_one_arrival(4, false), Err(Error::Unsupported(_))));
+        // Delivery-complete NICs, one NIC, pinned, or one arrival per shard: allowed.
+        assert!(one.check_one_arrival(4, true).is_ok());
+        assert!(one.check_one_arrival(1, false).is_ok());
+        assert!(TransferOpts::pinned(1).one_arrival().check_one_arrival(2, false).is_ok());
+        assert!(sharded.check_one_arrival(4, false).is_ok());
     }
 
     #[test]
