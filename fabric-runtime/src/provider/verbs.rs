@@ -977,10 +977,8 @@ impl VerbsDomain {
         }
 
         // SAFETY: ctx is live.
-        let pd = Arc::new(Pd {
-            ptr: check_ptr("ibv_alloc_pd", unsafe { sys::ibv_alloc_pd(ctx.as_ptr()) })?,
-            _ctx: ctx.clone(),
-        });
+        let pd_ptr = unsafe { sys::ibv_alloc_pd(ctx.as_ptr()) };
+        let pd = Arc::new(Pd { ptr: check_ptr("ibv_alloc_pd", pd_ptr)?, _ctx: ctx.clone() });
         // SAFETY: ctx is live.
         let ch = check_ptr("ibv_create_comp_channel", unsafe { sys::ibv_create_comp_channel(ctx.as_ptr()) })?;
         let channel = Arc::new(Channel { ptr: ch, _ctx: ctx.clone() });
