@@ -370,3 +370,113 @@ fn gid_index_is_overridable_and_checked() {
         other => panic!("engine with GID index 4096: {other:?}"),
     }
 }
+
+/// Immediates are received through an SRQ of zero-length receives (no registered memory),
+/// messages through a separate small SRQ of message slots: a burst of writes with immediate
+/// interleaved with sends, in both directions on one peer, delivers every immediate and every
+/// message exactly once, with the right bytes.
+#[test]
+fn imm_srq_is_zero_length_and_sends_interleave_with_imm_writes() {
+    let Some(mut a) = open() else { return };
+    let Some(mut b) = open() else { return };
+    let cfg = VerbsConfig::default();
+    let q = a.receive_queues();
+    println!("receive queues {q:?}");
+    assert_eq!(q.imm_entry_sges, 0, "imm receives name no memory");
+    assert_eq!(q.imm_entries, cfg.recv_slots);
+    assert_eq!((q.msg_entries, q.msg_entry_bytes), (cfg.msg_slots, cfg.max_msg_size));
+    // Only message slots and the handshake's UD slots are registered (64 x 8 KiB + 16 KiB),
+    // not 2048 x 8 KiB = 16 MiB as when one SRQ served both kinds.
+    assert_eq!(q.registered_bytes, cfg.msg_slots * cfg.max_msg_size + 128 * 128);
+    assert!(q.registered_bytes < 1 << 20, "{q:?}");
+
+    const IMMS: u32 = 1500; // per direction
+    const MSGS: usize = 150; // per direction: more than msg_slots
+    const EVERY: u32 = IMMS / MSGS as u32;
+    const SLOT: usize = 8192;
+    let msg_len = |k: usize| (k * 97) % SLOT + 1;
+    let msg = |side: usize, k: usize| pattern((k as u8).wrapping_mul(3) ^ (side as u8 * 0x55), msg_len(k));
+    // Per side: 32 KiB of write sources, 32 KiB where the peer's writes land, then the
+    // receive buffers; the message sources are a separate buffer, one slot per message.
+    let bufs = [Buf::new(&mut a, 64 * 1024 + MSGS * SLOT), Buf::new(&mut b, 64 * 1024 + MSGS * SLOT)];
+    let srcs = [Buf::new(&mut a, MSGS * SLOT), Buf::new(&mut b, MSGS * SLOT)];
+    for (side, src) in srcs.iter().enumerate() {
+        for k in 0..MSGS {
+            src.fill(k * SLOT, &msg(side, k));
+        }
+        bufs[side].fill(0, &pattern(side as u8 + 40, 32768));
+    }
+    let hb = a.add_peer(&b.address()).expect("add b");
+    let ha = b.add_peer(&a.address()).expect("add a");
+    let handles = [hb, ha];
+    let ds: &mut [&mut VerbsDomain] = &mut [&mut a, &mut b];
+    let mut got = vec![Vec::new(), Vec::new()];
+    let recv_base = 64 * 1024;
+    // Engine receive buffers for every message, oldest first (token 1_000_000 + k).
+    for (side, buf) in bufs.iter().enumerate() {
+        for k in 0..MSGS {
+            let op = Op::Recv { local: buf.slice(recv_base + k * SLOT, SLOT) };
+            post(ds, &mut got, side, 1_000_000 + k as u64, op);
+        }
+    }
+    let start = Instant::now();
+    let mut token = 1u64;
+    for i in 0..IMMS {
+        for side in 0..2 {
+            // 16 bytes with an immediate into the peer's landing area (wraps in 32 KiB).
+            let off = (i as usize * 16) % 32768;
+            let op = Op::Write {
+                peer: handles[side],
+                local: bufs[side].slice(off, 16),
+                remote: bufs[1 - side].remote(32768 + off),
+                imm: Some(((side as u32) << 31) | i),
+            };
+            post(ds, &mut got, side, token, op);
+            token += 1;
+            if i % EVERY == EVERY - 1 {
+                let k = (i / EVERY) as usize;
+                let op = Op::Send { peer: handles[side], local: srcs[side].slice(k * SLOT, msg_len(k)) };
+                post(ds, &mut got, side, token, op);
+                token += 1;
+            }
+        }
+    }
+    let want_done = IMMS as usize + MSGS;
+    let count = |g: &[Completion], f: fn(&Completion) -> bool| g.iter().filter(|c| f(c)).count();
+    pump(ds, &mut got, |g| {
+        g.iter().all(|g| {
+            count(g, |c| matches!(c, Completion::Imm { .. })) == IMMS as usize
+                && count(g, |c| matches!(c, Completion::Recv { .. })) == MSGS
+                && count(g, |c| matches!(c, Completion::Done { .. } | Completion::Failed { .. })) == want_done
+        })
+    });
+    println!("{IMMS} writes with immediate + {MSGS} sends each way in {:?}", start.elapsed());
+    for side in 0..2 {
+        let g = &got[side];
+        let failed: Vec<_> = g.iter().filter(|c| matches!(c, Completion::Failed { .. })).collect();
+        assert!(failed.is_empty(), "side {side}: {failed:?}");
+        // Every immediate from the peer, exactly once.
+        let mut imms: Vec<u32> = g
+            .iter()
+            .filter_map(|c| if let Completion::Imm { imm } = c { Some(*imm) } else { None })
+            .collect();
+        imms.sort_unstable();
+        let from = 1 - side as u32;
+        assert_eq!(imms, (0..IMMS).map(|i| (from << 31) | i).collect::<Vec<_>>(), "side {side} imms");
+        // Every message, in order into the receive buffers posted in order, with its bytes.
+        let recvs: Vec<_> = g.iter().filter(|c| matches!(c, Completion::Recv { .. })).cloned().collect();
+        for (k, c) in recvs.iter().enumerate() {
+            let len = msg_len(k);
+            let src = Some(handles[side]);
+            assert_eq!(
+                *c,
+                Completion::Recv { token: 1_000_000 + k as u64, len, src },
+                "side {side} recv {k}"
+            );
+            assert_eq!(bufs[side].bytes(recv_base + k * SLOT, len), msg(1 - side, k), "side {side} msg {k}");
+        }
+        // The last writes' bytes landed (the landing area holds the peer's source pattern).
+        let n = (IMMS as usize * 16).min(32768);
+        assert_eq!(bufs[side].bytes(32768, n), pattern(41 - side as u8, n), "side {side} write bytes");
+    }
+}

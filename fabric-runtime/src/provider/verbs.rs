@@ -1,9 +1,10 @@
 //! The ibverbs backend: reliable-connected (RC) queue pairs on one RDMA device and port.
 //!
 //! ```text
-//!   VerbsDomain ──▶ peers[h]: RC QP ──send/recv CQ──▶ cq ──events──▶ channel (wait_fd)
-//!       │                     └──receives from──▶ srq ◀── N slots of `max_msg_size`
-//!       ├──▶ ud: UD QP (connection handshake)          (one registered backend pool)
+//!   VerbsDomain ──▶ peers[h]: data QP ──▶ imm_srq ◀── `recv_slots` zero-length receives (no memory)
+//!       │                     msg QP  ──▶ msg_srq ◀── `msg_slots` slots of `max_msg_size` (registered)
+//!       │                     (both QPs: send + recv CQ ──▶ cq ──events──▶ channel = wait_fd)
+//!       ├──▶ ud: UD QP (connection handshake)
 //!       ├──▶ mrs (user registrations)
 //!       └──▶ pd ──▶ context (device)        PeerHandle = index into `peers`
 //! ```
@@ -12,52 +13,85 @@
 //!
 //! Every verbs object is wrapped in an owner whose `Drop` destroys it, and a child holds an
 //! `Arc` of each parent it needs (QP → CQ, SRQ, PD; CQ → channel → context; MR/AH/SRQ → PD;
-//! PD → context), so destruction order — QPs, SRQ, CQ, channel, MRs, PD, device context — is
+//! PD → context), so destruction order — QPs, SRQs, CQ, channel, MRs, PD, device context — is
 //! guaranteed by ownership whatever order the fields of [`VerbsDomain`] drop in (their order
 //! matches it anyway). Drop never panics; a failed destroy is logged.
 //!
-//! # Receives: one backend-owned pool, engine buffers stay in software
+//! # Two RC QPs per peer, two SRQs
 //!
-//! Every RC QP receives from one shared receive queue (SRQ). Two kinds of traffic consume an
-//! SRQ entry: a peer's `RDMA_WRITE_WITH_IMM` (including imm-only writes), which writes no
-//! receive buffer, and a peer's `SEND`, which is placed in whatever entry is at the head of
-//! the SRQ. Mixing zero-length "imm" receives with the engine's message buffers therefore
-//! breaks sends (a SEND landing in a zero-length entry is a length error that kills the
-//! connection). So **the SRQ only ever holds backend-owned entries**: `recv_slots` slots of
-//! `max_msg_size` bytes each, in one registered pool (`VerbsConfig::recv_slots`).
+//! An incoming `RDMA_WRITE_WITH_IMM` (imm-only writes included) consumes one receive of the
+//! target QP's receive queue but writes no receive buffer, so a **zero-length** receive
+//! (`num_sge = 0`, no memory) is enough for it. An incoming `SEND` is placed in whatever
+//! receive is at the head of the queue, and in a zero-length one it is a length error that
+//! kills the connection. The two kinds therefore never share a receive queue: each peer has
 //!
-//! * `IBV_WC_RECV_RDMA_WITH_IMM` → [`Completion::Imm`]; the slot goes straight back to the SRQ.
-//! * `IBV_WC_RECV` (a SEND) → the bytes are copied into the oldest engine buffer handed in
-//!   with [`Op::Recv`] (those are kept in a queue and never posted to the NIC), which then
-//!   completes as [`Completion::Recv`] with `src` = the handle of the receiving QP's peer;
-//!   the slot goes back to the SRQ. If the engine has no buffer posted, the slot is held
-//!   (not re-posted) until one arrives. Cost: one copy of at most `max_msg_size` bytes per
-//!   two-sided message, which only carries small control messages.
+//! * a **data QP**, attached to the **imm SRQ** (`VerbsConfig::recv_slots` zero-length
+//!   receives, shared by every peer's data QP), which carries every write, write with
+//!   immediate, imm-only write and read ([`Op::Write`], [`Op::Read`]); and
+//! * a **message QP**, attached to the **message SRQ** (`VerbsConfig::msg_slots` slots of
+//!   `max_msg_size` bytes in one registered pool, shared by every peer's message QP), which
+//!   carries [`Op::Send`] only.
 //!
-//! Slots are re-posted in a batch at the end of every [`Domain::poll`]. A burst of
-//! immediates larger than the slots the poller keeps up with makes the receiving HCA answer
-//! "receiver not ready" (RNR NAK); RC QPs are set up with `rnr_retry = 7` (retry forever), so
-//! the sender waits and retries instead of failing: a burst of 10,000 imm writes slows down
-//! but never errors. A SEND larger than the peer's `max_msg_size` (both are in the address)
-//! is refused at post time.
+//! With the defaults that is 2048 imm receives that cost no memory, and 64 x 8 KiB = 512 KiB
+//! registered for messages (one SRQ serving both kinds needed its 2048 entries to be 8 KiB
+//! slots: 16 MiB). [`VerbsDomain::receive_queues`] reports both.
+//!
+//! * `IBV_WC_RECV_RDMA_WITH_IMM` on the imm SRQ → [`Completion::Imm`]; the SRQ is one
+//!   receive short until the next re-post.
+//! * `IBV_WC_RECV` (a SEND) on the message SRQ → the bytes are copied into the oldest engine
+//!   buffer handed in with [`Op::Recv`] (those are kept in a queue and never posted to the
+//!   NIC), which then completes as [`Completion::Recv`] with `src` = the handle of the peer
+//!   owning the receiving message QP (both QPNs map to the peer); the slot goes back to the
+//!   SRQ. If the engine has no buffer posted, the slot is held (not re-posted) until one
+//!   arrives. Cost: one copy of at most `max_msg_size` bytes per two-sided message, which only
+//!   carries small control messages.
+//!
+//! Both SRQs are topped up at the end of every [`Domain::poll`], each with one chained
+//! `ibv_post_srq_recv`. A burst of immediates (or messages) larger than what the poller keeps
+//! up with makes the receiving HCA answer "receiver not ready" (RNR NAK); RC QPs are set up
+//! with `rnr_retry = 7` (retry forever), so the sender waits and retries instead of failing:
+//! a burst of 10,000 imm writes slows down but never errors. A SEND larger than the peer's
+//! `max_msg_size` (both are in the address) is refused at post time.
+//!
+//! Ordering: operations on one QP keep their order, so writes and reads to a peer are ordered
+//! among themselves and so are sends, but a send is **not** ordered with the writes posted
+//! before it (another QP). The engine promises no such order either (libfabric RDM does not
+//! have it): wait for a write's completion before sending a message that announces it.
+//!
+//! The CQ holds every completion of both SRQs, the UD QP and the sends: `cq_depth` must
+//! exceed `recv_slots + msg_slots + 2 * UD_SLOTS`, and what is left bounds the send work
+//! requests in flight over all QPs (beyond it, and beyond `sq_depth` on one QP, `post`
+//! answers [`PostError::Again`]). Posts are chained per QP and handed to the NIC with one
+//! `ibv_post_send` per QP in [`Domain::flush`] (one doorbell per QP per flush).
+//!
+//! An error completion on either QP fails the peer: the first failure completes with its
+//! status's errno, the peer is marked failed with that cause, both of its QPs are moved to
+//! the error state, and every work request flushed behind it (on either QP) completes as
+//! `ECONNRESET` naming the first cause; later posts to the peer fail with
+//! [`Error::PeerUnreachable`].
 //!
 //! # Connection setup: a UD handshake
 //!
 //! [`Domain::address`] is plain bytes ([`PeerAddr`]): magic, version, active MTU, LID, GID,
-//! the QPN and Q_Key of a UD QP, and `max_msg_size`. [`Domain::add_peer`] creates the RC QP
-//! (INIT), returns its handle at once and sends a REQ (our RC QPN and PSN) to the peer's UD
-//! QP, re-sent every [`HANDSHAKE_RETRY`] from `poll` until a REP (its QPN and PSN) arrives;
-//! then the QP goes RTR → RTS (path MTU = the smaller active MTU, GRH routing with the chosen
-//! GID index). Posts to a peer still connecting return [`PostError::Again`]; after
-//! `VerbsConfig::connect_timeout` they fail with [`Error::PeerUnreachable`].
+//! the QPN and Q_Key of a UD QP, and `max_msg_size`. [`Domain::add_peer`] creates both RC QPs
+//! (INIT), returns the peer's handle at once and sends a REQ (our data QPN + PSN and message
+//! QPN + PSN) to the peer's UD QP, re-sent every [`HANDSHAKE_RETRY`] from `poll` (and
+//! [`Domain::timer`] wakes a sleeping reactor for it) until a REP (the peer's two QPNs and
+//! PSNs) arrives; then both QPs go RTR → RTS (path MTU = the smaller active MTU, GRH routing
+//! with the chosen GID index), and the peer is Connected only when both are. Posts to a peer
+//! still connecting return [`PostError::Again`]; after `VerbsConfig::connect_timeout` they
+//! fail with [`Error::PeerUnreachable`]. The address and handshake carry a version (2: two QPs
+//! per peer); an address of another version is refused by [`Domain::add_peer`] at once
+//! ([`Error::Malformed`] naming both versions), and a handshake of another version is ignored
+//! with a warning.
 //!
 //! A REQ from a peer never added here creates that peer (with a new handle) and is answered
 //! at once: a peer may be added on one side only. Simultaneous open (both sides add each
-//! other) is resolved without a second QP pair: a side that is connecting and receives the
-//! other's REQ accepts it (connecting its *existing* QP to the requester's) only if its own
-//! address is the larger; the smaller side ignores the REQ and the larger side answers the
-//! smaller side's REQ with a REP carrying the same QP. Duplicated or late REQs for a QP we
-//! are already connected to are answered again with the same REP.
+//! other) is resolved without a second pair of QPs: a side that is connecting and receives
+//! the other's REQ accepts it (connecting its *existing* QPs to the requester's) only if its
+//! own address is the larger; the smaller side ignores the REQ and the larger side answers the
+//! smaller side's REQ with a REP carrying the same QPs. Duplicated or late REQs for QPs we are
+//! already connected to are answered again with the same REP.
 //!
 //! # Memory
 //!
@@ -111,9 +145,12 @@ const CQ_BATCH: usize = 32;
 
 /// wr_id kinds (top byte); the low 32 bits are an index in the kind's own table.
 const WR_OP: u64 = 1 << 56;
-const WR_SRQ: u64 = 2 << 56;
+/// A zero-length receive of the imm SRQ (no index: the entries are interchangeable).
+const WR_IMM_RECV: u64 = 2 << 56;
 const WR_UD_RECV: u64 = 3 << 56;
 const WR_UD_SEND: u64 = 4 << 56;
+/// A message slot of the message SRQ.
+const WR_MSG_RECV: u64 = 5 << 56;
 const WR_KIND_MASK: u64 = 0xff << 56;
 
 extern "C" {
@@ -139,14 +176,22 @@ pub struct VerbsConfig {
     /// GID index; `None`: chosen by type and address (RoCEv2 with an IPv4-mapped address
     /// first, see [`select_gid`]).
     pub gid_index: Option<u32>,
-    /// Largest [`Op::Send`] accepted, and the size of each backend receive slot.
+    /// Largest [`Op::Send`] accepted, and the size of each message receive slot.
     pub max_msg_size: usize,
-    /// Backend receive slots kept posted on the SRQ (capped by the device's `max_srq_wr`).
+    /// Zero-length receives kept posted on the imm SRQ, which every peer's data QP shares:
+    /// one is consumed per `RDMA_WRITE_WITH_IMM` that arrives (capped by the device's
+    /// `max_srq_wr`). They name no memory.
     pub recv_slots: usize,
-    /// Send queue depth of each RC QP (capped by the device's `max_qp_wr`).
+    /// Message receive slots of `max_msg_size` bytes kept posted on the message SRQ, which
+    /// every peer's message QP shares: one is consumed per arriving [`Op::Send`] (capped by
+    /// the device's `max_srq_wr`). These are the backend's only registered receive memory.
+    pub msg_slots: usize,
+    /// Send queue depth of each RC QP, data and message QP alike (capped by the device's
+    /// `max_qp_wr`).
     pub sq_depth: u32,
-    /// Completion queue size (capped by the device's `max_cqe`); it bounds the sends in
-    /// flight over all peers, so that the CQ can never overflow.
+    /// Completion queue size (capped by the device's `max_cqe`). It must hold one entry per
+    /// receive of both SRQs and of the UD QP, plus every send in flight: what is left after
+    /// the receives bounds the sends in flight over all QPs, so that the CQ can never overflow.
     pub cq_depth: u32,
     /// How long a peer may take to answer the connection handshake.
     pub connect_timeout: Duration,
@@ -160,6 +205,7 @@ impl Default for VerbsConfig {
             gid_index: None,
             max_msg_size: DEFAULT_MAX_MSG_SIZE,
             recv_slots: 2048,
+            msg_slots: 64,
             sq_depth: 512,
             cq_depth: 16384,
             connect_timeout: Duration::from_secs(30),
@@ -255,7 +301,10 @@ fn status_str(status: u32) -> String {
 // ---------------------------------------------------------------------------------------------
 
 const ADDR_MAGIC: [u8; 4] = *b"FVRB";
-const ADDR_VERSION: u8 = 1;
+/// Version of the address and of the handshake it implies. 2: two RC QPs per peer (data +
+/// message), both QPNs and PSNs in REQ/REP. A peer of another version is refused by
+/// [`PeerAddr::decode`] (so [`Domain::add_peer`] fails at once instead of hanging).
+const ADDR_VERSION: u8 = 2;
 /// Bytes of an encoded [`PeerAddr`].
 pub const ADDR_LEN: usize = 36;
 
@@ -324,7 +373,9 @@ impl PeerAddr {
 }
 
 const HS_MAGIC: [u8; 4] = *b"FVHS";
-const HS_LEN: usize = 4 + 4 + ADDR_LEN + 12;
+const HS_LEN: usize = 4 + 4 + ADDR_LEN + 20;
+// A handshake (behind the GRH the HCA prepends) fits one UD receive slot.
+const _: () = assert!(GRH_LEN + HS_LEN <= UD_SLOT_SIZE);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum HsKind {
@@ -338,11 +389,14 @@ struct Handshake {
     kind: HsKind,
     /// The sender's address (so the receiver can answer and identify it).
     from: PeerAddr,
-    /// The sender's RC QP number and initial packet sequence number.
+    /// The sender's data RC QP number and initial packet sequence number.
     qpn: u32,
     psn: u32,
-    /// In a REP: the RC QPN of the REQ being answered.
+    /// In a REP: the data QPN of the REQ being answered.
     echo_qpn: u32,
+    /// The sender's message RC QP number and initial packet sequence number.
+    msg_qpn: u32,
+    msg_psn: u32,
 }
 
 impl Handshake {
@@ -356,12 +410,17 @@ impl Handshake {
         b[o..o + 4].copy_from_slice(&self.qpn.to_be_bytes());
         b[o + 4..o + 8].copy_from_slice(&self.psn.to_be_bytes());
         b[o + 8..o + 12].copy_from_slice(&self.echo_qpn.to_be_bytes());
+        b[o + 12..o + 16].copy_from_slice(&self.msg_qpn.to_be_bytes());
+        b[o + 16..o + 20].copy_from_slice(&self.msg_psn.to_be_bytes());
         b
     }
 
     fn decode(b: &[u8]) -> Result<Handshake, Error> {
         let malformed = |reason: String| Error::Malformed { what: "verbs handshake", reason };
-        if b.len() < HS_LEN || b[..4] != HS_MAGIC || b[4] != ADDR_VERSION {
+        if b.len() >= 5 && b[..4] == HS_MAGIC && b[4] != ADDR_VERSION {
+            return Err(malformed(format!("version {} (this build speaks {ADDR_VERSION})", b[4])));
+        }
+        if b.len() < HS_LEN || b[..4] != HS_MAGIC {
             return Err(malformed(format!("{} bytes without a version-{ADDR_VERSION} header", b.len())));
         }
         let kind = match b[5] {
@@ -372,7 +431,15 @@ impl Handshake {
         let from = PeerAddr::decode(&b[8..8 + ADDR_LEN])?;
         let o = 8 + ADDR_LEN;
         let be32 = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        Ok(Handshake { kind, from, qpn: be32(o), psn: be32(o + 4), echo_qpn: be32(o + 8) })
+        Ok(Handshake {
+            kind,
+            from,
+            qpn: be32(o),
+            psn: be32(o + 4),
+            echo_qpn: be32(o + 8),
+            msg_qpn: be32(o + 12),
+            msg_psn: be32(o + 16),
+        })
     }
 }
 
@@ -488,7 +555,8 @@ owned!(
     }
 );
 owned!(
-    /// The shared receive queue of every RC QP.
+    /// A shared receive queue: the imm SRQ of every data QP, or the message SRQ of every
+    /// message QP.
     Srq, sys::ibv_srq, sys::ibv_destroy_srq, "ibv_destroy_srq" { _pd: Arc<Pd> }
 );
 owned!(
@@ -643,25 +711,52 @@ enum PeerState {
         since: Instant,
         last: Option<Instant>,
     },
+    /// Both QPs are in RTS, towards the peer's data QP `remote_qpn` and message QP.
     Connected {
         remote_qpn: u32,
+        remote_msg_qpn: u32,
     },
     Failed(String),
 }
 
-struct Peer {
+/// Which of a peer's two RC QPs an operation travels on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    /// Writes (with or without immediate), imm-only writes, reads. Receives from the imm SRQ.
+    Data = 0,
+    /// Two-sided sends. Receives from the message SRQ.
+    Msg = 1,
+}
+
+/// One RC QP of a peer, with its send-side bookkeeping.
+struct PeerQp {
     qp: Qp,
     qpn: u32,
     psn: u32,
-    remote: PeerAddr,
-    state: PeerState,
     /// Send WRs posted on the QP and not completed (chained ones included).
     outstanding: u32,
+    /// Work requests accepted by `post` and not yet handed to the NIC: `flush` links them
+    /// and posts them with one `ibv_post_send` (one doorbell per QP for the batch).
+    chain: Vec<ChainedWr>,
+}
+
+struct Peer {
+    /// Indexed by [`Lane`]: the data QP, then the message QP.
+    qps: [PeerQp; 2],
+    remote: PeerAddr,
+    state: PeerState,
     /// To the peer's UD QP, made on first use.
     ah: Option<Ah>,
-    /// Work requests accepted by `post` and not yet handed to the NIC: `flush` links them
-    /// and posts them with one `ibv_post_send` (one doorbell for the batch).
-    chain: Vec<ChainedWr>,
+}
+
+impl Peer {
+    fn lane(&mut self, lane: Lane) -> &mut PeerQp {
+        &mut self.qps[lane as usize]
+    }
+
+    fn has_chain(&self) -> bool {
+        self.qps.iter().any(|q| !q.chain.is_empty())
+    }
 }
 
 /// One deferred send work request. The `next` and `sg_list` pointers are set by `flush`,
@@ -671,24 +766,47 @@ struct ChainedWr {
     sge: sys::ibv_sge,
 }
 
+/// What a zero-length receive of the imm SRQ looks like: no scatter list, no memory.
+const IMM_RECV_WR: sys::ibv_recv_wr =
+    sys::ibv_recv_wr { wr_id: WR_IMM_RECV, next: ptr::null_mut(), sg_list: ptr::null_mut(), num_sge: 0 };
+
+/// What a domain keeps posted to receive with ([`VerbsDomain::receive_queues`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReceiveQueues {
+    /// Receives of the imm SRQ (shared by every peer's data QP), kept replenished.
+    pub imm_entries: usize,
+    /// Scatter entries of each imm receive: 0, they name no memory.
+    pub imm_entry_sges: usize,
+    /// Message slots of the message SRQ (shared by every peer's message QP).
+    pub msg_entries: usize,
+    /// Bytes of each message slot (`max_msg_size`).
+    pub msg_entry_bytes: usize,
+    /// Backend memory registered for receiving: the message slots plus the handshake's UD
+    /// slots. Nothing is registered for immediates.
+    pub registered_bytes: usize,
+}
+
 /// The most work requests chained on one QP before `post` rings the doorbell by itself.
 const MAX_CHAIN: usize = 64;
 
-/// One ibverbs device port: a PD, one CQ with a completion channel, one SRQ, a UD QP for the
-/// handshake, and one RC QP per peer. See the module docs.
+/// One ibverbs device port: a PD, one CQ with a completion channel, two SRQs (zero-length
+/// imm receives, message slots), a UD QP for the handshake, and two RC QPs per peer. See the
+/// module docs.
 ///
-/// No `Drop` impl is needed: fields drop in declaration order — QPs (peers, UD), SRQ, CQ
+/// No `Drop` impl is needed: fields drop in declaration order — QPs (peers, UD), SRQs, CQ
 /// (acking its pending events first), channel, MRs, PD, device context — and the `Arc`s
 /// inside enforce that order in any case. Engine receive buffers were never given to the NIC,
 /// so there is nothing to cancel.
 pub struct VerbsDomain {
     peers: Vec<Peer>,
     ud_qp: Qp,
-    srq: Arc<Srq>,
+    imm_srq: Arc<Srq>,
+    msg_srq: Arc<Srq>,
     cq: Arc<Cq>,
     _channel: Arc<Channel>,
     mrs: HashMap<u64, Mr>,
-    recv_pool: SlotPool,
+    msg_pool: SlotPool,
     ud_pool: SlotPool,
     pd: Arc<Pd>,
     _ctx: Arc<Context>,
@@ -706,13 +824,19 @@ pub struct VerbsDomain {
     wait_fd: RawFd,
     peer_by_addr: HashMap<PeerAddr, usize>,
     peer_by_qpn: HashMap<u32, usize>,
-    /// In-flight send-side operations by wr_id index: (engine token, peer index).
-    ops: Vec<Option<(u64, usize)>>,
+    /// In-flight send-side operations by wr_id index: (engine token, peer index, QP).
+    ops: Vec<Option<(u64, usize, Lane)>>,
     free_ops: Vec<u32>,
     /// Send WRs in flight over all QPs, and the most allowed (so the CQ cannot overflow).
     outstanding: usize,
     max_outstanding: usize,
-    /// Backend receive slots not on the SRQ (to re-post), and slots holding a message that
+    /// Zero-length receives the imm SRQ is short of (re-posted in one chain by `poll`), and
+    /// its depth.
+    imm_missing: usize,
+    imm_depth: usize,
+    /// Scratch for re-posting imm receives (kept to avoid an allocation per poll).
+    imm_wrs: Vec<sys::ibv_recv_wr>,
+    /// Message slots not on the message SRQ (to re-post), and slots holding a message that
     /// waits for an engine buffer: (slot, len, peer).
     free_slots: Vec<u32>,
     held: VecDeque<(u32, usize, Option<PeerHandle>)>,
@@ -920,15 +1044,17 @@ fn gid_table(ctx: &Context, device: &str, port: u8, len: i32) -> Vec<GidEntry> {
 }
 
 impl VerbsDomain {
-    /// Opens the device and port, the PD, CQ + channel, SRQ (with its receive slots posted)
-    /// and the handshake UD QP.
+    /// Opens the device and port, the PD, CQ + channel, the two SRQs (with their receives
+    /// posted) and the handshake UD QP.
     ///
     /// Errors: [`Error::ProviderNotFound`] ("no RDMA device: ...") if there is no usable
     /// device or port, [`Error::Config`] for impossible sizes, [`Error::Provider`] if creating
     /// a verbs object fails.
     pub fn open(cfg: &VerbsConfig) -> Result<VerbsDomain, Error> {
-        if cfg.max_msg_size == 0 || cfg.recv_slots == 0 || cfg.sq_depth == 0 {
-            return Err(Error::Config("verbs max_msg_size, recv_slots and sq_depth must be non-zero".into()));
+        if cfg.max_msg_size == 0 || cfg.recv_slots == 0 || cfg.msg_slots == 0 || cfg.sq_depth == 0 {
+            return Err(Error::Config(
+                "verbs max_msg_size, recv_slots, msg_slots and sq_depth must be non-zero".into(),
+            ));
         }
         let max_msg_size = u32::try_from(cfg.max_msg_size)
             .map_err(|_| Error::Config(format!("max_msg_size {} exceeds 4 GiB", cfg.max_msg_size)))?;
@@ -966,12 +1092,14 @@ impl VerbsDomain {
 
         let cap = |v: c_int, want: u64| want.min(u64::try_from(v).unwrap_or(0).max(1));
         let recv_slots = cap(attr.max_srq_wr, cfg.recv_slots as u64) as usize;
+        let msg_slots = cap(attr.max_srq_wr, cfg.msg_slots as u64) as usize;
         let sq_depth = cap(attr.max_qp_wr, cfg.sq_depth.into()) as u32;
         let cq_depth = cap(attr.max_cqe, cfg.cq_depth.into()) as usize;
-        let reserved = recv_slots + 2 * UD_SLOTS;
+        // Every posted receive (both SRQs, the UD QP) and every UD send can complete at once.
+        let reserved = recv_slots + msg_slots + 2 * UD_SLOTS;
         if cq_depth <= reserved {
             return Err(Error::Config(format!(
-                "cq_depth {cq_depth} must exceed recv_slots + {} ({reserved})",
+                "cq_depth {cq_depth} must exceed recv_slots + msg_slots + {} ({reserved})",
                 2 * UD_SLOTS
             )));
         }
@@ -994,15 +1122,10 @@ impl VerbsDomain {
         };
         let cq = Arc::new(Cq { ptr: check_ptr("ibv_create_cq", cq)?, channel: channel.clone() });
 
-        let mut srq_attr = sys::ibv_srq_init_attr {
-            srq_context: ptr::null_mut(),
-            attr: sys::ibv_srq_attr { max_wr: recv_slots as u32, max_sge: 1, srq_limit: 0 },
-        };
-        // SAFETY: pd is live; srq_attr is valid for the call.
-        let srq = check_ptr("ibv_create_srq", unsafe { sys::ibv_create_srq(pd.as_ptr(), &mut srq_attr) })?;
-        let srq = Arc::new(Srq { ptr: srq, _pd: pd.clone() });
+        let imm_srq = create_srq(&pd, recv_slots)?;
+        let msg_srq = create_srq(&pd, msg_slots)?;
 
-        let recv_pool = SlotPool::new(&pd, cfg.max_msg_size, recv_slots)?;
+        let msg_pool = SlotPool::new(&pd, cfg.max_msg_size, msg_slots)?;
         let ud_pool = SlotPool::new(&pd, UD_SLOT_SIZE, 2 * UD_SLOTS)?;
         let ud_qp = create_qp(&pd, &cq, None, sys::ibv_qp_type::IBV_QPT_UD, UD_SLOTS as u32)?;
         // UD: INIT (with Q_Key) → RTR → RTS.
@@ -1036,11 +1159,12 @@ impl VerbsDomain {
         let mut d = VerbsDomain {
             peers: Vec::new(),
             ud_qp,
-            srq,
+            imm_srq,
+            msg_srq,
             cq,
             _channel: channel,
             mrs: HashMap::new(),
-            recv_pool,
+            msg_pool,
             ud_pool,
             pd,
             _ctx: ctx,
@@ -1061,7 +1185,10 @@ impl VerbsDomain {
             free_ops: Vec::new(),
             outstanding: 0,
             max_outstanding: cq_depth - reserved,
-            free_slots: (0..recv_slots as u32).rev().collect(),
+            imm_missing: recv_slots,
+            imm_depth: recv_slots,
+            imm_wrs: Vec::with_capacity(recv_slots),
+            free_slots: (0..msg_slots as u32).rev().collect(),
             held: VecDeque::new(),
             engine_recvs: VecDeque::new(),
             ud_send_free: (UD_SLOTS as u32..2 * UD_SLOTS as u32).rev().collect(),
@@ -1069,12 +1196,16 @@ impl VerbsDomain {
             ready: VecDeque::new(),
             chained: Vec::new(),
         };
-        d.replenish_srq();
-        if !d.free_slots.is_empty() {
+        d.replenish_srqs();
+        if d.imm_missing > 0 || !d.free_slots.is_empty() {
             return Err(Error::Provider {
                 call: "ibv_post_srq_recv",
                 errno: libc::ENOMEM,
-                message: format!("{} of {recv_slots} receive slots could not be posted", d.free_slots.len()),
+                message: format!(
+                    "{} of {recv_slots} imm receives and {} of {msg_slots} message slots could not be posted",
+                    d.imm_missing,
+                    d.free_slots.len()
+                ),
             });
         }
         for slot in 0..UD_SLOTS {
@@ -1088,6 +1219,18 @@ impl VerbsDomain {
     /// The device name, port and GID index in use.
     pub fn device(&self) -> (&str, u8, u32) {
         (&self.device, self.port, self.gid_index)
+    }
+
+    /// The receive queues and the memory registered for them (for tests and diagnostics).
+    pub fn receive_queues(&self) -> ReceiveQueues {
+        ReceiveQueues {
+            imm_entries: self.imm_depth,
+            imm_entry_sges: IMM_RECV_WR.num_sge as usize,
+            msg_entries: self.msg_pool.count,
+            msg_entry_bytes: self.msg_pool.slot_size,
+            registered_bytes: self.msg_pool.count * self.msg_pool.slot_size
+                + self.ud_pool.count * self.ud_pool.slot_size,
+        }
     }
 
     /// Whether the connection to `peer` is up (for tests and diagnostics).
@@ -1109,22 +1252,59 @@ impl VerbsDomain {
         check("ibv_post_recv", unsafe { sys::ibv_post_recv(self.ud_qp.as_ptr(), &mut wr, &mut bad) })
     }
 
-    /// Posts every free backend receive slot on the SRQ, in one chain.
-    fn replenish_srq(&mut self) {
+    /// Tops up both SRQs: the imm SRQ with zero-length receives, the message SRQ with every
+    /// free message slot; one chain (one `ibv_post_srq_recv`) each.
+    fn replenish_srqs(&mut self) {
+        self.replenish_imm();
+        self.replenish_msg();
+    }
+
+    /// Posts the zero-length receives the imm SRQ is short of, in one chain.
+    fn replenish_imm(&mut self) {
+        let n = self.imm_missing;
+        if n == 0 {
+            return;
+        }
+        let wrs = &mut self.imm_wrs;
+        wrs.clear();
+        // Zero-length: no scatter list, no memory. An RDMA_WRITE_WITH_IMM consumes the entry
+        // and places its data by rkey; only the immediate comes back in the completion.
+        wrs.resize(n, IMM_RECV_WR);
+        let base = wrs.as_mut_ptr();
+        for i in 0..n - 1 {
+            // SAFETY: i + 1 < n = wrs.len(); the vector does not move until the post returns.
+            unsafe { (*base.add(i)).next = base.add(i + 1) };
+        }
+        let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: the SRQ is live; the chain lives in `imm_wrs` for the call; the entries name
+        // no memory.
+        let ret = unsafe { sys::ibv_post_srq_recv(self.imm_srq.as_ptr(), base, &mut bad) };
+        let posted = if ret == 0 {
+            n
+        } else if bad.is_null() {
+            0
+        } else {
+            (bad as usize - base as usize) / std::mem::size_of::<sys::ibv_recv_wr>()
+        };
+        if let Err(e) = check("ibv_post_srq_recv(imm)", ret) {
+            tracing::warn!(error = %e, posted, of = n, "re-posting imm receives failed; will retry");
+        }
+        self.imm_missing -= posted.min(n);
+    }
+
+    /// Posts every free message slot on the message SRQ, in one chain.
+    fn replenish_msg(&mut self) {
         if self.free_slots.is_empty() {
             return;
         }
         let n = self.free_slots.len();
-        let mut sges: Vec<sys::ibv_sge> = self
-            .free_slots
-            .iter()
-            .map(|&s| self.recv_pool.sge(s as usize, self.recv_pool.slot_size))
-            .collect();
+        let mut sges: Vec<sys::ibv_sge> =
+            self.free_slots.iter().map(|&s| self.msg_pool.sge(s as usize, self.msg_pool.slot_size)).collect();
         let mut wrs: Vec<sys::ibv_recv_wr> = self
             .free_slots
             .iter()
             .map(|&s| sys::ibv_recv_wr {
-                wr_id: WR_SRQ | s as u64,
+                wr_id: WR_MSG_RECV | s as u64,
                 next: ptr::null_mut(),
                 sg_list: ptr::null_mut(),
                 num_sge: 1,
@@ -1139,7 +1319,7 @@ impl VerbsDomain {
         let mut bad: *mut sys::ibv_recv_wr = ptr::null_mut();
         // SAFETY: the SRQ is live; the chain and its SGEs live until the call returns; every
         // slot is registered backend memory not currently posted.
-        let ret = unsafe { sys::ibv_post_srq_recv(self.srq.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
+        let ret = unsafe { sys::ibv_post_srq_recv(self.msg_srq.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
         if ret == 0 {
             self.free_slots.clear();
             return;
@@ -1150,8 +1330,8 @@ impl VerbsDomain {
         } else {
             (bad as usize - wrs.as_ptr() as usize) / std::mem::size_of::<sys::ibv_recv_wr>()
         };
-        if let Err(e) = check("ibv_post_srq_recv", ret) {
-            tracing::warn!(error = %e, posted, of = n, "re-posting receive slots failed; will retry");
+        if let Err(e) = check("ibv_post_srq_recv(msg)", ret) {
+            tracing::warn!(error = %e, posted, of = n, "re-posting message slots failed; will retry");
         }
         self.free_slots.drain(..posted.min(n));
     }
@@ -1220,9 +1400,9 @@ impl VerbsDomain {
         }
     }
 
-    /// A new peer with an RC QP in INIT; registered by address and QPN.
-    fn new_peer(&mut self, remote: PeerAddr, state: PeerState) -> Result<usize, Error> {
-        let qp = create_qp(&self.pd, &self.cq, Some(&self.srq), sys::ibv_qp_type::IBV_QPT_RC, self.sq_depth)?;
+    /// An RC QP in INIT on `srq`.
+    fn new_rc_qp(&self, srq: &Arc<Srq>) -> Result<PeerQp, Error> {
+        let qp = create_qp(&self.pd, &self.cq, Some(srq), sys::ibv_qp_type::IBV_QPT_RC, self.sq_depth)?;
         // SAFETY: all-zero is a valid ibv_qp_attr.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = sys::ibv_qp_state::IBV_QPS_INIT;
@@ -1238,25 +1418,51 @@ impl VerbsDomain {
         )?;
         // SAFETY: the QP is live.
         let qpn = unsafe { (*qp.as_ptr()).qp_num };
+        Ok(PeerQp { qp, qpn, psn: random_psn(), outstanding: 0, chain: Vec::new() })
+    }
+
+    /// A new peer with its data QP (on the imm SRQ) and message QP (on the message SRQ) in
+    /// INIT; registered by address and by both QPNs.
+    fn new_peer(&mut self, remote: PeerAddr, state: PeerState) -> Result<usize, Error> {
+        let data = self.new_rc_qp(&self.imm_srq)?;
+        let msg = self.new_rc_qp(&self.msg_srq)?;
         let idx = self.peers.len();
-        self.peers.push(Peer {
-            qp,
-            qpn,
-            psn: random_psn(),
-            remote,
-            state,
-            outstanding: 0,
-            ah: None,
-            chain: Vec::new(),
-        });
         self.peer_by_addr.insert(remote, idx);
-        self.peer_by_qpn.insert(qpn, idx);
+        self.peer_by_qpn.insert(data.qpn, idx);
+        self.peer_by_qpn.insert(msg.qpn, idx);
+        self.peers.push(Peer { qps: [data, msg], remote, state, ah: None });
         Ok(idx)
     }
 
-    /// INIT → RTR → RTS towards the remote RC QP `remote_qpn` starting at `remote_psn`.
-    fn connect(&mut self, peer: usize, remote_qpn: u32, remote_psn: u32) -> Result<(), Error> {
+    /// Both QPs of `peer`: INIT → RTR → RTS towards the remote data QP `remote_qpn` (from
+    /// `remote_psn`) and message QP `remote_msg_qpn` (from `remote_msg_psn`). The peer is
+    /// Connected only when both are in RTS.
+    fn connect(&mut self, peer: usize, msg: &Handshake) -> Result<(), Error> {
+        if msg.msg_qpn == 0 || msg.msg_qpn > 0x00ff_ffff || msg.qpn == 0 || msg.qpn > 0x00ff_ffff {
+            return Err(Error::Malformed {
+                what: "verbs handshake",
+                reason: format!("QPNs {:#x} / {:#x} are not 24-bit QP numbers", msg.qpn, msg.msg_qpn),
+            });
+        }
+        self.connect_qp(peer, Lane::Data, msg.qpn, msg.psn)?;
+        self.connect_qp(peer, Lane::Msg, msg.msg_qpn, msg.msg_psn)?;
+        self.peers[peer].state = PeerState::Connected { remote_qpn: msg.qpn, remote_msg_qpn: msg.msg_qpn };
         let p = &self.peers[peer];
+        tracing::debug!(
+            peer,
+            qpn = p.qps[0].qpn,
+            msg_qpn = p.qps[1].qpn,
+            remote_qpn = msg.qpn,
+            remote_msg_qpn = msg.msg_qpn,
+            "verbs peer connected"
+        );
+        Ok(())
+    }
+
+    /// One QP of `peer`: INIT → RTR → RTS towards the remote RC QP `remote_qpn`.
+    fn connect_qp(&self, peer: usize, lane: Lane, remote_qpn: u32, remote_psn: u32) -> Result<(), Error> {
+        let p = &self.peers[peer];
+        let q = &p.qps[lane as usize];
         // SAFETY: all-zero is a valid ibv_qp_attr.
         let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = sys::ibv_qp_state::IBV_QPS_RTR;
@@ -1264,11 +1470,11 @@ impl VerbsDomain {
         a.dest_qp_num = remote_qpn;
         a.rq_psn = remote_psn & 0x00ff_ffff;
         a.max_dest_rd_atomic = self.max_dest_rd_atomic;
-        a.min_rnr_timer = 1; // 0.01 ms: retry soon after the receiver re-posts its slots.
+        a.min_rnr_timer = 1; // 0.01 ms: retry soon after the receiver re-posts its receives.
         a.ah_attr = self.ah_attr(&p.remote);
         use sys::ibv_qp_attr_mask as m;
         modify_qp(
-            &p.qp,
+            &q.qp,
             &mut a,
             m::IBV_QP_STATE.0
                 | m::IBV_QP_AV.0
@@ -1281,11 +1487,11 @@ impl VerbsDomain {
         a.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
         a.timeout = 14; // 4.096 µs * 2^14 ≈ 67 ms per try
         a.retry_cnt = 7;
-        a.rnr_retry = 7; // infinite: a receiver out of slots slows the sender, never fails it
-        a.sq_psn = p.psn;
+        a.rnr_retry = 7; // infinite: a receiver out of receives slows the sender, never fails it
+        a.sq_psn = q.psn;
         a.max_rd_atomic = self.max_rd_atomic;
         modify_qp(
-            &p.qp,
+            &q.qp,
             &mut a,
             m::IBV_QP_STATE.0
                 | m::IBV_QP_TIMEOUT.0
@@ -1293,15 +1499,17 @@ impl VerbsDomain {
                 | m::IBV_QP_RNR_RETRY.0
                 | m::IBV_QP_SQ_PSN.0
                 | m::IBV_QP_MAX_QP_RD_ATOMIC.0,
-        )?;
-        self.peers[peer].state = PeerState::Connected { remote_qpn };
-        tracing::debug!(peer, qpn = self.peers[peer].qpn, remote_qpn, "verbs peer connected");
-        Ok(())
+        )
+    }
+
+    /// A handshake message (REQ or REP) carrying both of our QPs.
+    fn handshake(&self, peer: usize, kind: HsKind, echo_qpn: u32) -> Handshake {
+        let [d, m] = &self.peers[peer].qps;
+        Handshake { kind, from: self.me, qpn: d.qpn, psn: d.psn, echo_qpn, msg_qpn: m.qpn, msg_psn: m.psn }
     }
 
     fn reply(&mut self, peer: usize, echo_qpn: u32) {
-        let p = &self.peers[peer];
-        let msg = Handshake { kind: HsKind::Rep, from: self.me, qpn: p.qpn, psn: p.psn, echo_qpn };
+        let msg = self.handshake(peer, HsKind::Rep, echo_qpn);
         self.send_handshake(peer, msg);
     }
 
@@ -1316,15 +1524,19 @@ impl VerbsDomain {
                         from,
                         PeerState::Connecting { since: Instant::now(), last: Some(Instant::now()) },
                     )
-                    .and_then(|idx| self.connect(idx, msg.qpn, msg.psn).map(|()| idx));
+                    .and_then(|idx| self.connect(idx, &msg).map(|()| idx));
                 match r {
                     Ok(idx) => self.reply(idx, msg.qpn),
                     Err(e) => tracing::warn!(error = %e, "accepting a verbs connection failed"),
                 }
             }
             (HsKind::Req, Some(idx)) => match self.peers[idx].state.clone() {
-                PeerState::Connected { remote_qpn } if remote_qpn == msg.qpn => self.reply(idx, msg.qpn),
-                PeerState::Connected { remote_qpn } => tracing::warn!(
+                PeerState::Connected { remote_qpn, remote_msg_qpn }
+                    if remote_qpn == msg.qpn && remote_msg_qpn == msg.msg_qpn =>
+                {
+                    self.reply(idx, msg.qpn)
+                }
+                PeerState::Connected { remote_qpn, .. } => tracing::warn!(
                     remote_qpn,
                     req_qpn = msg.qpn,
                     "REQ from a connected peer for another QP (peer restarted?); ignored"
@@ -1333,7 +1545,7 @@ impl VerbsDomain {
                     // Simultaneous open: the larger address accepts, the smaller one waits for
                     // the REP to its own REQ.
                     if self.address.as_slice() >= from.encode().as_slice() {
-                        match self.connect(idx, msg.qpn, msg.psn) {
+                        match self.connect(idx, &msg) {
                             Ok(()) => self.reply(idx, msg.qpn),
                             Err(e) => self.fail_peer(idx, format!("connecting the QP failed: {e}")),
                         }
@@ -1343,8 +1555,8 @@ impl VerbsDomain {
             },
             (HsKind::Rep, Some(idx)) => {
                 let p = &self.peers[idx];
-                if matches!(p.state, PeerState::Connecting { .. }) && msg.echo_qpn == p.qpn {
-                    if let Err(e) = self.connect(idx, msg.qpn, msg.psn) {
+                if matches!(p.state, PeerState::Connecting { .. }) && msg.echo_qpn == p.qps[0].qpn {
+                    if let Err(e) = self.connect(idx, &msg) {
                         self.fail_peer(idx, format!("connecting the QP failed: {e}"));
                     }
                 }
@@ -1353,11 +1565,23 @@ impl VerbsDomain {
         }
     }
 
+    /// Marks `peer` failed with its first cause and moves both of its QPs to the error
+    /// state: an error completion on one QP fails the peer, so the work still queued on the
+    /// other is flushed too (each completes as `ECONNRESET` naming the cause, see `classify`).
     fn fail_peer(&mut self, peer: usize, message: String) {
         let p = &mut self.peers[peer];
-        if !matches!(p.state, PeerState::Failed(_)) {
-            tracing::warn!(peer, %message, "verbs peer failed");
-            p.state = PeerState::Failed(message);
+        if matches!(p.state, PeerState::Failed(_)) {
+            return;
+        }
+        tracing::warn!(peer, %message, "verbs peer failed");
+        p.state = PeerState::Failed(message);
+        for q in &p.qps {
+            // SAFETY: all-zero is a valid ibv_qp_attr.
+            let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+            a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+            if let Err(e) = modify_qp(&q.qp, &mut a, sys::ibv_qp_attr_mask::IBV_QP_STATE.0) {
+                tracing::debug!(peer, qpn = q.qpn, error = %e, "moving a failed peer's QP to ERR failed");
+            }
         }
     }
 
@@ -1375,8 +1599,7 @@ impl VerbsDomain {
             }
             if last.map_or(true, |l| now.duration_since(l) >= HANDSHAKE_RETRY) {
                 self.peers[idx].state = PeerState::Connecting { since, last: Some(now) };
-                let p = &self.peers[idx];
-                let msg = Handshake { kind: HsKind::Req, from: self.me, qpn: p.qpn, psn: p.psn, echo_qpn: 0 };
+                let msg = self.handshake(idx, HsKind::Req, 0);
                 self.send_handshake(idx, msg);
             }
         }
@@ -1395,7 +1618,7 @@ impl VerbsDomain {
             // was handed in with Op::Recv, whose contract keeps it valid and unused until its
             // completion is returned; the two do not overlap (backend vs engine memory).
             unsafe {
-                let src_bytes = self.recv_pool.bytes(slot as usize, n);
+                let src_bytes = self.msg_pool.bytes(slot as usize, n);
                 ptr::copy_nonoverlapping(src_bytes.as_ptr(), buf.addr as *mut u8, n);
             }
             self.free_slots.push(slot);
@@ -1408,13 +1631,13 @@ impl VerbsDomain {
         let ok = wc.status == sys::ibv_wc_status::IBV_WC_SUCCESS;
         match wc.wr_id & WR_KIND_MASK {
             WR_OP => {
-                let Some((token, peer)) = self.ops.get_mut(index).and_then(Option::take) else {
+                let Some((token, peer, lane)) = self.ops.get_mut(index).and_then(Option::take) else {
                     tracing::warn!(wr_id = wc.wr_id, "completion for an unknown work request; skipped");
                     return;
                 };
                 self.free_ops.push(index as u32);
                 self.outstanding -= 1;
-                self.peers[peer].outstanding -= 1;
+                self.peers[peer].lane(lane).outstanding -= 1;
                 if ok {
                     self.ready.push_back(Completion::Done { token });
                 } else {
@@ -1436,25 +1659,29 @@ impl VerbsDomain {
                     self.ready.push_back(Completion::Failed { token, errno, message });
                 }
             }
-            WR_SRQ => {
-                let src = self.peer_by_qpn.get(&wc.qp_num).map(|&i| i as PeerHandle);
+            WR_IMM_RECV => {
+                // A zero-length entry: it only ever completes a peer's write with immediate.
+                self.imm_missing += 1;
                 if !ok {
-                    tracing::warn!(status = %status_str(wc.status), qpn = wc.qp_num, "a receive failed");
-                    if let Some(p) = src {
-                        self.fail_peer(p as usize, format!("receive failed: {}", status_str(wc.status)));
-                    }
-                    self.free_slots.push(index as u32);
-                    return;
+                    self.recv_failed(&wc);
+                } else if wc.opcode == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                    self.ready.push_back(Completion::Imm { imm: imm_from_wire(wc.imm) });
+                } else {
+                    tracing::warn!(opcode = wc.opcode, qpn = wc.qp_num, "unexpected receive on the imm SRQ");
                 }
-                match wc.opcode {
-                    sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => {
-                        self.free_slots.push(index as u32);
-                        self.ready.push_back(Completion::Imm { imm: imm_from_wire(wc.imm) });
-                    }
-                    _ => {
-                        self.held.push_back((index as u32, wc.byte_len as usize, src));
-                        self.deliver_held();
-                    }
+            }
+            WR_MSG_RECV => {
+                if !ok {
+                    self.recv_failed(&wc);
+                    self.free_slots.push(index as u32);
+                } else if wc.opcode == sys::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                    // Not sent by this backend (immediates travel on the data QP), but harmless.
+                    self.free_slots.push(index as u32);
+                    self.ready.push_back(Completion::Imm { imm: imm_from_wire(wc.imm) });
+                } else {
+                    let src = self.peer_by_qpn.get(&wc.qp_num).map(|&i| i as PeerHandle);
+                    self.held.push_back((index as u32, wc.byte_len as usize, src));
+                    self.deliver_held();
                 }
             }
             WR_UD_RECV => {
@@ -1468,6 +1695,9 @@ impl VerbsDomain {
                         .and_then(Handshake::decode);
                     match msg {
                         Ok(m) => self.on_handshake(m),
+                        Err(Error::Malformed { reason, .. }) if reason.starts_with("version") => {
+                            tracing::warn!(%reason, "ignoring a handshake from a peer of another fabric version")
+                        }
                         Err(e) => tracing::debug!(error = %e, "ignoring a UD message"),
                     }
                 }
@@ -1482,6 +1712,15 @@ impl VerbsDomain {
                 self.ud_send_free.push(index as u32);
             }
             _ => tracing::warn!(wr_id = wc.wr_id, "completion with a foreign wr_id; skipped"),
+        }
+    }
+
+    /// A receive of either SRQ failed: its QP (and so its peer) is gone.
+    fn recv_failed(&mut self, wc: &Wc) {
+        let status = status_str(wc.status);
+        tracing::warn!(%status, qpn = wc.qp_num, "a receive failed");
+        if let Some(&p) = self.peer_by_qpn.get(&wc.qp_num) {
+            self.fail_peer(p, format!("receive failed: {status} (vendor error {:#x})", wc.vendor_err));
         }
     }
 
@@ -1522,7 +1761,8 @@ impl VerbsDomain {
             }
             PeerState::Failed(_) => return self.post_send_op_failed(peer),
         }
-        if p.outstanding >= self.sq_depth || self.outstanding >= self.max_outstanding {
+        let lane = if matches!(op, Op::Send { .. }) { Lane::Msg } else { Lane::Data };
+        if p.qps[lane as usize].outstanding >= self.sq_depth || self.outstanding >= self.max_outstanding {
             return Err(PostError::Again);
         }
         let (local, opcode, remote, imm) = match *op {
@@ -1570,14 +1810,15 @@ impl VerbsDomain {
             wr.wr.rdma = sys::rdma_t { remote_addr: r.addr, rkey: r.key as u32 };
         }
         // Accepted: it reaches the NIC at the next `flush` (or now, if the chain is full).
-        self.ops[index as usize] = Some((token, peer as usize));
-        p.outstanding += 1;
+        self.ops[index as usize] = Some((token, peer as usize, lane));
         self.outstanding += 1;
-        if p.chain.is_empty() {
+        if !p.has_chain() {
             self.chained.push(peer as usize);
         }
-        p.chain.push(ChainedWr { wr, sge });
-        if p.chain.len() >= MAX_CHAIN {
+        let q = p.lane(lane);
+        q.outstanding += 1;
+        q.chain.push(ChainedWr { wr, sge });
+        if q.chain.len() >= MAX_CHAIN {
             self.chained.retain(|&i| i != peer as usize);
             // SAFETY: forwarded from the caller (memory registered and valid until completion).
             unsafe { self.flush_peer(peer as usize) };
@@ -1585,15 +1826,27 @@ impl VerbsDomain {
         Ok(())
     }
 
-    /// Posts peer `idx`'s chained work requests with one `ibv_post_send`. Those the NIC
-    /// refuses complete as `Failed`.
+    /// Posts peer `idx`'s chained work requests: one `ibv_post_send` per QP with a
+    /// non-empty chain. Those the NIC refuses complete as `Failed`.
     ///
     /// # Safety
     ///
     /// The memory every chained request names must be registered with this domain and stay
     /// valid until its completion is polled (the contract of [`Domain::post`]).
     unsafe fn flush_peer(&mut self, idx: usize) {
-        let p = &mut self.peers[idx];
+        for lane in [Lane::Data, Lane::Msg] {
+            // SAFETY: forwarded from the caller.
+            unsafe { self.flush_qp(idx, lane) };
+        }
+    }
+
+    /// Posts the chained work requests of one QP of peer `idx` with one `ibv_post_send`.
+    ///
+    /// # Safety
+    ///
+    /// As for [`VerbsDomain::flush_peer`].
+    unsafe fn flush_qp(&mut self, idx: usize, lane: Lane) {
+        let p = self.peers[idx].lane(lane);
         let n = p.chain.len();
         if n == 0 {
             return;
@@ -1629,9 +1882,9 @@ impl VerbsDomain {
         };
         for wr_id in refused {
             let index = (wr_id & !WR_OP) as usize;
-            if let Some((token, peer)) = self.ops.get_mut(index).and_then(Option::take) {
+            if let Some((token, peer, lane)) = self.ops.get_mut(index).and_then(Option::take) {
                 self.free_ops.push(index as u32);
-                self.peers[peer].outstanding -= 1;
+                self.peers[peer].lane(lane).outstanding -= 1;
                 self.outstanding -= 1;
                 self.ready.push_back(Completion::Failed { token, errno, message: message.clone() });
             }
@@ -1675,6 +1928,16 @@ fn dmabuf_fd(ordinal: u32, _addr: u64, _len: usize) -> Result<RawFd, Error> {
         "registering cuda:{ordinal} memory with verbs needs a dma-buf fd from the CUDA driver \
          (cuMemGetHandleForAddressRange), which fabric does not link yet"
     )))
+}
+
+fn create_srq(pd: &Arc<Pd>, depth: usize) -> Result<Arc<Srq>, Error> {
+    let mut attr = sys::ibv_srq_init_attr {
+        srq_context: ptr::null_mut(),
+        attr: sys::ibv_srq_attr { max_wr: depth as u32, max_sge: 1, srq_limit: 0 },
+    };
+    // SAFETY: pd is live; attr is valid for the call.
+    let p = check_ptr("ibv_create_srq", unsafe { sys::ibv_create_srq(pd.as_ptr(), &mut attr) })?;
+    Ok(Arc::new(Srq { ptr: p, _pd: pd.clone() }))
 }
 
 fn create_qp(
@@ -1816,7 +2079,7 @@ impl Domain for VerbsDomain {
         }
         self.drive_handshakes(Instant::now());
         self.deliver_held();
-        self.replenish_srq();
+        self.replenish_srqs();
         let n = self.ready.len().min(max);
         out.extend(self.ready.drain(..n));
         Ok(n)
@@ -1915,12 +2178,39 @@ mod tests {
 
     #[test]
     fn handshake_round_trips() {
-        let m = Handshake { kind: HsKind::Rep, from: addr(), qpn: 0x123456, psn: 0xabcdef, echo_qpn: 77 };
+        let m = Handshake {
+            kind: HsKind::Rep,
+            from: addr(),
+            qpn: 0x123456,
+            psn: 0xabcdef,
+            echo_qpn: 77,
+            msg_qpn: 0x123457,
+            msg_psn: 0x0fedcb,
+        };
         assert_eq!(Handshake::decode(&m.encode()).unwrap(), m);
         let mut b = m.encode();
         b[5] = 3;
         assert!(Handshake::decode(&b).is_err());
         assert!(Handshake::decode(&b[..10]).is_err());
+        // A handshake of another version (v1: one QP per peer) is refused by name.
+        let mut b = m.encode();
+        b[4] = 1;
+        match Handshake::decode(&b) {
+            Err(Error::Malformed { reason, .. }) => assert!(reason.starts_with("version 1"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_address_of_another_version_is_a_clear_error() {
+        let mut b = addr().encode();
+        b[4] = 1;
+        match PeerAddr::decode(&b) {
+            Err(Error::Malformed { reason, .. }) => {
+                assert_eq!(reason, format!("version 1 (this build speaks {ADDR_VERSION})"));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     fn e(index: u32, gid_type: GidType, gid: [u8; 16]) -> GidEntry {
