@@ -378,6 +378,8 @@ async fn on_thread<T: Send + 'static>(
 }
 
 fn cpu_time() -> Duration {
+    // SAFETY: `rusage` is plain C data (integers and `timeval`s) for which all-zero bytes is
+    // a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage fills the struct we own.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
