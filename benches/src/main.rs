@@ -287,7 +287,11 @@ async fn leader_main(o: Opts) -> Res<()> {
             let _ = std::fs::create_dir_all(&dir);
             dir.join(format!("bw-{}.png", o.provider))
         });
-        match rep.plot_bw(&path) {
+        let engine = match o.domains {
+            1 => format!("futures, {}", mode_name(o.mode)),
+            n => format!("futures, {}, {n} domains", mode_name(o.mode)),
+        };
+        match rep.plot_bw(&path, &engine) {
             Ok(()) => println!("plot: {}", path.display()),
             Err(e) => println!("plot: not written: {e}"),
         }
