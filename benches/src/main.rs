@@ -14,6 +14,7 @@
 //! smaller (`Budget`): the only verbs device here is Soft-RoCE in an emulated VM, ~20-45 MB/s.
 
 mod perftest;
+mod progress;
 mod raw;
 mod report;
 
@@ -27,6 +28,7 @@ use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
 use futures::future::join_all;
 
+use progress::Progress;
 use raw::Raw;
 use report::{Report, Row};
 
@@ -213,6 +215,7 @@ struct Ctx {
     lead: bool,
     store: TcpStore,
     phase: u64,
+    progress: Progress,
 }
 
 impl Ctx {
@@ -228,10 +231,15 @@ impl Ctx {
         self.swap(tag, Vec::new()).await.map(drop)
     }
 
-    fn progress(&self, test: &str, msg: &str) {
-        if self.lead {
-            eprint!("\r\x1b[2K[{test}] {msg}");
-        }
+    /// The progress bar (leader only): `test` has done `frac` of its steps and runs `what`.
+    fn progress(&mut self, test: &str, frac: f64, what: &str) {
+        self.progress.update(test, frac, what);
+    }
+
+    /// A line on stdout during the run, on a line of its own (not after the bar).
+    fn note(&mut self, msg: &str) {
+        self.progress.clear();
+        println!("{msg}");
     }
 }
 
@@ -241,7 +249,7 @@ async fn leader_main(o: Opts) -> Res<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     args.extend(["--peer-of".to_string(), server.local_addr().to_string()]);
     let mut child = Command::new(std::env::current_exe()?).args(&args).stdin(Stdio::null()).spawn()?;
-    let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0 };
+    let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0, progress: Progress::new(true) };
     let mut rep = Report::new(&o.provider);
     eprintln!(
         "fabric-bench {} on {} ({} cores){}{}",
@@ -257,7 +265,8 @@ async fn leader_main(o: Opts) -> Res<()> {
     );
     let t0 = Instant::now();
     let result = run_tests(&mut ctx, &mut rep).await;
-    eprintln!("\r\x1b[2Kdone in {:.1} s", t0.elapsed().as_secs_f64());
+    ctx.progress.clear();
+    eprintln!("done in {:.1} s", t0.elapsed().as_secs_f64());
     if result.is_err() {
         // The peer may be waiting for this side at the store (up to its 300 s timeout).
         let _ = child.kill();
@@ -278,7 +287,11 @@ async fn leader_main(o: Opts) -> Res<()> {
             let _ = std::fs::create_dir_all(&dir);
             dir.join(format!("bw-{}.png", o.provider))
         });
-        match rep.plot_bw(&path) {
+        let engine = match o.domains {
+            1 => format!("futures, {}", mode_name(o.mode)),
+            n => format!("futures, {}, {n} domains", mode_name(o.mode)),
+        };
+        match rep.plot_bw(&path, &engine) {
             Ok(()) => println!("plot: {}", path.display()),
             Err(e) => println!("plot: not written: {e}"),
         }
@@ -288,7 +301,7 @@ async fn leader_main(o: Opts) -> Res<()> {
 
 async fn peer_main(o: Opts, addr: String) -> Res<()> {
     let store = TcpStore::connect(addr.parse()?).await?.with_timeout(Duration::from_secs(300));
-    let mut ctx = Ctx { o, lead: false, store, phase: 0 };
+    let mut ctx = Ctx { o, lead: false, store, phase: 0, progress: Progress::new(false) };
     let mut rep = Report::new("");
     run_tests(&mut ctx, &mut rep).await
 }
@@ -378,6 +391,8 @@ async fn on_thread<T: Send + 'static>(
 }
 
 fn cpu_time() -> Duration {
+    // SAFETY: `rusage` is plain C data (integers and `timeval`s) for which all-zero bytes is
+    // a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage fills the struct we own.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
@@ -542,7 +557,8 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let mut p = vec![Vec::new(); sizes.len()];
     let mut side = Some(engine_side(ctx, ctx.o.mode, len).await?);
     let mut raw = if interleave { Some(raw_side(ctx, len).await?) } else { None };
-    for &(do_engine, do_raw) in passes {
+    let steps = (passes.len() * sizes.len() * reps) as f64;
+    for (pass, &(do_engine, do_raw)) in passes.iter().enumerate() {
         if !do_engine && side.is_some() {
             ctx.barrier("bw-engine-end").await?;
             side = None;
@@ -551,8 +567,15 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         for (k, &size) in sizes.iter().enumerate() {
             let ops = bw_ops(&ctx.o, size);
             for r in 0..reps {
-                let what = format!("{}/{} {} x{ops} rep {}/{reps}", k + 1, sizes.len(), human(size), r + 1);
-                ctx.progress("bw", &what);
+                let side_of = match (do_engine, do_raw) {
+                    (true, true) => "",
+                    (true, false) => "engine ",
+                    _ => "raw ",
+                };
+                let what =
+                    format!("{side_of}{}/{} {} x{ops} rep {}/{reps}", k + 1, sizes.len(), human(size), r + 1);
+                let frac = ((pass * sizes.len() + k) * reps + r) as f64 / steps;
+                ctx.progress("bw", frac, &what);
                 if do_engine {
                     let s = side.as_ref().expect("engine side");
                     if ctx.lead {
@@ -580,6 +603,7 @@ async fn bw_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         if let Some(t) = perftest.clone() {
                             ctx.progress(
                                 "bw",
+                                frac,
                                 &format!("{what}: ib_write_bw -s {size} -n {ops} -t {window}"),
                             );
                             let run = move || perftest::write_bw(&t, size, ops, window);
@@ -616,10 +640,10 @@ async fn iperf3(ctx: &mut Ctx, rep: &mut Report) {
         return;
     }
     if Command::new("iperf3").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
-        println!("iperf3 not installed: skipped");
+        ctx.note("iperf3 not installed: skipped");
         return;
     }
-    ctx.progress("bw", "iperf3");
+    ctx.progress("bw", 1.0, "baseline: iperf3 -l 1M");
     let secs = if ctx.o.quick { "1" } else { "2" };
     let res = tokio::task::spawn_blocking(move || run_iperf3(secs)).await;
     match res {
@@ -629,8 +653,8 @@ async fn iperf3(ctx: &mut Ctx, rep: &mut Report) {
             row = row.size(1 << 20).baseline("iperf3", g);
             rep.push(row);
         }
-        Ok(Err(e)) => println!("iperf3 failed: {e}"),
-        Err(e) => println!("iperf3 failed: {e}"),
+        Ok(Err(e)) => ctx.note(&format!("iperf3 failed: {e}")),
+        Err(e) => ctx.note(&format!("iperf3 failed: {e}")),
     }
 }
 
@@ -653,7 +677,7 @@ async fn perftest_lat(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         return Ok(());
     };
     let iters = lat_iters(&ctx.o) as u64;
-    ctx.progress("lat", &format!("{tool} -s {size} -n {iters}"));
+    ctx.progress("lat", 1.0, &format!("baseline: {tool} -s {size} -n {iters}"));
     let (typ, p99) = tokio::task::spawn_blocking(move || perftest::write_lat(&t, size, iters)).await??;
     rep.push(r50.baseline(tool, 2.0 * typ));
     rep.push(r99.baseline(tool, 2.0 * p99));
@@ -661,9 +685,9 @@ async fn perftest_lat(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
 }
 
 /// Where perftest runs, or `None` (with a note) when `tool` is not installed.
-async fn perftest_target(ctx: &Ctx, tool: &'static str) -> Res<Option<perftest::Target>> {
+async fn perftest_target(ctx: &mut Ctx, tool: &'static str) -> Res<Option<perftest::Target>> {
     if !perftest::installed(tool) {
-        println!("{tool} not installed (Debian package perftest): its rows have no baseline");
+        ctx.note(&format!("{tool} not installed (Debian package perftest): its rows have no baseline"));
         return Ok(None);
     }
     let provider = ctx.o.provider.clone();
@@ -791,8 +815,9 @@ async fn lat_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let mut eng = Vec::new();
     {
         let side = engine_side(ctx, mode, 1 << 20).await?;
-        for size in sizes {
-            ctx.progress("lat", &format!("engine {} x{iters}", human(size)));
+        for (i, size) in sizes.into_iter().enumerate() {
+            let frac = i as f64 / (2 * sizes.len()) as f64;
+            ctx.progress("lat", frac, &format!("engine {} x{iters}", human(size)));
             ctx.barrier("ping").await?;
             if ctx.lead {
                 eng.push(percentiles(&engine_ping(&side, size, iters).await?));
@@ -804,7 +829,8 @@ async fn lat_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     }
     let mut raw = Some(raw_side(ctx, 1 << 20).await?);
     for (i, size) in sizes.into_iter().enumerate() {
-        ctx.progress("lat", &format!("raw {} x{iters}", human(size)));
+        let frac = (sizes.len() + i) as f64 / (2 * sizes.len()) as f64;
+        ctx.progress("lat", frac, &format!("raw {} x{iters}", human(size)));
         ctx.barrier("ping").await?;
         if ctx.lead {
             let (r2, rtts) =
@@ -907,12 +933,13 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         WakeCase::Spin(ReactorMode::Event),
         WakeCase::Spin(ReactorMode::BusyPoll),
     ];
-    for case in cases {
+    let ncases = cases.len() as f64;
+    for (c, case) in cases.into_iter().enumerate() {
         let (name, mode) = match case {
             WakeCase::Mode(m) => (mode_name(m).to_string(), m),
             WakeCase::Spin(m) => (format!("spin path ({})", mode_name(m)), m),
         };
-        ctx.progress("wake", &format!("{name} x{iters}"));
+        ctx.progress("wake", c as f64 / ncases, &format!("{name}: probe"));
         let side = Arc::new(engine_side(ctx, mode, 1 << 20).await?);
         // Some cases are pathological on 2 cores (four spinning threads): a short probe sets
         // how many round trips fit in about 3 s (verbs in the VM: 1.5 s, quick 0.5 s), so the
@@ -931,7 +958,7 @@ async fn wake_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         } else {
             u64::from_le_bytes(ctx.swap("wake-n", Vec::new()).await?[..8].try_into()?) as usize
         };
-        ctx.progress("wake", &format!("{name} x{n}"));
+        ctx.progress("wake", (c as f64 + 0.1) / ncases, &format!("{name} x{n}"));
         ctx.barrier("wake-go").await?;
         let (c0, t0) = (cpu_time(), Instant::now());
         let rtts = run_wake(ctx, case, &side, size, n).await?;
@@ -1006,7 +1033,11 @@ async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let mut raw = Some(raw_side(ctx, 1 << 20).await?);
     let (mut e, mut b) = (Vec::new(), Vec::new());
     for r in 0..reps {
-        ctx.progress("rate", &format!("x{ops} rep {}/{reps}", r + 1));
+        ctx.progress(
+            "rate",
+            r as f64 / (reps + 1) as f64,
+            &format!("imm futures x{ops} rep {}/{reps}", r + 1),
+        );
         if ctx.lead {
             e.push(ops as f64 / engine_stream(&side, 0, ops, RATE_WINDOW).await?.as_secs_f64());
             let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
@@ -1032,6 +1063,7 @@ async fn rate_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         rep.set_raw_rate(base);
     }
     // The same through post_imm + OpBatch (Event reactor; the caller spins on the batch).
+    ctx.progress("rate", reps as f64 / (reps + 1) as f64, &format!("post_imm+OpBatch x{ops}"));
     ctx.barrier("rate-batch").await?;
     if ctx.lead {
         let s = side.clone();
@@ -1067,8 +1099,9 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         (true, false) => 256,
     };
     let mut one_peer = None;
-    for &k in &peer_counts {
-        ctx.progress("scale", &format!("{k} peers"));
+    for (j, &k) in peer_counts.iter().enumerate() {
+        let what = format!("{}/{} {k} peers", j + 1, peer_counts.len());
+        ctx.progress("scale", 0.5 * j as f64 / peer_counts.len() as f64, &what);
         let per_peer = total.div_ceil(k as u64).max(16);
         // The peer process hosts k engines (k reactor threads, k endpoints); the leader has
         // one engine with k peers.
@@ -1123,10 +1156,10 @@ async fn scale_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             ));
             ctx.barrier("scale-end").await?;
             if stop {
-                println!(
+                ctx.note(&format!(
                     "scale: stopped after {k} peer engines: the next step would need more than half \
                      the free memory"
-                );
+                ));
                 break;
             }
         } else {
@@ -1208,8 +1241,9 @@ async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         }
         ctx.barrier("inflight-raw").await?;
     }
-    for &n in &counts {
-        ctx.progress("scale", &format!("{n} futures in flight"));
+    for (i, &n) in counts.iter().enumerate() {
+        let what = format!("{}/{} {n} futures in flight", i + 1, counts.len());
+        ctx.progress("scale", 0.5 + 0.5 * i as f64 / counts.len() as f64, &what);
         ctx.barrier("inflight").await?;
         if ctx.lead {
             trim();

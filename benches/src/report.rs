@@ -180,9 +180,25 @@ impl Report {
         Ok(())
     }
 
-    /// The bandwidth sweep, engine against the raw loop; log2 size on x. Text labels need a
-    /// TrueType font: DejaVu Sans (Debian `fonts-dejavu-core`) if present, else no labels.
-    pub fn plot_bw(&self, path: &Path) -> Result<(), BoxError> {
+    /// ib_write_bw's figure per size, from the verbs rows `<size> vs ib_write_bw -t N`.
+    fn perftest_bw(&self) -> Vec<(f64, f64)> {
+        self.rows
+            .iter()
+            .filter(|r| r.test == "bw" && r.size.is_some())
+            .filter_map(|r| match &r.baseline {
+                Some((n, v)) if n == "ib_write_bw" && v.is_finite() => {
+                    Some(((r.size.unwrap_or(1) as f64).log2(), *v))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The bandwidth sweep, engine against the raw loop (and, on verbs, `ib_write_bw` when it
+    /// ran); log2 size on x. `engine` names the engine's setup in the legend (its reactor
+    /// mode, e.g. `futures, Event`). Text labels need a TrueType font: DejaVu Sans (Debian
+    /// `fonts-dejavu-core`) if present, else no labels.
+    pub fn plot_bw(&self, path: &Path, engine: &str) -> Result<(), BoxError> {
         let pts: Vec<(f64, f64, f64)> = self
             .bw_rows()
             .map(|r| {
@@ -190,6 +206,7 @@ impl Report {
                 ((r.size.unwrap_or(1) as f64).log2(), r.engine, b)
             })
             .collect();
+        let perf = self.perftest_bw();
         let font = std::fs::read("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").ok();
         let labels = match font {
             Some(bytes) => {
@@ -200,18 +217,24 @@ impl Report {
         };
         let xmin = pts.iter().map(|p| p.0).fold(f64::INFINITY, f64::min);
         let xmax = pts.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
-        let ymax = pts.iter().flat_map(|p| [p.1, p.2]).filter(|v| v.is_finite()).fold(1.0, f64::max) * 1.1;
+        let ymax = pts
+            .iter()
+            .flat_map(|p| [p.1, p.2])
+            .chain(perf.iter().map(|p| p.1))
+            .filter(|v| v.is_finite())
+            .fold(0.0, f64::max)
+            * 1.1;
+        // Soft-RoCE in the VM moves ~0.3 Gbit/s: scale to the data, not to 1 Gbit/s.
+        let ymax = if ymax > 0.0 { ymax } else { 1.0 };
         let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
         root.fill(&WHITE)?;
         let mut b = ChartBuilder::on(&root);
         b.margin(20);
         if labels {
-            b.caption(
-                format!("write_imm bandwidth, {} (engine vs raw provider loop)", self.provider),
-                ("sans-serif", 22),
-            )
-            .x_label_area_size(40)
-            .y_label_area_size(60);
+            let vs = if perf.is_empty() { "raw provider loop" } else { "raw provider loop, ib_write_bw" };
+            b.caption(format!("write_imm bandwidth, {} (engine vs {vs})", self.provider), ("sans-serif", 22))
+                .x_label_area_size(40)
+                .y_label_area_size(60);
         }
         let mut chart = b.build_cartesian_2d(xmin..xmax.max(xmin + 1.0), 0.0..ymax)?;
         let mut mesh = chart.configure_mesh();
@@ -221,24 +244,76 @@ impl Report {
             mesh.disable_x_mesh().disable_y_mesh();
         }
         mesh.draw()?;
-        let engine = LineSeries::new(pts.iter().map(|p| (p.0, p.1)), BLUE.stroke_width(3));
+        let engine_line = LineSeries::new(pts.iter().map(|p| (p.0, p.1)), BLUE.stroke_width(3));
         let raw =
             LineSeries::new(pts.iter().filter(|p| p.2.is_finite()).map(|p| (p.0, p.2)), RED.stroke_width(3));
+        let green = RGBColor(0, 150, 0);
+        let perftest = LineSeries::new(perf.iter().copied(), green.stroke_width(3));
         if labels {
             chart
-                .draw_series(engine)?
-                .label("engine (futures, Event)")
+                .draw_series(engine_line)?
+                .label(format!("engine ({engine})"))
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(3)));
             chart
                 .draw_series(raw)?
                 .label("raw provider loop")
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(3)));
+            if !perf.is_empty() {
+                chart
+                    .draw_series(perftest)?
+                    .label("ib_write_bw (perftest)")
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], green.stroke_width(3)));
+            }
             chart.configure_series_labels().background_style(WHITE).border_style(BLACK).draw()?;
         } else {
-            chart.draw_series(engine)?;
+            chart.draw_series(engine_line)?;
             chart.draw_series(raw)?;
+            if !perf.is_empty() {
+                chart.draw_series(perftest)?;
+            }
         }
         root.present()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A verbs-like sweep: the engine, the raw loop and ib_write_bw at each size.
+    fn verbs_report() -> Report {
+        let mut rep = Report::new("verbs");
+        for (i, size) in [4usize << 10, 64 << 10, 1 << 20].into_iter().enumerate() {
+            let e = 0.1 + 0.1 * i as f64;
+            rep.push(Row::new("bw", "x", "gbps", e).size(size).baseline("raw", e * 1.05));
+            rep.push(
+                Row::new("bw", "x vs ib_write_bw -t 128", "gbps", e)
+                    .size(size)
+                    .baseline("ib_write_bw", e * 1.1),
+            );
+        }
+        rep
+    }
+
+    #[test]
+    fn perftest_series_only_where_ib_write_bw_ran() {
+        let rep = verbs_report();
+        assert_eq!(rep.perftest_bw().len(), 3);
+        assert_eq!(rep.bw_rows().count(), 3, "the raw series ignores the ib_write_bw rows");
+        let mut tcp = Report::new("tcp");
+        tcp.push(Row::new("bw", "1 MiB", "gbps", 1.0).size(1 << 20).baseline("raw", 1.0));
+        tcp.push(Row::new("bw", "1 MiB vs iperf3 -l 1M", "gbps", 1.0).size(1 << 20).baseline("iperf3", 2.0));
+        assert!(tcp.perftest_bw().is_empty());
+    }
+
+    #[test]
+    fn plot_with_ib_write_bw_series() {
+        let path = std::env::temp_dir().join(format!("fabric-bench-plot-test-{}.png", std::process::id()));
+        verbs_report().plot_bw(&path, "futures, BusyPoll").unwrap();
+        assert!(std::fs::metadata(&path).unwrap().len() > 0);
+        if std::env::var_os("FABRIC_BENCH_KEEP_PLOT").is_none() {
+            let _ = std::fs::remove_file(&path);
+        }
     }
 }

@@ -15,6 +15,8 @@
 //! (registration, peers) travel the same queue, so their order relative to operations is
 //! the order the caller issued them in.
 
+#[doc(hidden)]
+pub mod bench_hooks;
 pub(crate) mod op;
 pub(crate) mod region;
 mod transfer;

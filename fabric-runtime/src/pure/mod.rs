@@ -6,3 +6,5 @@
 
 pub mod descriptor;
 pub mod route;
+#[doc(hidden)]
+pub mod slab;

@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::provider::{
     Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
+use crate::pure::slab::Slab;
 use crate::sync::lock;
 use std::sync::Arc;
 
@@ -47,64 +48,6 @@ struct InFlight {
     peer: PeerId,
     name: &'static str,
     posted: Instant,
-}
-
-/// Slab of in-flight operations. Tokens are `generation << 32 | index`, so a stale or
-/// duplicated completion can never complete the wrong operation.
-#[derive(Default)]
-struct Slab {
-    entries: Vec<(u32, Option<InFlight>)>,
-    free: Vec<u32>,
-    len: usize,
-}
-
-impl Slab {
-    fn next_token(&mut self) -> u64 {
-        let idx = match self.free.last() {
-            Some(&i) => i,
-            None => {
-                self.entries.push((0, None));
-                let i = (self.entries.len() - 1) as u32;
-                self.free.push(i);
-                i
-            }
-        };
-        ((self.entries[idx as usize].0 as u64) << 32) | idx as u64
-    }
-
-    /// Inserts at the slot `next_token` named.
-    fn insert(&mut self, op: InFlight) {
-        let idx = self.free.pop().expect("next_token reserved a slot");
-        self.entries[idx as usize].1 = Some(op);
-        self.len += 1;
-    }
-
-    fn remove(&mut self, token: u64) -> Option<InFlight> {
-        let idx = (token & 0xffff_ffff) as usize;
-        let gen = ((token >> 32) & 0x7fff_ffff) as u32;
-        let e = self.entries.get_mut(idx)?;
-        if e.0 != gen || e.1.is_none() {
-            return None;
-        }
-        let op = e.1.take();
-        e.0 = (e.0 + 1) & 0x7fff_ffff;
-        self.free.push(idx as u32);
-        self.len -= 1;
-        op
-    }
-
-    fn drain(&mut self) -> Vec<InFlight> {
-        let mut out = Vec::new();
-        for (i, e) in self.entries.iter_mut().enumerate() {
-            if let Some(op) = e.1.take() {
-                e.0 = (e.0 + 1) & 0x7fff_ffff;
-                self.free.push(i as u32);
-                out.push(op);
-            }
-        }
-        self.len = 0;
-        out
-    }
 }
 
 /// A registered pool of fixed-size message slots of one domain.
@@ -137,7 +80,8 @@ struct Reactor<D: Domain> {
     domains: Vec<D>,
     shared: Arc<Shared>,
     cfg: EngineBuilder,
-    slab: Slab,
+    /// In-flight operations by token (generational: a stale completion finds nothing).
+    slab: Slab<InFlight>,
     /// Peers with pending operations, in the order they got some. Each peer's operations
     /// stay in order; a stuck peer does not hold back the others.
     pending_peers: VecDeque<PeerId>,
@@ -261,7 +205,7 @@ impl<D: Domain> Reactor<D> {
         let mut next_deadline_check = Instant::now();
         loop {
             if let Some(limit) = self.cfg.op_timeout {
-                if self.slab.len > 0 || self.has_pending() {
+                if !self.slab.is_empty() || self.has_pending() {
                     let now = Instant::now();
                     if now >= next_deadline_check {
                         self.expire(now, limit);
@@ -606,8 +550,7 @@ impl<D: Domain> Reactor<D> {
         }
         let peers = &self.peers;
         self.pending_peers.retain(|p| !peers[p.0 as usize].pending.is_empty());
-        for (_, entry) in self.slab.entries.iter_mut() {
-            let Some(op) = entry else { continue };
+        for op in self.slab.iter_mut() {
             if matches!(op.notify, Notify::None) || now.duration_since(op.posted) < limit {
                 continue;
             }
@@ -661,7 +604,7 @@ impl<D: Domain> Reactor<D> {
             let t = Duration::from_micros(100);
             timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
         }
-        if self.cfg.op_timeout.is_some() && self.slab.len > 0 {
+        if self.cfg.op_timeout.is_some() && !self.slab.is_empty() {
             // Wake up to check deadlines even if the peer never answers.
             timeout = Some(timeout.map_or(DEADLINE_TICK, |t| t.min(DEADLINE_TICK)));
         }
@@ -709,7 +652,7 @@ impl<D: Domain> Reactor<D> {
         }
         // Give in-flight operations a chance to finish normally.
         let deadline = Instant::now() + self.cfg.shutdown_grace;
-        while self.slab.len > 0 && Instant::now() < deadline {
+        while !self.slab.is_empty() && Instant::now() < deadline {
             if !self.poll_domains() {
                 std::thread::sleep(Duration::from_micros(100));
             }
@@ -776,52 +719,5 @@ fn fail(s: Submission, e: Error) {
             let _ = reply.send(Err(e));
         }
         Submission::Deregister { .. } => {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn op() -> InFlight {
-        InFlight {
-            notify: Notify::None,
-            keep: None,
-            send_slot: None,
-            peer: PeerId(0),
-            name: "write",
-            posted: Instant::now(),
-        }
-    }
-
-    #[test]
-    fn slab_tokens_are_generational() {
-        let mut s = Slab::default();
-        let t1 = s.next_token();
-        s.insert(op());
-        assert!(s.remove(t1).is_some());
-        assert!(s.remove(t1).is_none(), "a token completes once");
-        let t2 = s.next_token();
-        s.insert(op());
-        assert_ne!(t1, t2, "a reused slot gets a new generation");
-        assert!(s.remove(t1).is_none(), "a stale token cannot complete the new op");
-        assert!(s.remove(t2).is_some());
-        assert_eq!(s.len, 0);
-    }
-
-    #[test]
-    fn slab_many_in_flight() {
-        let mut s = Slab::default();
-        let mut toks = Vec::new();
-        for _ in 0..1000 {
-            toks.push(s.next_token());
-            s.insert(op());
-        }
-        assert_eq!(s.len, 1000);
-        for t in toks.iter().rev() {
-            assert!(s.remove(*t).is_some());
-        }
-        assert_eq!(s.len, 0);
-        assert_eq!(s.drain().len(), 0);
     }
 }

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Checks a fabric-bench --json file: the shape CI and readers rely on.
+
+usage: python3 benches/check_json.py FILE
+
+Fails (exit 1, with the reasons) unless the file is a JSON object with a non-empty string
+`provider` and a non-empty list `results`; every result has a string `test`; every bw row has
+`engine_gbps`, `baseline_gbps` and `ratio` (numbers, or null where a figure is missing); and
+at least one bw row has a finite, positive ratio.
+"""
+
+import json
+import math
+import sys
+
+
+def num_or_null(v):
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def check(doc):
+    errs = []
+    if not isinstance(doc, dict):
+        return ["the top level is not an object"]
+    prov = doc.get("provider")
+    if not isinstance(prov, str) or not prov:
+        errs.append(f"provider: want a non-empty string, got {prov!r}")
+    results = doc.get("results")
+    if not isinstance(results, list) or not results:
+        errs.append("results: want a non-empty list")
+        return errs
+    bw, good = 0, []
+    for i, r in enumerate(results):
+        if not isinstance(r, dict) or not isinstance(r.get("test"), str):
+            errs.append(f"results[{i}]: want an object with a string 'test', got {r!r}")
+            continue
+        if r["test"] != "bw":
+            continue
+        bw += 1
+        for k in ("engine_gbps", "baseline_gbps", "ratio"):
+            if k not in r:
+                errs.append(f"results[{i}] ({r.get('case')}): no '{k}'")
+            elif not num_or_null(r[k]):
+                errs.append(f"results[{i}] ({r.get('case')}): '{k}' is {r[k]!r}, not a number or null")
+        ratio = r.get("ratio")
+        if isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0:
+            good.append(f"{r.get('case')} {ratio:.2f}")
+    if bw == 0:
+        errs.append("no bw row")
+    elif not good:
+        errs.append("no bw row with a finite, positive ratio")
+    if not errs:
+        print(f"json ok: provider {prov}, {len(results)} results, bw ratios: {', '.join(good)}")
+    return errs
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__.strip().splitlines()[2])
+    path = sys.argv[1]
+
+    def reject(tok):
+        raise ValueError(f"{tok} is not JSON")
+
+    try:
+        with open(path) as f:
+            doc = json.load(f, parse_constant=reject)
+    except (OSError, ValueError) as e:
+        sys.exit(f"{path}: {e}")
+    errs = check(doc)
+    if errs:
+        print(f"{path}: not a valid fabric-bench report:", file=sys.stderr)
+        for e in errs:
+            print(f"  {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
