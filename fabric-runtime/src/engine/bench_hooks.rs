@@ -65,6 +65,7 @@ impl BenchReactor {
             nics: 1,
             default_opts: TransferOpts::default(),
             rotation: AtomicUsize::new(0),
+            delivery_complete: true,
         });
         Ok(BenchReactor {
             shared,
