@@ -1740,6 +1740,12 @@ impl VerbsDomain {
         Ok(n as usize)
     }
 
+    /// Queues a send-side work request (write, read or send) on the peer's queue pair.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`Domain::post`]: the local memory `op` names is registered with this
+    /// domain and stays valid until its completion is polled.
     unsafe fn post_send_op(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
         let fail = |e: Error| Err(PostError::Failed(e));
         let peer = match *op {
