@@ -12,19 +12,19 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::op::{Notify, OpFuture, OpState};
-use super::{CounterTable, Inbox, OpKind, OpReq, PeerId, Queue, QueueState, Shared, Submission};
+use super::{OpKind, OpReq, PeerId, QueueState, Shared, Submission};
 use crate::counter::{CounterCell, ImmCounter};
 use crate::error::Result;
 use crate::provider::RemoteSlice;
 use crate::pure::descriptor::EngineAddress;
 use crate::pure::route::TransferOpts;
 use crate::pure::slab::Slab;
-use crate::reactor::sys::{self, EventFd};
+use crate::reactor::sys;
 use crate::sync::lock;
 
 /// An engine's shared state with no NIC and no reactor thread; see the module docs.
@@ -47,26 +47,8 @@ impl fmt::Debug for BenchReactor {
 impl BenchReactor {
     /// The state `Engine::start` builds for one domain, without starting a reactor.
     pub fn new() -> Result<BenchReactor> {
-        let shared = Arc::new(Shared {
-            transport: "bench".into(),
-            address: EngineAddress { transport: "bench".into(), domains: vec![Vec::new()] },
-            max_msg_size: 0,
-            queue: Mutex::new(Queue {
-                state: QueueState::Open,
-                items: Vec::with_capacity(1024),
-                sleeping: false,
-                graveyard: Vec::new(),
-            }),
-            has_items: AtomicBool::new(false),
-            wake: EventFd::new()?,
-            counters: Mutex::new(CounterTable::default()),
-            npeers: AtomicU32::new(0),
-            inbox: Mutex::new(Inbox::default()),
-            nics: 1,
-            default_opts: TransferOpts::default(),
-            rotation: AtomicUsize::new(0),
-            delivery_complete: true,
-        });
+        let address = EngineAddress { transport: "bench".into(), domains: vec![Vec::new()] };
+        let shared = Arc::new(Shared::new("bench".into(), address, 0, 1, TransferOpts::default(), true)?);
         Ok(BenchReactor {
             shared,
             counters: HashMap::new(),

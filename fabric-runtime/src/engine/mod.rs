@@ -195,6 +195,37 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The state of a new engine: an open, empty queue and no peers or counters.
+    pub(crate) fn new(
+        transport: String,
+        address: EngineAddress,
+        max_msg_size: usize,
+        nics: usize,
+        default_opts: TransferOpts,
+        delivery_complete: bool,
+    ) -> Result<Shared> {
+        Ok(Shared {
+            transport,
+            address,
+            max_msg_size,
+            queue: Mutex::new(Queue {
+                state: QueueState::Open,
+                items: Vec::with_capacity(1024),
+                sleeping: false,
+                graveyard: Vec::new(),
+            }),
+            has_items: AtomicBool::new(false),
+            wake: EventFd::new()?,
+            counters: Mutex::new(CounterTable::default()),
+            npeers: AtomicU32::new(0),
+            inbox: Mutex::new(Inbox::default()),
+            nics,
+            default_opts,
+            rotation: AtomicUsize::new(0),
+            delivery_complete,
+        })
+    }
+
     /// Hands every submission to the reactor under one lock. Gives them back if the engine
     /// is shutting down (then none was queued).
     pub(crate) fn submit_all(&self, mut s: Vec<Submission>) -> std::result::Result<(), Vec<Submission>> {
@@ -650,26 +681,15 @@ impl Engine {
             domains: domains.iter().map(|d| d.address()).collect(),
         };
         let max_msg_size = domains.iter().map(|d| d.max_msg_size()).min().unwrap_or(0).min(cfg.max_msg_size);
-        let shared = Arc::new(Shared {
+        let delivery_complete = domains.iter().all(|d| d.delivery_complete());
+        let shared = Arc::new(Shared::new(
             transport,
             address,
             max_msg_size,
-            queue: Mutex::new(Queue {
-                state: QueueState::Open,
-                items: Vec::with_capacity(1024),
-                sleeping: false,
-                graveyard: Vec::new(),
-            }),
-            has_items: AtomicBool::new(false),
-            wake: EventFd::new()?,
-            counters: Mutex::new(CounterTable::default()),
-            npeers: AtomicU32::new(0),
-            inbox: Mutex::new(Inbox::default()),
-            nics: domains.len(),
-            default_opts: cfg.transfer,
-            rotation: AtomicUsize::new(0),
-            delivery_complete: domains.iter().all(|d| d.delivery_complete()),
-        });
+            domains.len(),
+            cfg.transfer,
+            delivery_complete,
+        )?);
         let thread = reactor::spawn(domains, shared.clone(), cfg)?;
         Ok(Engine { inner: Arc::new(EngineInner { shared, thread: std::sync::Mutex::new(Some(thread)) }) })
     }
