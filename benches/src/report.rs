@@ -239,7 +239,12 @@ impl Report {
         let mut chart = b.build_cartesian_2d(xmin..xmax.max(xmin + 1.0), 0.0..ymax)?;
         let mut mesh = chart.configure_mesh();
         if labels {
-            mesh.x_desc("message size (log2 bytes: 12 = 4 KiB, 20 = 1 MiB, 26 = 64 MiB)").y_desc("Gbit/s");
+            // x is log2 of the size: one labelled tick per power of two, named as a size.
+            let ticks = (xmax.max(xmin + 1.0) - xmin).round() as usize + 1;
+            mesh.x_desc("message size (log scale)")
+                .y_desc("Gbit/s")
+                .x_labels(ticks)
+                .x_label_formatter(&|x| size_label(*x));
         } else {
             mesh.disable_x_mesh().disable_y_mesh();
         }
@@ -315,5 +320,32 @@ mod tests {
         if std::env::var_os("FABRIC_BENCH_KEEP_PLOT").is_none() {
             let _ = std::fs::remove_file(&path);
         }
+    }
+}
+
+/// `2^x` bytes as a plot label (`4 KiB`, `1 MiB`); blank between powers of two.
+fn size_label(x: f64) -> String {
+    if (x - x.round()).abs() > 1e-6 || x < 0.0 {
+        return String::new();
+    }
+    match x.round() as u32 {
+        p @ 0..=9 => format!("{} B", 1u64 << p),
+        p @ 10..=19 => format!("{} KiB", 1u64 << (p - 10)),
+        p @ 20..=29 => format!("{} MiB", 1u64 << (p - 20)),
+        p => format!("{} GiB", 1u64 << (p.min(60) - 30)),
+    }
+}
+
+#[cfg(test)]
+mod size_label_tests {
+    use super::size_label;
+
+    #[test]
+    fn powers_of_two_are_named() {
+        assert_eq!(size_label(12.0), "4 KiB");
+        assert_eq!(size_label(20.0), "1 MiB");
+        assert_eq!(size_label(26.0), "64 MiB");
+        assert_eq!(size_label(3.0), "8 B");
+        assert_eq!(size_label(12.5), "");
     }
 }
