@@ -797,7 +797,7 @@ fn lat_iters(o: &Opts) -> usize {
 }
 
 /// The engine mode of latency rows: Event on tcp; shm has no CQ wait fd (Event mode polls it
-/// with a backoff up to 1 ms), so BusyPoll there.
+/// with a backoff up to 1 ms once 1 ms passed without activity), so BusyPoll there.
 fn lat_mode(o: &Opts) -> ReactorMode {
     if o.provider == "shm" {
         ReactorMode::BusyPoll

@@ -65,8 +65,10 @@ impl fmt::Display for PeerId {
 pub enum ReactorMode {
     /// Sleep on the completion queue's wait fd and the submission eventfd when idle: about
     /// zero CPU while nothing happens; a wake-up costs a few microseconds. On providers with
-    /// no wait fd (libfabric `shm`, EFA) the reactor instead polls at an interval that backs
-    /// off from 50 µs to `EngineBuilder::idle_poll_interval` (1 ms by default), so an
+    /// no wait fd (libfabric `shm`, EFA) the reactor cannot sleep on the NIC: for 1 ms after
+    /// the last activity it keeps polling (so a transfer in progress, whose target side must
+    /// poll for it to progress, is not paced by timer sleeps), then polls at an interval that
+    /// backs off from 50 µs to `EngineBuilder::idle_poll_interval` (1 ms by default), so an
     /// arrival on an idle engine is seen within that interval.
     #[default]
     Event,

@@ -34,6 +34,9 @@ use std::sync::Arc;
 const RECV_TAG: u64 = 1 << 63;
 /// Most completions taken from one domain per poll call.
 const POLL_BATCH: usize = 64;
+/// How long an `Event`-mode reactor keeps polling a domain that has no wait fd (shm, EFA)
+/// after the last activity, before it falls back to timed polling.
+const EVENT_NO_FD_SPIN: Duration = Duration::from_millis(1);
 /// How often operation deadlines are checked (and the longest an `Event`-mode reactor with
 /// operations in flight sleeps).
 const DEADLINE_TICK: Duration = Duration::from_millis(100);
@@ -202,6 +205,18 @@ impl<D: Domain> Reactor<D> {
         }
         let mut last_activity = Instant::now();
         let mut idle_interval = Duration::from_micros(50);
+        // In Event mode, a domain without a wait fd (shm, EFA) is polled on a timer when
+        // idle; right after activity it is polled continuously for a short window instead,
+        // so a transfer in progress is not paced by timer sleeps.
+        let event_spin = match self.cfg.mode {
+            ReactorMode::Event if self.domains.iter().any(|d| d.wait_fd().is_none()) => EVENT_NO_FD_SPIN,
+            _ => Duration::ZERO,
+        };
+        let spin_after_activity = match self.cfg.mode {
+            ReactorMode::Adaptive { spin } => spin,
+            ReactorMode::Event => event_spin,
+            ReactorMode::BusyPoll => Duration::ZERO,
+        };
         let mut next_deadline_check = Instant::now();
         loop {
             if let Some(limit) = self.cfg.op_timeout {
@@ -233,14 +248,20 @@ impl<D: Domain> Reactor<D> {
             busy |= self.poll_domains();
             if busy {
                 idle_interval = Duration::from_micros(50);
-                if !matches!(self.cfg.mode, ReactorMode::Event) {
+                if !spin_after_activity.is_zero() {
                     last_activity = Instant::now();
                 }
                 continue;
             }
             match self.cfg.mode {
                 ReactorMode::BusyPoll => std::hint::spin_loop(),
-                ReactorMode::Adaptive { spin } if last_activity.elapsed() < spin => std::hint::spin_loop(),
+                // Event mode's window on a domain without a wait fd polls, but yields the core
+                // on every empty pass: a caller waiting to run (the task that will submit the
+                // next operation) goes first, instead of waiting for the end of a timeslice.
+                ReactorMode::Event if last_activity.elapsed() < spin_after_activity => {
+                    std::thread::yield_now()
+                }
+                _ if last_activity.elapsed() < spin_after_activity => std::hint::spin_loop(),
                 _ => {
                     self.sleep(idle_interval);
                     idle_interval = (idle_interval * 2).min(self.cfg.idle_poll_interval);
