@@ -205,18 +205,15 @@ impl<D: Domain> Reactor<D> {
         }
         let mut last_activity = Instant::now();
         let mut idle_interval = Duration::from_micros(50);
-        // In Event mode, a domain without a wait fd (shm, EFA) is polled on a timer when
-        // idle; right after activity it is polled continuously for a short window instead,
-        // so a transfer in progress is not paced by timer sleeps.
-        let event_spin = match self.cfg.mode {
+        // How long to keep polling after the last activity before sleeping: Adaptive's
+        // window; in Event mode, only when a domain has no wait fd (shm, EFA), which is
+        // otherwise polled on a timer, so a transfer in progress is not paced by timer sleeps.
+        let spin_after_activity = match self.cfg.mode {
+            ReactorMode::Adaptive { spin } => spin,
             ReactorMode::Event if self.domains.iter().any(|d| d.wait_fd().is_none()) => EVENT_NO_FD_SPIN,
             _ => Duration::ZERO,
         };
-        let spin_after_activity = match self.cfg.mode {
-            ReactorMode::Adaptive { spin } => spin,
-            ReactorMode::Event => event_spin,
-            ReactorMode::BusyPoll => Duration::ZERO,
-        };
+        let spins = !spin_after_activity.is_zero();
         let mut next_deadline_check = Instant::now();
         loop {
             if let Some(limit) = self.cfg.op_timeout {
@@ -248,20 +245,19 @@ impl<D: Domain> Reactor<D> {
             busy |= self.poll_domains();
             if busy {
                 idle_interval = Duration::from_micros(50);
-                if !spin_after_activity.is_zero() {
+                if spins {
                     last_activity = Instant::now();
                 }
                 continue;
             }
+            let in_window = spins && last_activity.elapsed() < spin_after_activity;
             match self.cfg.mode {
                 ReactorMode::BusyPoll => std::hint::spin_loop(),
                 // Event mode's window on a domain without a wait fd polls, but yields the core
                 // on every empty pass: a caller waiting to run (the task that will submit the
                 // next operation) goes first, instead of waiting for the end of a timeslice.
-                ReactorMode::Event if last_activity.elapsed() < spin_after_activity => {
-                    std::thread::yield_now()
-                }
-                _ if last_activity.elapsed() < spin_after_activity => std::hint::spin_loop(),
+                ReactorMode::Event if in_window => std::thread::yield_now(),
+                _ if in_window => std::hint::spin_loop(),
                 _ => {
                     self.sleep(idle_interval);
                     idle_interval = (idle_interval * 2).min(self.cfg.idle_poll_interval);
