@@ -19,7 +19,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use fabric_runtime::engine::bench_hooks::BenchReactor;
+use fabric_runtime::bench_hooks::BenchReactor;
 use fabric_runtime::pure::slab::Slab;
 use fabric_runtime::{ImmCounter, OpFuture};
 

@@ -179,7 +179,9 @@ impl ImmCounter {
     }
 
     /// A counter attached to no engine, and the reactor's side of it (`arrive(k)`), for
-    /// benchmarks of the pure counter paths (`fabric-bench`). Not part of the API.
+    /// benchmarks of the pure counter paths (`fabric-bench`). Not part of the API: only with
+    /// the `bench-hooks` feature.
+    #[cfg(feature = "bench-hooks")]
     #[doc(hidden)]
     pub fn detached_for_bench(imm: u32) -> (ImmCounter, impl Fn(u64) + Send + Sync + Clone) {
         let cell = Arc::new(CounterCell::new(imm));

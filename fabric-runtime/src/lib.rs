@@ -6,6 +6,9 @@
 #![cfg_attr(not(feature = "libfabric"), allow(dead_code, unused_imports))]
 
 // Under `--cfg loom` only the lock-free counter is compiled, against loom's atomics.
+#[cfg(all(feature = "bench-hooks", not(loom)))]
+#[doc(hidden)]
+pub mod bench_hooks;
 pub mod counter;
 #[cfg(not(loom))]
 pub mod engine;
@@ -16,7 +19,11 @@ pub mod provider;
 pub mod pure;
 #[cfg(not(loom))]
 pub(crate) mod reactor;
+#[cfg(not(loom))]
+pub(crate) mod shared;
 pub(crate) mod sync;
+#[cfg(not(loom))]
+pub(crate) mod sys;
 #[cfg(not(loom))]
 pub mod topology;
 

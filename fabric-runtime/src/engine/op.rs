@@ -1,128 +1,18 @@
-//! Completion plumbing between the reactor and the caller: the state one in-flight operation
-//! shares with its future, the counter of the synchronous fast path, and control replies.
+//! The futures of the engine's operations: [`OpFuture`] (one transfer), [`OpBatch`] (the
+//! synchronous fast path's completion counter) and [`ControlFuture`] (registration, peers).
+//! Their shared state with the reactor lives in `shared::notify`.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use super::{OpReq, Submission};
 use crate::error::Error;
+use crate::shared::notify::{BatchState, OpState};
 use crate::sync::lock;
-
-/// What the reactor completes when an operation finishes.
-pub(crate) enum Notify {
-    /// An [`OpFuture`] (or nobody, if it was dropped) waits on this.
-    Future(Arc<OpState>),
-    /// A synchronous-path [`OpBatch`] counts completions.
-    Batch(Arc<BatchState>),
-    /// One shard of a transfer made of several operations.
-    Group(Arc<GroupState>),
-    /// Already told (the operation timed out); the entry only keeps memory alive.
-    None,
-}
-
-impl Notify {
-    /// Completes the waiter. Returns the operations to post next when this was the last
-    /// shard of a group that ends with follow-ups (the imm-only writes of
-    /// `Arrivals::One`); only a success can return some.
-    #[must_use = "follow-up operations must be posted"]
-    pub(crate) fn complete(self, result: Result<(), Error>) -> Vec<Submission> {
-        match self {
-            Notify::Future(s) => s.complete(result),
-            Notify::Batch(b) => b.complete(result),
-            Notify::Group(g) => return g.complete(result),
-            Notify::None => {}
-        }
-        Vec::new()
-    }
-
-    /// Completes the waiter with an error (which never has a follow-up).
-    pub(crate) fn fail(self, e: Error) {
-        let next = self.complete(Err(e));
-        debug_assert!(next.is_empty(), "a failure never posts a follow-up");
-    }
-}
-
-/// A transfer posted as several operations: one waiter, completed once every shard has
-/// completed, with the first error any shard reported.
-pub(crate) struct GroupState {
-    inner: Mutex<GroupInner>,
-}
-
-struct GroupInner {
-    remaining: usize,
-    error: Option<Error>,
-    done: Option<Notify>,
-    /// Posted (with `done` as their waiter) once every shard succeeded.
-    then: Vec<OpReq>,
-}
-
-impl GroupState {
-    pub(crate) fn new(shards: usize, done: Notify, then: Vec<OpReq>) -> Arc<Self> {
-        Arc::new(GroupState {
-            inner: Mutex::new(GroupInner { remaining: shards, error: None, done: Some(done), then }),
-        })
-    }
-
-    fn complete(&self, result: Result<(), Error>) -> Vec<Submission> {
-        let (done, error, mut then) = {
-            let mut g = lock(&self.inner);
-            if let Err(e) = result {
-                g.error.get_or_insert(e);
-            }
-            g.remaining = g.remaining.saturating_sub(1);
-            if g.remaining > 0 {
-                return Vec::new();
-            }
-            let Some(done) = g.done.take() else { return Vec::new() };
-            (done, g.error.take(), std::mem::take(&mut g.then))
-        };
-        if let Some(e) = error {
-            done.fail(e);
-            return Vec::new();
-        }
-        match then.len() {
-            0 => done.complete(Ok(())),
-            1 => vec![Submission::Op { req: then.remove(0), keep: None, notify: done }],
-            n => {
-                // The follow-ups form a group of their own, with the same waiter.
-                let g = GroupState::new(n, done, Vec::new());
-                then.into_iter()
-                    .map(|req| Submission::Op { req, keep: None, notify: Notify::Group(g.clone()) })
-                    .collect()
-            }
-        }
-    }
-}
-
-#[derive(Default)]
-struct OpSlot {
-    result: Option<Result<(), Error>>,
-    waker: Option<Waker>,
-}
-
-/// State shared by one in-flight operation's future and the reactor.
-#[derive(Default)]
-pub(crate) struct OpState {
-    slot: Mutex<OpSlot>,
-}
-
-impl OpState {
-    pub(crate) fn complete(&self, result: Result<(), Error>) {
-        let waker = {
-            let mut s = lock(&self.slot);
-            s.result = Some(result);
-            s.waker.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-}
 
 /// A future that resolves when one posted operation has completed locally.
 ///
@@ -163,7 +53,8 @@ impl OpFuture {
 
     /// A pending future attached to no engine, and the reactor's side of it (completes it
     /// successfully, waking the task), for benchmarks of the completion and wake path
-    /// (`fabric-bench`). Not part of the API.
+    /// (`fabric-bench`). Not part of the API: only with the `bench-hooks` feature.
+    #[cfg(feature = "bench-hooks")]
     #[doc(hidden)]
     pub fn detached_for_bench() -> (OpFuture, impl FnOnce() + Send) {
         let state = Arc::new(OpState::default());
@@ -184,43 +75,8 @@ impl Future for OpFuture {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.get_mut().inner {
             Inner::Failed(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
-            Inner::Pending(state) => {
-                let mut s = lock(&state.slot);
-                if let Some(r) = s.result.take() {
-                    // A second poll after Ready would find nothing: report it as shut down
-                    // rather than hang.
-                    s.result = Some(Err(Error::Shutdown));
-                    return Poll::Ready(r);
-                }
-                match &s.waker {
-                    Some(w) if w.will_wake(cx.waker()) => {}
-                    _ => s.waker = Some(cx.waker().clone()),
-                }
-                Poll::Pending
-            }
+            Inner::Pending(state) => state.poll_result(cx.waker()),
         }
-    }
-}
-
-/// Shared counters of an [`OpBatch`].
-#[derive(Default)]
-pub(crate) struct BatchState {
-    completed: AtomicU64,
-    failed: AtomicU64,
-    first_error: Mutex<Option<Error>>,
-}
-
-impl BatchState {
-    fn complete(&self, result: Result<(), Error>) {
-        if let Err(e) = result {
-            let mut first = lock(&self.first_error);
-            if first.is_none() {
-                *first = Some(e);
-            }
-            drop(first);
-            self.failed.fetch_add(1, Ordering::Relaxed);
-        }
-        self.completed.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -276,9 +132,6 @@ impl fmt::Debug for OpBatch {
     }
 }
 
-/// A reply from the reactor to a control request (registration, peer insertion).
-pub(crate) type Reply<T> = futures::channel::oneshot::Sender<Result<T, Error>>;
-
 /// Future of a control request handled by the reactor thread.
 ///
 /// # Cancel safety
@@ -323,9 +176,13 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::task::Wake;
 
+    use std::task::Waker;
+
     use super::*;
-    use crate::engine::{OpKind, PeerId};
     use crate::provider::RemoteSlice;
+    use crate::shared::notify::{GroupState, Notify};
+    use crate::shared::queue::{OpKind, OpReq, Submission};
+    use crate::shared::PeerId;
 
     /// A waker that counts its wake-ups.
     #[derive(Default)]
@@ -590,3 +447,4 @@ mod tests {
         }
     }
 }
+

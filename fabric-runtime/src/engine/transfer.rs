@@ -9,9 +9,13 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::op::{GroupState, Notify, OpFuture, OpState};
-use super::region::{MemoryRegion, RegionShared, RemoteRegion};
-use super::{Engine, OpKind, OpReq, Shared, Submission};
+use super::op::OpFuture;
+use super::region::{MemoryRegion, RemoteRegion};
+use super::Engine;
+use crate::shared::memory::RegionShared;
+use crate::shared::notify::{GroupState, Notify, OpState};
+use crate::shared::queue::{OpKind, OpReq, Submission};
+use crate::shared::Shared;
 use crate::error::{Error, Result, Side};
 use crate::provider::RemoteSlice;
 use crate::pure::route::{Arrivals, PageLayout, TransferOpts};

@@ -9,8 +9,6 @@
 //! each domain's wait fd, after `arm`ing every domain (so a completion racing the decision
 //! to sleep is never missed). A domain with no wait fd turns that sleep into a timed poll.
 
-pub(crate) mod sys;
-
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
@@ -19,16 +17,53 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use crate::counter::CounterCell;
-use crate::engine::op::Notify;
-use crate::engine::region::Backing;
-use crate::engine::{EngineBuilder, OpKind, PeerId, QueueState, ReactorMode, Shared, Submission};
 use crate::error::{Error, Result};
 use crate::provider::{
     Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
 use crate::pure::slab::Slab;
+use crate::shared::memory::{Backing, RegionShared};
+use crate::shared::notify::Notify;
+use crate::shared::queue::{OpKind, QueueState, Submission};
+use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
+use crate::sys;
 use std::sync::Arc;
+
+/// How the reactor thread waits for work. Chosen when the engine is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ReactorMode {
+    /// Sleep on the completion queue's wait fd and the submission eventfd when idle: about
+    /// zero CPU while nothing happens; a wake-up costs a few microseconds. On providers with
+    /// no wait fd (libfabric `shm`, EFA) the reactor cannot sleep on the NIC: for 1 ms after
+    /// the last activity it keeps polling (so a transfer in progress, whose target side must
+    /// poll for it to progress, is not paced by timer sleeps), then polls at an interval that
+    /// backs off from 50 µs to `EngineBuilder::idle_poll_interval` (1 ms by default), so an
+    /// arrival on an idle engine is seen within that interval.
+    #[default]
+    Event,
+    /// Spin for `spin` after the last activity, then behave like `Event`.
+    Adaptive {
+        /// How long to keep spinning after the last completion or submission.
+        spin: Duration,
+    },
+    /// Spin continuously (one core at 100%): the lowest latency, for MoE paths.
+    BusyPoll,
+}
+
+/// What the reactor thread needs to know of the engine's settings (made by
+/// `EngineBuilder::reactor_config`).
+#[derive(Debug, Clone)]
+pub(crate) struct ReactorConfig {
+    pub(crate) mode: ReactorMode,
+    pub(crate) pin_core: Option<usize>,
+    pub(crate) idle_poll_interval: Duration,
+    pub(crate) shutdown_grace: Duration,
+    pub(crate) recv_depth: usize,
+    pub(crate) send_depth: usize,
+    pub(crate) op_timeout: Option<Duration>,
+}
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -45,7 +80,7 @@ const DEADLINE_TICK: Duration = Duration::from_millis(100);
 struct InFlight {
     notify: Notify,
     /// Keeps the local region registered and allocated until the NIC is done with it.
-    keep: Option<Arc<crate::engine::region::RegionShared>>,
+    keep: Option<Arc<RegionShared>>,
     /// Send-pool slot to give back (domain, slot).
     send_slot: Option<(usize, u32)>,
     peer: PeerId,
@@ -82,7 +117,7 @@ struct PeerState {
 struct Reactor<D: Domain> {
     domains: Vec<D>,
     shared: Arc<Shared>,
-    cfg: EngineBuilder,
+    cfg: ReactorConfig,
     /// In-flight operations by token (generational: a stale completion finds nothing).
     slab: Slab<InFlight>,
     /// Peers with pending operations, in the order they got some. Each peer's operations
@@ -109,7 +144,7 @@ struct Reactor<D: Domain> {
 pub(crate) fn spawn<D: Domain>(
     mut domains: Vec<D>,
     shared: Arc<Shared>,
-    cfg: EngineBuilder,
+    cfg: ReactorConfig,
 ) -> Result<JoinHandle<()>> {
     let slot = shared.max_msg_size;
     let mut recv_pools = Vec::new();
@@ -369,12 +404,12 @@ impl<D: Domain> Reactor<D> {
         };
         let handle = match self.peers.get(peer.0 as usize) {
             None => {
-                fail(s, Error::UnknownPeer { peer: peer.0 });
+                s.fail(Error::UnknownPeer { peer: peer.0 });
                 return None;
             }
             Some(PeerState { failed: Some(msg), .. }) => {
                 let e = Error::PeerUnreachable { peer: peer.0, message: msg.clone() };
-                fail(s, e);
+                s.fail(e);
                 return None;
             }
             Some(p) => p.handles[domain],
@@ -426,7 +461,7 @@ impl<D: Domain> Reactor<D> {
                 if let Some((d, slot)) = send_slot {
                     self.send_pools[d].free.push(slot);
                 }
-                fail(s, e);
+                s.fail(e);
                 None
             }
         }
@@ -561,7 +596,7 @@ impl<D: Domain> Reactor<D> {
                 tracing::warn!(peer = peer.0, %message, "operations timed out");
                 p.failed.get_or_insert_with(|| message.clone());
                 for (_, s) in p.pending.drain(..) {
-                    fail(s, Error::PeerUnreachable { peer: peer.0, message: message.clone() });
+                    s.fail(Error::PeerUnreachable { peer: peer.0, message: message.clone() });
                 }
             }
         }
@@ -659,12 +694,12 @@ impl<D: Domain> Reactor<D> {
         for s in items {
             match s {
                 Submission::Deregister { regs, backing } => self.deregister(regs, backing),
-                other => fail(other, Error::Shutdown),
+                other => other.fail(Error::Shutdown),
             }
         }
         for p in self.peers.iter_mut() {
             for (_, s) in p.pending.drain(..) {
-                fail(s, Error::Shutdown);
+                s.fail(Error::Shutdown);
             }
         }
         // Give in-flight operations a chance to finish normally.
@@ -677,7 +712,7 @@ impl<D: Domain> Reactor<D> {
         // Follow-ups posted during the grace period may have been queued behind a full NIC.
         for p in self.peers.iter_mut() {
             for (_, s) in p.pending.drain(..) {
-                fail(s, Error::Shutdown);
+                s.fail(Error::Shutdown);
             }
         }
         let mut keep = Vec::new();
@@ -712,29 +747,5 @@ impl<D: Domain> Reactor<D> {
         };
         drop(graveyard);
         drop(keep);
-    }
-}
-
-impl Submission {
-    fn peer(&self) -> PeerId {
-        match self {
-            Submission::Op { req, .. } => req.peer,
-            Submission::Send { peer, .. } => *peer,
-            _ => unreachable!("only operations have a peer"),
-        }
-    }
-}
-
-/// Completes a submission that will never be posted.
-fn fail(s: Submission, e: Error) {
-    match s {
-        Submission::Op { notify, .. } | Submission::Send { notify, .. } => notify.fail(e),
-        Submission::Register { reply, .. } => {
-            let _ = reply.send(Err(e));
-        }
-        Submission::AddPeer { reply, .. } => {
-            let _ = reply.send(Err(e));
-        }
-        Submission::Deregister { .. } => {}
     }
 }

@@ -1,5 +1,5 @@
 //! Hooks for `fabric-bench`'s criterion benches of the reactor's hot paths that need no
-//! NIC: the counter table (an immediate's counter found or created, as the reactor
+//! NIC, compiled only with the `bench-hooks` feature: the counter table (an immediate's counter found or created, as the reactor
 //! dispatches `Completion::Imm`) and the wake path (a caller's submission, the
 //! `has_items` / eventfd decision, the reactor taking the queue, and the completion that
 //! wakes the parked future). Not part of the API: hidden from the docs.
@@ -16,16 +16,18 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::op::{Notify, OpFuture, OpState};
-use super::{OpKind, OpReq, PeerId, QueueState, Shared, Submission};
 use crate::counter::{CounterCell, ImmCounter};
+use crate::engine::OpFuture;
 use crate::error::Result;
 use crate::provider::RemoteSlice;
 use crate::pure::descriptor::EngineAddress;
 use crate::pure::route::TransferOpts;
 use crate::pure::slab::Slab;
-use crate::reactor::sys;
+use crate::shared::notify::{Notify, OpState};
+use crate::shared::queue::{OpKind, OpReq, QueueState, Submission};
+use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
+use crate::sys;
 
 /// An engine's shared state with no NIC and no reactor thread; see the module docs.
 pub struct BenchReactor {

@@ -1,5 +1,6 @@
-//! The reactor's few system calls: an eventfd to wake it, `ppoll` to sleep on it and the
-//! NICs' wait fds, and CPU affinity. All of this module's unsafe code is here.
+//! The engine's few system calls: an eventfd that submitters write to wake the reactor,
+//! `ppoll` for the reactor to sleep on it and the NICs' wait fds, and CPU affinity. All of
+//! this module's unsafe code is here.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

@@ -1,0 +1,317 @@
+//! [`EngineBuilder`]: an engine's settings, and opening its NICs.
+
+use std::time::Duration;
+
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::pure::route::TransferOpts;
+use crate::reactor::{ReactorConfig, ReactorMode};
+
+/// Settings of an engine. Start from [`Engine::builder`].
+#[derive(Debug, Clone)]
+pub struct EngineBuilder {
+    pub(crate) provider: String,
+    pub(crate) mode: ReactorMode,
+    pub(crate) pin_core: Option<usize>,
+    pub(crate) idle_poll_interval: Duration,
+    pub(crate) shutdown_grace: Duration,
+    pub(crate) recv_depth: usize,
+    pub(crate) send_depth: usize,
+    pub(crate) max_msg_size: usize,
+    pub(crate) node: Option<String>,
+    pub(crate) op_timeout: Option<Duration>,
+    pub(crate) nics: Vec<String>,
+    pub(crate) domains: Option<usize>,
+    pub(crate) transfer: TransferOpts,
+    pub(crate) verbs_port: Option<u8>,
+    pub(crate) verbs_gid_index: Option<u32>,
+}
+
+impl Default for EngineBuilder {
+    fn default() -> Self {
+        EngineBuilder {
+            provider: std::env::var("FABRIC_PROVIDER").unwrap_or_else(|_| "tcp".into()),
+            mode: ReactorMode::Event,
+            pin_core: None,
+            idle_poll_interval: Duration::from_millis(1),
+            shutdown_grace: Duration::from_secs(2),
+            recv_depth: 64,
+            send_depth: 64,
+            max_msg_size: 8192,
+            node: None,
+            op_timeout: Some(Duration::from_secs(30)),
+            nics: Vec::new(),
+            domains: None,
+            transfer: TransferOpts::default(),
+            verbs_port: None,
+            verbs_gid_index: None,
+        }
+    }
+}
+
+impl EngineBuilder {
+    /// The transport: `"tcp"` (default; loopback unless `node` says otherwise), `"shm"`,
+    /// `"udp"` (slow, for small tests), `"efa"`, or any libfabric provider name; or
+    /// `"verbs"` / `"verbs:DEVICE"` for the ibverbs backend (cargo feature `verbs`). The
+    /// environment variable `FABRIC_PROVIDER` sets the default.
+    pub fn provider(mut self, name: impl Into<String>) -> Self {
+        self.provider = name.into();
+        self
+    }
+
+    /// How the reactor waits (see [`ReactorMode`]). Default: `Event`.
+    pub fn mode(mut self, mode: ReactorMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Pins the reactor thread to this CPU core (any mode; most useful with `BusyPoll`).
+    pub fn pin_core(mut self, core: usize) -> Self {
+        self.pin_core = Some(core);
+        self
+    }
+
+    /// Longest poll interval of an idle `Event`-mode reactor on a provider without a wait fd.
+    pub fn idle_poll_interval(mut self, d: Duration) -> Self {
+        self.idle_poll_interval = d;
+        self
+    }
+
+    /// How long shutdown waits for in-flight operations to complete before cancelling them.
+    pub fn shutdown_grace(mut self, d: Duration) -> Self {
+        self.shutdown_grace = d;
+        self
+    }
+
+    /// Largest two-sided message, in bytes (default 8192), and how many receives are kept
+    /// posted (default 64).
+    pub fn messages(mut self, max_msg_size: usize, recv_depth: usize) -> Self {
+        self.max_msg_size = max_msg_size;
+        self.recv_depth = recv_depth;
+        self
+    }
+
+    /// The local address to bind (for `tcp`/`udp`: an IP address; default `127.0.0.1`).
+    pub fn node(mut self, node: impl Into<String>) -> Self {
+        self.node = Some(node.into());
+        self
+    }
+
+    /// verbs: the port of every device to use. Default: the first ACTIVE port. Building an
+    /// engine on another provider with this set is an [`Error::Config`].
+    pub fn verbs_port(mut self, port: u8) -> Self {
+        self.verbs_port = Some(port);
+        self
+    }
+
+    /// verbs: the GID index to use on every device, instead of the one chosen by type and
+    /// address (RoCEv2 with an IPv4 address first, then RoCEv2 IPv6, then RoCEv1/IB; never a
+    /// fixed index). For setups whose routable GID is not the first of its kind, such as a
+    /// RoCE VLAN interface. `FABRIC_VERBS_GID_INDEX` sets it from the environment (the
+    /// builder method wins). An index outside the port's GID table, or one naming an empty
+    /// entry, fails the build with [`Error::Config`]. Building an engine on another provider
+    /// with this set is an [`Error::Config`].
+    pub fn verbs_gid_index(mut self, index: u32) -> Self {
+        self.verbs_gid_index = Some(index);
+        self
+    }
+
+    /// How long an operation may go without a completion before it fails with
+    /// [`Error::PeerUnreachable`] and its peer is marked failed (default 30 s; `None`: wait
+    /// forever). This is what turns a dead peer into an error instead of a hang on
+    /// transports that never report one (libfabric `tcp` keeps retrying a vanished peer).
+    /// The operation's memory stays pinned until the NIC lets go of it or the engine shuts
+    /// down, so a late completion can never touch freed memory.
+    pub fn op_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.op_timeout = timeout;
+        self
+    }
+
+    /// The NICs to drive, by name, in order (NIC `i` of every descriptor and of
+    /// [`Route::Pinned`](crate::Route::Pinned) is the `i`-th name): verbs device names
+    /// (`"mlx5_0"`, `"rxe1"`) for `verbs`, libfabric domain names (`"rdmap16s27-rdm"`) for
+    /// libfabric providers. `provider("verbs:mlx5_0,mlx5_1")` says the same for verbs.
+    /// Memory is registered on every NIC, and peers must have the same number of NICs.
+    /// Default: the provider's first NIC.
+    pub fn nics<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.nics = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Opens `n` domains (endpoints) on the one NIC of the provider, as if it were `n` NICs:
+    /// the loopback stand-in for a multi-NIC machine (each `tcp` domain is its own endpoint
+    /// and connections), and a way to spread traffic over more queue pairs of one real NIC.
+    /// With [`EngineBuilder::nics`], `n` must equal the number of names.
+    pub fn domains(mut self, n: usize) -> Self {
+        self.domains = Some(n);
+        self
+    }
+
+    /// How the engine's transfer methods spread transfers over NICs and what the target
+    /// counts (default: [`TransferOpts::default`], 1 MiB shards round-robin, one arrival per
+    /// shard). [`Engine::with`] overrides it for some calls.
+    pub fn transfer(mut self, opts: TransferOpts) -> Self {
+        self.transfer = opts;
+        self
+    }
+
+    /// The NICs and reactor core that `topology` plans for GPU `gpu` (see
+    /// `docs/topology.md`): sets the provider (`verbs` for ConnectX and software RoCE NICs,
+    /// `efa` for EFA, whose libfabric domains are named `<device>-rdm`), the NIC list, and
+    /// pins the reactor thread to the plan's reactor core. A later [`EngineBuilder::pin_core`]
+    /// or [`EngineBuilder::nics`] overrides what this set.
+    ///
+    /// Errors ([`Error::Config`]): no such GPU, or no RDMA NIC for it (a machine without
+    /// one: use a libfabric provider such as `tcp` instead).
+    pub fn for_gpu(mut self, topology: &crate::topology::Topology, gpu: usize) -> Result<Self> {
+        use crate::topology::NicKind;
+        let plan = topology.plan(gpu).ok_or_else(|| {
+            Error::Config(format!("GPU {gpu} is not in the topology ({} GPU(s))", topology.plans().len()))
+        })?;
+        if plan.nics.is_empty() {
+            return Err(Error::Config(format!("the topology has no RDMA NIC for GPU {gpu} ({})", plan.pci)));
+        }
+        let kinds: Vec<NicKind> =
+            plan.nics.iter().map(|n| topology.nic(n).map_or(NicKind::Verbs, |nic| nic.kind)).collect();
+        if kinds.contains(&NicKind::Efa) {
+            if kinds.iter().any(|k| *k != NicKind::Efa) {
+                return Err(Error::Config(format!(
+                    "GPU {gpu}'s NICs {:?} mix EFA and verbs devices; one engine speaks one transport",
+                    plan.nics
+                )));
+            }
+            self.provider = "efa".into();
+            self.nics = plan.nics.iter().map(|n| format!("{n}-rdm")).collect();
+        } else {
+            self.provider = "verbs".into();
+            self.nics = plan.nics.clone();
+        }
+        if let Some(core) = plan.reactor_core {
+            self.pin_core = Some(core as usize);
+        }
+        Ok(self)
+    }
+
+    /// The provider this builder will open.
+    pub fn provider_name(&self) -> &str {
+        &self.provider
+    }
+
+    /// The NIC names set by [`EngineBuilder::nics`] or [`EngineBuilder::for_gpu`] (empty:
+    /// the provider's first NIC).
+    pub fn nic_names(&self) -> &[String] {
+        &self.nics
+    }
+
+    /// The core the reactor thread will be pinned to, if any.
+    pub fn reactor_core(&self) -> Option<usize> {
+        self.pin_core
+    }
+
+    /// What the reactor thread needs of these settings.
+    pub(crate) fn reactor_config(&self) -> ReactorConfig {
+        ReactorConfig {
+            mode: self.mode,
+            pin_core: self.pin_core,
+            idle_poll_interval: self.idle_poll_interval,
+            shutdown_grace: self.shutdown_grace,
+            recv_depth: self.recv_depth,
+            send_depth: self.send_depth,
+            op_timeout: self.op_timeout,
+        }
+    }
+
+    /// The NIC names to open (`None`: the provider's default NIC), checked against
+    /// `domains(n)`.
+    fn nic_list(&self, names: Vec<String>) -> Result<Vec<Option<String>>> {
+        let list: Vec<Option<String>> =
+            if names.is_empty() { vec![None] } else { names.into_iter().map(Some).collect() };
+        match self.domains {
+            None => Ok(list),
+            Some(0) => Err(Error::Config("domains(0): an engine needs at least one NIC".into())),
+            Some(n) if list.len() == 1 => Ok(vec![list[0].clone(); n]),
+            Some(n) if n == list.len() => Ok(list),
+            Some(n) => Err(Error::Config(format!("domains({n}) with {} NIC names", list.len()))),
+        }
+    }
+
+    /// Opens the NIC(s) and starts the reactor thread.
+    pub fn build(self) -> Result<Engine> {
+        if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
+            return Err(Error::Config("message size and queue depths must be non-zero".into()));
+        }
+        let verbs = self.provider == "verbs" || self.provider.starts_with("verbs:");
+        if !verbs && (self.verbs_port.is_some() || self.verbs_gid_index.is_some()) {
+            return Err(Error::Config(format!(
+                "verbs_port / verbs_gid_index apply to the verbs provider, not {:?}",
+                self.provider
+            )));
+        }
+        if verbs {
+            #[cfg(feature = "verbs")]
+            {
+                let gid_index = match (self.verbs_gid_index, std::env::var("FABRIC_VERBS_GID_INDEX")) {
+                    (Some(i), _) => Some(i),
+                    (None, Ok(v)) => Some(v.trim().parse().map_err(|_| {
+                        Error::Config(format!("FABRIC_VERBS_GID_INDEX={v:?} is not a GID index"))
+                    })?),
+                    (None, Err(_)) => None,
+                };
+                let names: Vec<String> = match self.provider.strip_prefix("verbs:") {
+                    Some(_) if !self.nics.is_empty() => {
+                        return Err(Error::Config(format!(
+                            "provider {:?} names devices and nics() names {:?}: use one",
+                            self.provider, self.nics
+                        )));
+                    }
+                    Some(list) => list.split(',').map(|d| d.trim().to_owned()).collect(),
+                    None => self.nics.clone(),
+                };
+                if names.iter().any(String::is_empty) {
+                    return Err(Error::Config(format!("bad verbs provider name {:?}", self.provider)));
+                }
+                let mut domains = Vec::new();
+                for device in self.nic_list(names)? {
+                    let cfg = crate::provider::verbs::VerbsConfig {
+                        device,
+                        port: self.verbs_port,
+                        gid_index,
+                        max_msg_size: self.max_msg_size,
+                        ..Default::default()
+                    };
+                    domains.push(crate::provider::verbs::VerbsDomain::open(&cfg)?);
+                }
+                return Engine::start(domains, self);
+            }
+            #[cfg(not(feature = "verbs"))]
+            return Err(Error::ProviderNotFound {
+                provider: self.provider,
+                reason: "fabric-runtime was built without the `verbs` feature".into(),
+            });
+        }
+        #[cfg(feature = "libfabric")]
+        {
+            let mut domains = Vec::new();
+            for domain in self.nic_list(self.nics.clone())? {
+                let cfg = crate::provider::libfabric::LibfabricConfig {
+                    provider: self.provider.clone(),
+                    node: self.node.clone(),
+                    max_msg_size: self.max_msg_size,
+                    domain,
+                    ..Default::default()
+                };
+                domains.push(crate::provider::libfabric::LibfabricDomain::open(&cfg)?);
+            }
+            Engine::start(domains, self)
+        }
+        #[cfg(not(feature = "libfabric"))]
+        Err(Error::ProviderNotFound {
+            provider: self.provider,
+            reason: "fabric-runtime was built without the `libfabric` feature".into(),
+        })
+    }
+}

@@ -1,0 +1,85 @@
+//! [`RecvFuture`]: waiting for the next two-sided message.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+
+use super::PeerId;
+use crate::error::{Error, Result};
+use crate::shared::Shared;
+use crate::sync::lock;
+
+/// Future returned by [`Engine::recv`].
+#[must_use = "futures do nothing unless polled"]
+pub struct RecvFuture {
+    shared: Arc<Shared>,
+    id: Option<u64>,
+}
+
+impl RecvFuture {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        RecvFuture { shared, id: None }
+    }
+}
+
+impl fmt::Debug for RecvFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("RecvFuture")
+    }
+}
+
+impl Future for RecvFuture {
+    type Output = Result<(Option<PeerId>, Bytes)>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let mut inbox = lock(&this.shared.inbox);
+        if let Some(m) = inbox.msgs.pop_front() {
+            if let Some(id) = this.id.take() {
+                inbox.waiters.retain(|(i, _)| *i != id);
+            }
+            return Poll::Ready(Ok(m));
+        }
+        if inbox.closed {
+            return Poll::Ready(Err(Error::Shutdown));
+        }
+        let id = match this.id {
+            Some(id) => id,
+            None => {
+                let id = inbox.next_id;
+                inbox.next_id += 1;
+                this.id = Some(id);
+                id
+            }
+        };
+        match inbox.waiters.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, w)) => {
+                if !w.will_wake(cx.waker()) {
+                    *w = cx.waker().clone();
+                }
+            }
+            None => inbox.waiters.push((id, cx.waker().clone())),
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for RecvFuture {
+    fn drop(&mut self) {
+        let Some(id) = self.id else { return };
+        let mut inbox = lock(&self.shared.inbox);
+        let before = inbox.waiters.len();
+        inbox.waiters.retain(|(i, _)| *i != id);
+        // We may have been woken for a message we will never take: pass the wake-up on.
+        let next =
+            if before == inbox.waiters.len() && !inbox.msgs.is_empty() { inbox.pop_waiter() } else { None };
+        drop(inbox);
+        if let Some(w) = next {
+            w.wake();
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! The state the engine handle, its futures and its reactor thread share, and the queue
+//! between them. Both sides depend on this module; neither depends on the other's
+//! internals: the engine (`engine/`) submits and awaits, the reactor (`reactor/`) takes
+//! submissions, posts them and completes them.
+//!
+//! ```text
+//!   engine/ ──submit──► shared::queue (Submission) ──take──► reactor/
+//!      ▲                                                        │
+//!      └──── poll ◄── shared::notify (OpState, GroupState) ◄────┘ complete
+//! ```
+//!
+//! * [`queue`]: what callers hand the reactor ([`Submission`](queue::Submission)) and the
+//!   queue itself;
+//! * [`notify`]: what the reactor completes (futures' states, batches, groups, replies);
+//! * [`memory`]: the memory a region owns, and the region state that keeps it registered
+//!   until no operation uses it.
+
+pub(crate) mod memory;
+pub(crate) mod notify;
+pub(crate) mod queue;
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Waker;
+
+use bytes::Bytes;
+
+use crate::counter::CounterCell;
+use crate::error::Result;
+use crate::provider::Registration;
+use crate::pure::descriptor::EngineAddress;
+use crate::pure::route::TransferOpts;
+use crate::sync::lock;
+use crate::sys::EventFd;
+
+use memory::Backing;
+use queue::{Queue, QueueState, Submission};
+
+/// A peer of this engine: an index into its peer table. Only meaningful to the engine that
+/// returned it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u32);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Received two-sided messages and the tasks waiting for them.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub(crate) msgs: VecDeque<(Option<PeerId>, Bytes)>,
+    pub(crate) waiters: Vec<(u64, Waker)>,
+    pub(crate) next_id: u64,
+    pub(crate) closed: bool,
+}
+
+impl Inbox {
+    pub(crate) fn push(&mut self, m: (Option<PeerId>, Bytes)) -> Option<Waker> {
+        self.msgs.push_back(m);
+        self.pop_waiter()
+    }
+
+    pub(crate) fn pop_waiter(&mut self) -> Option<Waker> {
+        if self.waiters.is_empty() {
+            None
+        } else {
+            Some(self.waiters.remove(0).1)
+        }
+    }
+
+    pub(crate) fn take_waiters(&mut self) -> Vec<Waker> {
+        self.waiters.drain(..).map(|(_, w)| w).collect()
+    }
+}
+
+/// Every immediate value's counter, created on first use (an arrival or a call).
+#[derive(Default)]
+pub(crate) struct CounterTable {
+    pub(crate) map: HashMap<u32, Arc<CounterCell>>,
+    /// The engine has shut down: counters are born closed.
+    closed: bool,
+}
+
+/// State shared by the engine handle, its futures and its reactor thread.
+pub(crate) struct Shared {
+    pub(crate) transport: String,
+    pub(crate) address: EngineAddress,
+    pub(crate) max_msg_size: usize,
+    pub(crate) queue: Mutex<Queue>,
+    /// Hint that `queue.items` is non-empty, so a spinning reactor need not take the lock.
+    pub(crate) has_items: AtomicBool,
+    pub(crate) wake: EventFd,
+    pub(crate) counters: Mutex<CounterTable>,
+    /// Number of peers added so far (peer ids are `0..npeers`).
+    pub(crate) npeers: AtomicU32,
+    pub(crate) inbox: Mutex<Inbox>,
+    /// Number of NICs (domains).
+    pub(crate) nics: usize,
+    /// Routing and arrival defaults of the engine's own transfer methods.
+    pub(crate) default_opts: TransferOpts,
+    /// Where the next sharded transfer starts (round-robin over NICs).
+    pub(crate) rotation: AtomicUsize,
+    /// Every NIC's write completions are delivery-complete ([`Domain::delivery_complete`]).
+    pub(crate) delivery_complete: bool,
+}
+
+impl Shared {
+    /// The state of a new engine: an open, empty queue and no peers or counters.
+    pub(crate) fn new(
+        transport: String,
+        address: EngineAddress,
+        max_msg_size: usize,
+        nics: usize,
+        default_opts: TransferOpts,
+        delivery_complete: bool,
+    ) -> Result<Shared> {
+        Ok(Shared {
+            transport,
+            address,
+            max_msg_size,
+            queue: Mutex::new(Queue {
+                state: QueueState::Open,
+                items: Vec::with_capacity(1024),
+                sleeping: false,
+                graveyard: Vec::new(),
+            }),
+            has_items: AtomicBool::new(false),
+            wake: EventFd::new()?,
+            counters: Mutex::new(CounterTable::default()),
+            npeers: AtomicU32::new(0),
+            inbox: Mutex::new(Inbox::default()),
+            nics,
+            default_opts,
+            rotation: AtomicUsize::new(0),
+            delivery_complete,
+        })
+    }
+
+    /// Hands every submission to the reactor under one lock. Gives them back if the engine
+    /// is shutting down (then none was queued).
+    pub(crate) fn submit_all(&self, mut s: Vec<Submission>) -> std::result::Result<(), Vec<Submission>> {
+        let mut q = lock(&self.queue);
+        if q.state != QueueState::Open {
+            return Err(s);
+        }
+        q.items.append(&mut s);
+        let wake = std::mem::take(&mut q.sleeping);
+        self.has_items.store(true, Ordering::Release);
+        drop(q);
+        if wake {
+            self.wake.notify();
+        }
+        Ok(())
+    }
+
+    /// The NIC the next transfer starts on.
+    pub(crate) fn next_start(&self) -> usize {
+        if self.nics <= 1 {
+            0
+        } else {
+            self.rotation.fetch_add(1, Ordering::Relaxed) % self.nics
+        }
+    }
+
+    /// Hands `s` to the reactor. Gives it back if the engine is shutting down.
+    pub(crate) fn submit(&self, s: Submission) -> std::result::Result<(), Submission> {
+        let mut q = lock(&self.queue);
+        if q.state != QueueState::Open {
+            return Err(s);
+        }
+        q.items.push(s);
+        let wake = std::mem::take(&mut q.sleeping);
+        self.has_items.store(true, Ordering::Release);
+        drop(q);
+        if wake {
+            self.wake.notify();
+        }
+        Ok(())
+    }
+
+    /// Asks the reactor to stop.
+    pub(crate) fn request_shutdown(&self) {
+        let mut q = lock(&self.queue);
+        if q.state == QueueState::Open {
+            q.state = QueueState::Closing;
+        }
+        drop(q);
+        self.has_items.store(true, Ordering::Release);
+        self.wake.notify();
+    }
+
+    /// Called when a region is dropped: its registrations must be closed before its memory
+    /// is freed, and only the reactor may close them while it runs.
+    pub(crate) fn retire(&self, regs: Vec<Registration>, backing: Backing) {
+        let mut q = lock(&self.queue);
+        match q.state {
+            QueueState::Open => {
+                q.items.push(Submission::Deregister { regs, backing });
+                let wake = std::mem::take(&mut q.sleeping);
+                self.has_items.store(true, Ordering::Release);
+                drop(q);
+                if wake {
+                    self.wake.notify();
+                }
+            }
+            QueueState::Closing => q.graveyard.push(backing),
+            // Every NIC object is closed: nothing can touch the memory any more.
+            QueueState::Closed => {
+                drop(q);
+                drop(backing);
+            }
+        }
+    }
+
+    pub(crate) fn counter_cell(&self, imm: u32) -> Arc<CounterCell> {
+        let mut t = lock(&self.counters);
+        let closed = t.closed;
+        t.map
+            .entry(imm)
+            .or_insert_with(|| {
+                let c = CounterCell::new(imm);
+                if closed {
+                    c.close();
+                }
+                Arc::new(c)
+            })
+            .clone()
+    }
+
+    /// Shutdown: every counter, present and future, stops waiting for arrivals.
+    pub(crate) fn close_counters(&self) {
+        let cells: Vec<Arc<CounterCell>> = {
+            let mut t = lock(&self.counters);
+            t.closed = true;
+            t.map.values().cloned().collect()
+        };
+        for c in cells {
+            c.close();
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The submission queue: what callers hand the reactor thread, under one lock.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::memory::{Backing, RegionShared};
+use super::notify::{Notify, Reply};
+use super::PeerId;
+use crate::error::Error;
+use crate::provider::{MemoryLocation, Registration, RemoteSlice};
+use crate::pure::descriptor::EngineAddress;
+
+/// One operation as the reactor will post it.
+pub(crate) struct OpReq {
+    pub(crate) domain: usize,
+    pub(crate) peer: PeerId,
+    pub(crate) kind: OpKind,
+    /// Local address and length (`0, 0` for an imm-only write).
+    pub(crate) local_addr: u64,
+    pub(crate) len: usize,
+    pub(crate) remote: RemoteSlice,
+    pub(crate) imm: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpKind {
+    Write,
+    Read,
+}
+
+impl OpKind {
+    pub(crate) fn name(self, imm: Option<u32>) -> &'static str {
+        match (self, imm) {
+            (OpKind::Write, Some(_)) => "write_imm",
+            (OpKind::Write, None) => "write",
+            (OpKind::Read, _) => "read",
+        }
+    }
+}
+
+/// What callers hand the reactor.
+pub(crate) enum Submission {
+    Op { req: OpReq, keep: Option<Arc<RegionShared>>, notify: Notify },
+    Send { peer: PeerId, data: Bytes, notify: Notify },
+    Register { backing: Backing, location: MemoryLocation, reply: Reply<(Vec<Registration>, Backing)> },
+    Deregister { regs: Vec<Registration>, backing: Backing },
+    AddPeer { address: EngineAddress, reply: Reply<PeerId> },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QueueState {
+    Open,
+    /// Shutdown requested: no new submissions; the reactor is draining.
+    Closing,
+    /// The reactor has closed every NIC object; memory may be freed directly.
+    Closed,
+}
+
+pub(crate) struct Queue {
+    pub(crate) state: QueueState,
+    pub(crate) items: Vec<Submission>,
+    /// The reactor is (about to be) asleep and must be woken through the eventfd.
+    pub(crate) sleeping: bool,
+    /// Memory of regions dropped while the reactor was closing: freed once it has closed
+    /// the registrations.
+    pub(crate) graveyard: Vec<Backing>,
+}
+
+impl Submission {
+    /// The peer of an operation or a send.
+    pub(crate) fn peer(&self) -> PeerId {
+        match self {
+            Submission::Op { req, .. } => req.peer,
+            Submission::Send { peer, .. } => *peer,
+            _ => unreachable!("only operations have a peer"),
+        }
+    }
+
+    /// Completes a submission that will never be posted.
+    pub(crate) fn fail(self, e: Error) {
+        match self {
+            Submission::Op { notify, .. } | Submission::Send { notify, .. } => notify.fail(e),
+            Submission::Register { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            Submission::AddPeer { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            Submission::Deregister { .. } => {}
+        }
+    }
+}
