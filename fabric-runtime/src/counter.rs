@@ -32,7 +32,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
-use crate::sync::{lock, Arc, AtomicU64, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicU64, Driver, Mutex, Ordering};
 
 /// Shared state of one immediate value's counter.
 pub(crate) struct CounterCell {
@@ -171,11 +171,20 @@ impl CounterCell {
 #[derive(Clone)]
 pub struct ImmCounter {
     cell: Arc<CounterCell>,
+    /// `ReactorMode::Inline`: waiting runs the engine's reactor pass on the caller's thread.
+    driver: Option<Driver>,
 }
 
 impl ImmCounter {
     pub(crate) fn from_cell(cell: Arc<CounterCell>) -> Self {
-        ImmCounter { cell }
+        ImmCounter { cell, driver: None }
+    }
+
+    /// Makes waits on this counter drive `driver` (an `Inline` engine's NICs).
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn driven_by(mut self, driver: Option<Driver>) -> Self {
+        self.driver = driver;
+        self
     }
 
     /// A counter attached to no engine, and the reactor's side of it (`arrive(k)`), for
@@ -186,7 +195,7 @@ impl ImmCounter {
     pub fn detached_for_bench(imm: u32) -> (ImmCounter, impl Fn(u64) + Send + Sync + Clone) {
         let cell = Arc::new(CounterCell::new(imm));
         let arrive = cell.clone();
-        (ImmCounter { cell }, move |k| arrive.arrive(k))
+        (ImmCounter { cell, driver: None }, move |k| arrive.arrive(k))
     }
 
     /// The immediate value this counter counts.
@@ -217,7 +226,7 @@ impl ImmCounter {
     /// waiter. So `tokio::time::timeout(d, counter.wait_for(n))` that expires leaves the
     /// count exactly as it was.
     pub fn wait_for(&self, n: u64) -> WaitFor {
-        WaitFor { cell: self.cell.clone(), n, id: None, done: false }
+        WaitFor { cell: self.cell.clone(), n, id: None, done: false, driver: self.driver.clone() }
     }
 
     /// Consumes `n` arrivals if they are available now and no async waiter is queued.
@@ -238,6 +247,12 @@ impl ImmCounter {
         loop {
             if self.try_consume(n) {
                 return true;
+            }
+            if let Some(d) = &self.driver {
+                d.progress();
+                if self.try_consume(n) {
+                    return true;
+                }
             }
             spins = spins.wrapping_add(1);
             // Reading the clock costs ~20 ns; look at it every 256 spins only.
@@ -267,6 +282,8 @@ pub struct WaitFor {
     /// Our entry in the wait queue, once queued.
     id: Option<u64>,
     done: bool,
+    /// `ReactorMode::Inline`: see [`ImmCounter::wait_for`].
+    driver: Option<Driver>,
 }
 
 impl fmt::Debug for WaitFor {
@@ -279,6 +296,24 @@ impl Future for WaitFor {
     type Output = Result<(), Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(driver) = self.driver.clone() else { return self.poll_queue(cx) };
+        // Inline: look, run a reactor pass, look again; still pending, be polled again at
+        // once rather than park the thread.
+        if let Poll::Ready(r) = self.as_mut().poll_queue(cx) {
+            return Poll::Ready(r);
+        }
+        driver.progress();
+        let r = self.as_mut().poll_queue(cx);
+        if r.is_pending() {
+            cx.waker().wake_by_ref();
+        }
+        r
+    }
+}
+
+impl WaitFor {
+    /// The wait itself: the fast path, or a place in the wait queue with `cx`'s waker.
+    fn poll_queue(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
         let this = &mut *self;
         if this.done {
             return Poll::Ready(Ok(()));

@@ -99,6 +99,7 @@ async fn every_mode_moves_bytes() {
         ReactorMode::Event,
         ReactorMode::Adaptive { spin: Duration::from_micros(200) },
         ReactorMode::BusyPoll,
+        ReactorMode::Inline,
     ];
     for p in providers() {
         for mode in modes {

@@ -42,6 +42,7 @@ use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::{BatchState, Notify, OpState};
 use crate::shared::queue::{OpReq, Submission};
 use crate::shared::Shared;
+use crate::sync::Driver;
 
 pub use crate::reactor::ReactorMode;
 pub use crate::shared::PeerId;
@@ -54,6 +55,8 @@ pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 struct EngineInner {
     shared: Arc<Shared>,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+    /// `ReactorMode::Inline`: the reactor pass that callers run (cloned into futures).
+    driver: Option<Driver>,
 }
 
 impl Drop for EngineInner {
@@ -115,12 +118,37 @@ impl Engine {
             cfg.transfer,
             delivery_complete,
         )?);
-        let thread = reactor::spawn(domains, shared.clone(), cfg.reactor_config())?;
-        Ok(Engine { inner: Arc::new(EngineInner { shared, thread: std::sync::Mutex::new(Some(thread)) }) })
+        let started = reactor::spawn(domains, shared.clone(), cfg.reactor_config())?;
+        Ok(Engine {
+            inner: Arc::new(EngineInner {
+                shared,
+                thread: std::sync::Mutex::new(Some(started.thread)),
+                driver: started.driver,
+            }),
+        })
     }
 
     fn shared(&self) -> &Arc<Shared> {
         &self.inner.shared
+    }
+
+    /// `ReactorMode::Inline`: the pass that awaiting callers run.
+    pub(crate) fn driver(&self) -> Option<&Driver> {
+        self.inner.driver.as_ref()
+    }
+
+    /// Whether awaiting this engine's futures drives its NICs on the caller's thread
+    /// ([`ReactorMode::Inline`]).
+    pub fn is_inline(&self) -> bool {
+        self.inner.driver.is_some()
+    }
+
+    /// Runs one pass of the reactor on the calling thread (post what is queued, poll the
+    /// completion queues, complete): what awaiting a future of an [`ReactorMode::Inline`]
+    /// engine does. Returns whether anything happened. Never blocks; returns `false` at once
+    /// when the engine is not inline or another thread is driving its NICs right now.
+    pub fn progress(&self) -> bool {
+        self.inner.driver.as_ref().is_some_and(|d| d.progress())
     }
 
     /// Stops the engine now (see the type's docs). Operations after this fail with
@@ -245,7 +273,7 @@ impl Engine {
     /// The arrival counter of immediate `imm`. Arrivals that landed before this call are
     /// counted too; every call for the same `imm` shares one count.
     pub fn imm_counter(&self, imm: u32) -> ImmCounter {
-        ImmCounter::from_cell(self.shared().counter_cell(imm))
+        ImmCounter::from_cell(self.shared().counter_cell(imm)).driven_by(self.driver().cloned())
     }
 
     /// Writes `len` bytes of `src` at `src_off` into `dst` at `dst_off`, routed by the
@@ -395,7 +423,7 @@ impl Engine {
             notify: Notify::Future(state.clone()),
         };
         match shared.submit(s) {
-            Ok(()) => OpFuture::pending(state),
+            Ok(()) => OpFuture::pending(state).driven_by(self.driver()),
             Err(_) => OpFuture::failed(Error::Shutdown),
         }
     }
@@ -410,7 +438,7 @@ impl Engine {
     /// Cancel safe: a message is only taken out of the inbox by the `poll` that returns it,
     /// so dropping the future loses nothing.
     pub fn recv(&self) -> RecvFuture {
-        RecvFuture::new(self.shared().clone())
+        RecvFuture::new(self.shared().clone(), self.driver().cloned())
     }
 
     /// Synchronous fast path: posts a write with immediate that completes into `batch`
@@ -440,6 +468,10 @@ impl Engine {
     }
 
     fn post_batch(&self, batch: &OpBatch, req: OpReq, keep: Option<Arc<RegionShared>>) -> Result<()> {
+        if let Some(d) = self.driver() {
+            // The batch's spin drives this engine (the first engine it is used with).
+            let _ = batch.state.driver.set(d.clone());
+        }
         let notify = Notify::Batch(Arc::<BatchState>::clone(&batch.state));
         self.shared().submit(Submission::Op { req, keep, notify }).map_err(|_| Error::Shutdown)
     }

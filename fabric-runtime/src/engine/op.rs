@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::shared::notify::{BatchState, OpState};
-use crate::sync::lock;
+use crate::sync::{lock, Driver};
 
 /// A future that resolves when one posted operation has completed locally.
 ///
@@ -28,6 +28,8 @@ use crate::sync::lock;
 #[must_use = "the operation is posted either way; await the future to learn whether it succeeded"]
 pub struct OpFuture {
     inner: Inner,
+    /// `ReactorMode::Inline`: polling runs a reactor pass and never waits to be woken.
+    driver: Option<Driver>,
 }
 
 enum Inner {
@@ -37,11 +39,17 @@ enum Inner {
 
 impl OpFuture {
     pub(crate) fn pending(state: Arc<OpState>) -> Self {
-        OpFuture { inner: Inner::Pending(state) }
+        OpFuture { inner: Inner::Pending(state), driver: None }
     }
 
     pub(crate) fn failed(e: Error) -> Self {
-        OpFuture { inner: Inner::Failed(Some(e)) }
+        OpFuture { inner: Inner::Failed(Some(e)), driver: None }
+    }
+
+    /// Makes polling drive `driver` (an `Inline` engine's NICs).
+    pub(crate) fn driven_by(mut self, driver: Option<&Driver>) -> Self {
+        self.driver = driver.cloned();
+        self
     }
 
     /// A future that is already complete (a transfer with nothing to post).
@@ -73,9 +81,24 @@ impl Future for OpFuture {
     type Output = Result<(), Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.get_mut().inner {
+        let OpFuture { inner, driver } = self.get_mut();
+        match inner {
             Inner::Failed(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
-            Inner::Pending(state) => state.poll_result(cx.waker()),
+            Inner::Pending(state) => match driver {
+                None => state.poll_result(cx.waker()),
+                Some(d) => {
+                    if let Poll::Ready(r) = state.poll_result(cx.waker()) {
+                        return Poll::Ready(r);
+                    }
+                    d.progress();
+                    let r = state.poll_result(cx.waker());
+                    if r.is_pending() {
+                        // Inline: be polled again at once rather than park the thread.
+                        cx.waker().wake_by_ref();
+                    }
+                    r
+                }
+            },
         }
     }
 }
@@ -109,7 +132,11 @@ impl OpBatch {
     pub fn spin_until(&self, n: u64, timeout: Duration) -> Result<bool, Error> {
         let start = Instant::now();
         let mut spins = 0u32;
+        let driver = self.state.driver.get();
         while self.completed() < n {
+            if let Some(d) = driver {
+                d.progress();
+            }
             spins = spins.wrapping_add(1);
             if spins % 256 == 0 && start.elapsed() >= timeout {
                 return Ok(false);

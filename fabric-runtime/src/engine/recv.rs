@@ -11,18 +11,20 @@ use bytes::Bytes;
 use super::PeerId;
 use crate::error::{Error, Result};
 use crate::shared::Shared;
-use crate::sync::lock;
+use crate::sync::{lock, Driver};
 
 /// Future returned by [`Engine::recv`].
 #[must_use = "futures do nothing unless polled"]
 pub struct RecvFuture {
     shared: Arc<Shared>,
     id: Option<u64>,
+    /// `ReactorMode::Inline`: polling runs a reactor pass and never waits to be woken.
+    driver: Option<Driver>,
 }
 
 impl RecvFuture {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        RecvFuture { shared, id: None }
+    pub(crate) fn new(shared: Arc<Shared>, driver: Option<Driver>) -> Self {
+        RecvFuture { shared, id: None, driver }
     }
 }
 
@@ -36,6 +38,22 @@ impl Future for RecvFuture {
     type Output = Result<(Option<PeerId>, Bytes)>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(driver) = self.driver.clone() else { return self.poll_inbox(cx) };
+        // Inline: as `OpFuture`.
+        if let Poll::Ready(r) = self.as_mut().poll_inbox(cx) {
+            return Poll::Ready(r);
+        }
+        driver.progress();
+        let r = self.as_mut().poll_inbox(cx);
+        if r.is_pending() {
+            cx.waker().wake_by_ref();
+        }
+        r
+    }
+}
+
+impl RecvFuture {
+    fn poll_inbox(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(Option<PeerId>, Bytes)>> {
         let this = &mut *self;
         let mut inbox = lock(&this.shared.inbox);
         if let Some(m) = inbox.msgs.pop_front() {

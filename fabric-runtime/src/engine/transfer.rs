@@ -255,7 +255,7 @@ impl<'a> Transfers<'a> {
                 .collect()
         };
         match shared.submit_all(subs) {
-            Ok(()) => OpFuture::pending(state),
+            Ok(()) => OpFuture::pending(state).driven_by(self.engine.driver()),
             Err(_) => OpFuture::failed(Error::Shutdown),
         }
     }

@@ -21,7 +21,7 @@ pub(crate) mod queue;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::Waker;
 
@@ -104,8 +104,13 @@ pub(crate) struct Shared {
     pub(crate) default_opts: TransferOpts,
     /// Where the next sharded transfer starts (round-robin over NICs).
     pub(crate) rotation: AtomicUsize,
-    /// Every NIC's write completions are delivery-complete ([`Domain::delivery_complete`]).
+    /// Every NIC's write completions are delivery-complete ([`Domain::delivery_complete`](crate::provider::Domain::delivery_complete)).
     pub(crate) delivery_complete: bool,
+    /// Passes run by callers of an `Inline` engine so far (the reactor thread stands by
+    /// while this moves).
+    pub(crate) inline_polls: AtomicU64,
+    /// Shutdown was requested.
+    closing: AtomicBool,
 }
 
 impl Shared {
@@ -137,6 +142,8 @@ impl Shared {
             default_opts,
             rotation: AtomicUsize::new(0),
             delivery_complete,
+            inline_polls: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
         })
     }
 
@@ -182,8 +189,14 @@ impl Shared {
         Ok(())
     }
 
+    /// Whether shutdown was requested.
+    pub(crate) fn closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
     /// Asks the reactor to stop.
     pub(crate) fn request_shutdown(&self) {
+        self.closing.store(true, Ordering::Release);
         let mut q = lock(&self.queue);
         if q.state == QueueState::Open {
             q.state = QueueState::Closing;

@@ -3,12 +3,12 @@
 //! sharded transfer, and the replies to control requests.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
 use super::queue::{OpReq, Submission};
 use crate::error::Error;
-use crate::sync::lock;
+use crate::sync::{lock, Driver};
 
 /// What the reactor completes when an operation finishes.
 pub(crate) enum Notify {
@@ -142,6 +142,8 @@ pub(crate) struct BatchState {
     pub(crate) completed: AtomicU64,
     pub(crate) failed: AtomicU64,
     pub(crate) first_error: Mutex<Option<Error>>,
+    /// `ReactorMode::Inline`: the pass a spinning caller runs (set by the first post).
+    pub(crate) driver: OnceLock<Driver>,
 }
 
 impl BatchState {

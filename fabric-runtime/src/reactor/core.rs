@@ -1,0 +1,699 @@
+//! The reactor's state and one pass of its loop ([`Core::turn`]): take the submission
+//! queue, post, poll every domain, complete. The reactor thread (`reactor/mod.rs`) runs
+//! passes and decides how to wait between them; in `ReactorMode::Inline` the awaiting
+//! caller runs them too, under the same lock, so a domain still has one user at a time.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::ReactorConfig;
+use crate::counter::CounterCell;
+use crate::error::{Error, Result};
+use crate::provider::{
+    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+};
+use crate::pure::slab::Slab;
+use crate::shared::memory::{Backing, RegionShared};
+use crate::shared::notify::Notify;
+use crate::shared::queue::{OpKind, QueueState, Submission};
+use crate::shared::{PeerId, Shared};
+use crate::sync::lock;
+
+/// Tokens with this bit set name a posted receive buffer (low bits: its slot).
+const RECV_TAG: u64 = 1 << 63;
+/// Most completions taken from one domain per poll call.
+const POLL_BATCH: usize = 64;
+/// How long an `Event`-mode reactor keeps polling a domain that has no wait fd (shm, EFA)
+/// after the last activity, before it falls back to timed polling.
+pub(crate) const EVENT_NO_FD_SPIN: Duration = Duration::from_millis(1);
+/// How often operation deadlines are checked (and the longest an `Event`-mode reactor with
+/// operations in flight sleeps).
+const DEADLINE_TICK: Duration = Duration::from_millis(100);
+
+/// An operation the engine has posted and not yet seen complete.
+struct InFlight {
+    notify: Notify,
+    /// Keeps the local region registered and allocated until the NIC is done with it.
+    keep: Option<Arc<RegionShared>>,
+    /// Send-pool slot to give back (domain, slot).
+    send_slot: Option<(usize, u32)>,
+    peer: PeerId,
+    name: &'static str,
+    posted: Instant,
+}
+
+/// A registered pool of fixed-size message slots of one domain.
+struct Pool {
+    backing: Backing,
+    reg: Registration,
+    slot_size: usize,
+    free: Vec<u32>,
+}
+
+impl Pool {
+    fn slot(&self, i: u32) -> LocalSlice {
+        LocalSlice {
+            addr: self.backing.addr() + i as u64 * self.slot_size as u64,
+            len: self.slot_size,
+            desc: self.reg.local,
+        }
+    }
+}
+
+struct PeerState {
+    handles: Vec<PeerHandle>,
+    failed: Option<String>,
+    /// Operations the NIC refused for now (full queue, connection still being set up), in
+    /// order, with the time they were submitted.
+    pending: VecDeque<(Instant, Submission)>,
+}
+
+pub(crate) struct Core<D: Domain> {
+    domains: Vec<D>,
+    shared: Arc<Shared>,
+    cfg: ReactorConfig,
+    /// In-flight operations by token (generational: a stale completion finds nothing).
+    slab: Slab<InFlight>,
+    /// Peers with pending operations, in the order they got some. Each peer's operations
+    /// stay in order; a stuck peer does not hold back the others.
+    pending_peers: VecDeque<PeerId>,
+    items: Vec<Submission>,
+    completions: Vec<Completion>,
+    peers: Vec<PeerState>,
+    peer_by_addr: HashMap<Vec<u8>, PeerId>,
+    /// Per domain: backend handle → peer id (to name the sender of a message).
+    handle_to_peer: Vec<HashMap<PeerHandle, PeerId>>,
+    counters: HashMap<u32, Arc<CounterCell>>,
+    /// Registrations of live user regions, per domain, by handle: closed at shutdown.
+    live: Vec<HashMap<u64, Registration>>,
+    recv_pools: Vec<Pool>,
+    send_pools: Vec<Pool>,
+    /// Something was posted since the domains were last flushed.
+    unflushed: bool,
+    /// The `ppoll` set of a sleep, kept between sleeps (no allocation per sleep).
+    pub(crate) pollfds: Vec<libc::pollfd>,
+    /// When operation deadlines are checked next.
+    next_deadline_check: Instant,
+    /// Shutdown was requested: the reactor thread must run [`Core::close`]; passes do
+    /// nothing more.
+    pub(crate) closing: bool,
+    /// [`Core::close`] has run: the domains are gone.
+    closed: bool,
+}
+
+
+impl<D: Domain> Core<D> {
+    /// Registers the message pools on every domain and posts the receives.
+    pub(crate) fn open(mut domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Self> {
+        let slot = shared.max_msg_size;
+        let mut recv_pools = Vec::new();
+        let mut send_pools = Vec::new();
+        for d in domains.iter_mut() {
+            for (depth, pools) in [(cfg.recv_depth, &mut recv_pools), (cfg.send_depth, &mut send_pools)] {
+                let backing = Backing::zeroed(slot * depth, 4096)?;
+                // SAFETY: the backing is owned by the pool, which `close` deregisters before
+                // the pool is dropped.
+                let reg = unsafe { d.register(backing.addr(), backing.len(), MemoryLocation::Host)? };
+                pools.push(Pool { backing, reg, slot_size: slot, free: (0..depth as u32).rev().collect() });
+            }
+        }
+        let n = domains.len();
+        let mut r = Core {
+            domains,
+            shared,
+            cfg,
+            slab: Slab::default(),
+            pending_peers: VecDeque::new(),
+            items: Vec::with_capacity(1024),
+            completions: Vec::with_capacity(POLL_BATCH),
+            peers: Vec::new(),
+            peer_by_addr: HashMap::new(),
+            handle_to_peer: vec![HashMap::new(); n],
+            counters: HashMap::new(),
+            live: vec![HashMap::new(); n],
+            recv_pools,
+            send_pools,
+            unflushed: false,
+            pollfds: Vec::with_capacity(1 + n),
+            next_deadline_check: Instant::now(),
+            closing: false,
+            closed: false,
+        };
+        r.post_all_recvs()?;
+        for d in r.domains.iter_mut() {
+            d.flush();
+        }
+        Ok(r)
+    }
+
+    /// Whether some domain has no wait fd (shm, EFA): it cannot wake a sleeper.
+    pub(crate) fn has_fdless_domain(&self) -> bool {
+        self.domains.iter().any(|d| d.wait_fd().is_none())
+    }
+
+    /// One pass: check deadlines (at most every `DEADLINE_TICK`), take the submission
+    /// queue, retry the backlog, flush, poll every domain and complete what finished.
+    /// Returns whether anything happened. Once shutdown is requested it sets `closing` and
+    /// does nothing more; the reactor thread then runs [`Core::close`].
+    pub(crate) fn turn(&mut self) -> bool {
+        if self.closing {
+            return false;
+        }
+        if let Some(limit) = self.cfg.op_timeout {
+            if !self.slab.is_empty() || self.has_pending() {
+                let now = Instant::now();
+                if now >= self.next_deadline_check {
+                    self.expire(now, limit);
+                    self.next_deadline_check = now + DEADLINE_TICK;
+                }
+            }
+        }
+        let mut busy = false;
+        if self.shared.has_items.load(Ordering::Acquire) {
+            if self.take_submissions() {
+                self.closing = true;
+                return true;
+            }
+            busy = true;
+        }
+        if self.has_pending() {
+            busy |= self.post_backlog();
+        }
+        if self.unflushed {
+            self.unflushed = false;
+            for d in self.domains.iter_mut() {
+                d.flush();
+            }
+        }
+        busy | self.poll_domains()
+    }
+
+    /// Before an `Event`-mode sleep: arms every domain and fills `pollfds` (the eventfd,
+    /// then each domain's wait fd) and returns the timeout (`None`: none), or returns
+    /// `Err(())` when the reactor must not sleep (completions pending, submissions queued,
+    /// shutdown). On `Ok`, the queue says the reactor sleeps: submitters write the eventfd.
+    #[allow(clippy::result_unit_err)]
+    pub(crate) fn prepare_sleep(&mut self, idle_interval: Duration) -> std::result::Result<Option<Duration>, ()> {
+        let mut fds = std::mem::take(&mut self.pollfds);
+        fds.clear();
+        fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
+        let mut timeout: Option<Duration> = None;
+        for d in self.domains.iter_mut() {
+            if let Some(t) = d.timer() {
+                timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
+            }
+            match d.wait_fd() {
+                Some(fd) => {
+                    if !d.arm() {
+                        self.pollfds = fds;
+                        return Err(()); // completions pending: poll again
+                    }
+                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                }
+                None => timeout = Some(timeout.map_or(idle_interval, |cur| cur.min(idle_interval))),
+            }
+        }
+        self.pollfds = fds;
+        if self.has_pending() {
+            // Posts are waiting for queue space; completions will wake us, but stay safe
+            // against a provider that frees space without one.
+            let t = Duration::from_micros(100);
+            timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
+        }
+        if self.cfg.op_timeout.is_some() && !self.slab.is_empty() {
+            // Wake up to check deadlines even if the peer never answers.
+            timeout = Some(timeout.map_or(DEADLINE_TICK, |t| t.min(DEADLINE_TICK)));
+        }
+        let mut q = lock(&self.shared.queue);
+        if !q.items.is_empty() || q.state != QueueState::Open {
+            return Err(());
+        }
+        q.sleeping = true;
+        Ok(timeout)
+    }
+
+    /// After the sleep that [`Core::prepare_sleep`] prepared (`fds` is its `pollfds`, with
+    /// `revents` set): the queue no longer says the reactor sleeps; the eventfd is drained and
+    /// each domain that woke us acknowledged.
+    pub(crate) fn after_sleep(&mut self, fds: Vec<libc::pollfd>) {
+        lock(&self.shared.queue).sleeping = false;
+        if fds[0].revents != 0 {
+            self.shared.wake.drain();
+        }
+        let mut i = 1;
+        for d in self.domains.iter_mut() {
+            if d.wait_fd().is_some() {
+                if fds[i].revents != 0 {
+                    d.ack_wakeup();
+                }
+                i += 1;
+            }
+        }
+        self.pollfds = fds;
+    }
+}
+
+fn is_peer_errno(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::ECONNREFUSED
+            | libc::ECONNRESET
+            | libc::ECONNABORTED
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
+            | libc::ETIMEDOUT
+            | libc::ENOTCONN
+            | libc::EPIPE
+            | libc::EHOSTDOWN
+    )
+}
+
+impl<D: Domain> Core<D> {
+    fn post_all_recvs(&mut self) -> Result<()> {
+        for d in 0..self.domains.len() {
+            let slots: Vec<u32> = std::mem::take(&mut self.recv_pools[d].free);
+            for s in slots {
+                self.post_recv(d, s)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn post_recv(&mut self, d: usize, slot: u32) -> Result<()> {
+        let local = self.recv_pools[d].slot(slot);
+        let token = RECV_TAG | (d as u64) << 32 | slot as u64;
+        // SAFETY: the pool memory is registered with domain `d` and lives until `close`,
+        // after the domain is gone.
+        match unsafe { self.domains[d].post(token, &Op::Recv { local }) } {
+            Ok(()) => Ok(()),
+            Err(PostError::Again) => {
+                // Receive queue full: keep the slot and try again on the next message.
+                self.recv_pools[d].free.push(slot);
+                Ok(())
+            }
+            Err(PostError::Failed(e)) => Err(e),
+        }
+    }
+
+    /// Takes and handles every queued submission. Returns true if shutdown was requested.
+    fn take_submissions(&mut self) -> bool {
+        let closing = {
+            let mut q = lock(&self.shared.queue);
+            self.shared.has_items.store(false, Ordering::Release);
+            std::mem::swap(&mut q.items, &mut self.items);
+            q.state != QueueState::Open
+        };
+        let mut items = std::mem::take(&mut self.items);
+        for s in items.drain(..) {
+            self.handle(s);
+        }
+        self.items = items;
+        closing
+    }
+
+    fn handle(&mut self, s: Submission) {
+        match s {
+            Submission::Op { .. } | Submission::Send { .. } => {
+                let peer = s.peer();
+                match self.peers.get_mut(peer.0 as usize) {
+                    Some(p) if !p.pending.is_empty() => p.pending.push_back((Instant::now(), s)),
+                    _ => {
+                        if let Some(again) = self.try_post(s) {
+                            self.defer(peer, Instant::now(), again);
+                        }
+                    }
+                }
+            }
+            Submission::Register { backing, location, reply } => {
+                let mut regs = Vec::with_capacity(self.domains.len());
+                let mut err = None;
+                for d in self.domains.iter_mut() {
+                    // SAFETY: `backing` stays allocated until this registration is closed:
+                    // the region that will own it retires it through the reactor.
+                    match unsafe { d.register(backing.addr(), backing.len(), location) } {
+                        Ok(r) => regs.push(r),
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if let Some(e) = err {
+                    for (d, r) in regs.into_iter().enumerate() {
+                        self.domains[d].deregister(r);
+                    }
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                for (d, r) in regs.iter().enumerate() {
+                    self.live[d].insert(r.handle, *r);
+                }
+                if let Err(Ok((regs, backing))) = reply.send(Ok((regs, backing))) {
+                    // The caller stopped waiting: undo.
+                    self.deregister(regs, backing);
+                }
+            }
+            Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+            Submission::AddPeer { address, reply } => {
+                let _ = reply.send(self.add_peer(address));
+            }
+        }
+    }
+
+    fn deregister(&mut self, regs: Vec<Registration>, backing: Backing) {
+        for (d, r) in regs.into_iter().enumerate() {
+            if self.live[d].remove(&r.handle).is_some() {
+                self.domains[d].deregister(r);
+            }
+        }
+        drop(backing);
+    }
+
+    fn add_peer(&mut self, address: crate::pure::descriptor::EngineAddress) -> Result<PeerId> {
+        let key = address.to_bytes();
+        if let Some(&id) = self.peer_by_addr.get(&key) {
+            return Ok(id);
+        }
+        let mut handles = Vec::with_capacity(self.domains.len());
+        for (d, a) in self.domains.iter_mut().zip(&address.domains) {
+            handles.push(d.add_peer(a)?);
+        }
+        let id = PeerId(self.peers.len() as u32);
+        for (d, h) in handles.iter().enumerate() {
+            self.handle_to_peer[d].insert(*h, id);
+        }
+        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new() });
+        self.peer_by_addr.insert(key, id);
+        self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
+        Ok(id)
+    }
+
+    /// Posts an operation. Returns it back if the NIC queue is full.
+    fn try_post(&mut self, s: Submission) -> Option<Submission> {
+        let (domain, peer) = match &s {
+            Submission::Op { req, .. } => (req.domain, req.peer),
+            Submission::Send { peer, .. } => (0, *peer),
+            _ => unreachable!("only operations are posted"),
+        };
+        let handle = match self.peers.get(peer.0 as usize) {
+            None => {
+                s.fail(Error::UnknownPeer { peer: peer.0 });
+                return None;
+            }
+            Some(PeerState { failed: Some(msg), .. }) => {
+                let e = Error::PeerUnreachable { peer: peer.0, message: msg.clone() };
+                s.fail(e);
+                return None;
+            }
+            Some(p) => p.handles[domain],
+        };
+        let token = self.slab.next_token();
+        let (op, send_slot, name) = match &s {
+            Submission::Op { req, keep, .. } => {
+                let desc = keep.as_ref().map_or(0, |k| k.regs[domain].local);
+                let local = LocalSlice { addr: req.local_addr, len: req.len, desc };
+                let op = match req.kind {
+                    OpKind::Write => Op::Write { peer: handle, local, remote: req.remote, imm: req.imm },
+                    OpKind::Read => Op::Read { peer: handle, local, remote: req.remote },
+                };
+                (op, None, req.kind.name(req.imm))
+            }
+            Submission::Send { data, .. } => {
+                let pool = &mut self.send_pools[domain];
+                let Some(slot) = pool.free.pop() else { return Some(s) };
+                let mut local = pool.slot(slot);
+                local.len = data.len();
+                // SAFETY: the slot is inside the pool's allocation and free (no operation
+                // uses it); `data.len() <= max_msg_size == slot_size` (checked on submit).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), local.addr as *mut u8, data.len()) };
+                (Op::Send { peer: handle, local }, Some((domain, slot)), "send")
+            }
+            _ => unreachable!(),
+        };
+        // SAFETY: local memory is either a user region kept alive by `keep` (stored in the
+        // slab until the completion) or a pool slot owned by the reactor; both are
+        // registered with `domain`.
+        match unsafe { self.domains[domain].post(token, &op) } {
+            Ok(()) => {
+                let (notify, keep) = match s {
+                    Submission::Op { notify, keep, .. } => (notify, keep),
+                    Submission::Send { notify, .. } => (notify, None),
+                    _ => unreachable!(),
+                };
+                self.slab.insert(InFlight { notify, keep, send_slot, peer, name, posted: Instant::now() });
+                self.unflushed = true;
+                None
+            }
+            Err(PostError::Again) => {
+                if let Some((d, slot)) = send_slot {
+                    self.send_pools[d].free.push(slot);
+                }
+                Some(s)
+            }
+            Err(PostError::Failed(e)) => {
+                if let Some((d, slot)) = send_slot {
+                    self.send_pools[d].free.push(slot);
+                }
+                s.fail(e);
+                None
+            }
+        }
+    }
+
+    /// Queues an operation the NIC refused for now behind the peer's other pending ones.
+    fn defer(&mut self, peer: PeerId, since: Instant, s: Submission) {
+        let p = &mut self.peers[peer.0 as usize];
+        if p.pending.is_empty() {
+            self.pending_peers.push_back(peer);
+        }
+        p.pending.push_back((since, s));
+    }
+
+    /// Retries pending operations, peer by peer. Stops early when several peers in a row
+    /// are refused (the NIC queue itself is full).
+    fn post_backlog(&mut self) -> bool {
+        let mut posted = false;
+        let mut refused = 0;
+        for _ in 0..self.pending_peers.len() {
+            let Some(peer) = self.pending_peers.pop_front() else { break };
+            let mut blocked = false;
+            while let Some((since, s)) = self.peers[peer.0 as usize].pending.pop_front() {
+                if let Some(again) = self.try_post(s) {
+                    self.peers[peer.0 as usize].pending.push_front((since, again));
+                    blocked = true;
+                    break;
+                }
+                posted = true;
+            }
+            if blocked {
+                self.pending_peers.push_back(peer);
+                refused += 1;
+                if refused >= 4 {
+                    break;
+                }
+            }
+        }
+        posted
+    }
+
+    fn has_pending(&self) -> bool {
+        !self.pending_peers.is_empty()
+    }
+
+    fn poll_domains(&mut self) -> bool {
+        let mut any = false;
+        for d in 0..self.domains.len() {
+            let mut comps = std::mem::take(&mut self.completions);
+            match self.domains[d].poll(&mut comps, POLL_BATCH) {
+                Ok(0) => {}
+                Ok(_) => {
+                    any = true;
+                    for c in comps.drain(..) {
+                        self.complete(d, c);
+                    }
+                }
+                Err(e) => tracing::error!(domain = d, error = %e, "polling the completion queue failed"),
+            }
+            self.completions = comps;
+        }
+        any
+    }
+
+    fn complete(&mut self, d: usize, c: Completion) {
+        match c {
+            Completion::Imm { imm } => {
+                let shared = &self.shared;
+                self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).arrive(1);
+            }
+            Completion::Done { token } => {
+                if let Some(op) = self.slab.remove(token) {
+                    self.finish(op, Ok(()));
+                } else {
+                    tracing::warn!(token, "completion for an unknown operation");
+                }
+            }
+            Completion::Failed { token, errno, message } => {
+                if token & RECV_TAG != 0 {
+                    tracing::debug!(errno, %message, "a posted receive failed (cancelled at shutdown?)");
+                    return;
+                }
+                let Some(op) = self.slab.remove(token) else {
+                    tracing::warn!(token, errno, %message, "failure for an unknown operation");
+                    return;
+                };
+                let e = if is_peer_errno(errno) {
+                    let peer = op.peer;
+                    if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                        p.failed = Some(message.clone());
+                    }
+                    Error::PeerUnreachable { peer: peer.0, message }
+                } else {
+                    Error::Completion { op: op.name, errno, message }
+                };
+                self.finish(op, Err(e));
+            }
+            Completion::Recv { token, len, src } => {
+                let slot = (token & 0xffff_ffff) as u32;
+                let pool = &self.recv_pools[d];
+                let local = pool.slot(slot);
+                let len = len.min(pool.slot_size);
+                // SAFETY: the NIC has completed this receive, so the slot holds `len` bytes
+                // and nothing writes to it until it is posted again below.
+                let data = Bytes::copy_from_slice(unsafe {
+                    std::slice::from_raw_parts(local.addr as *const u8, len)
+                });
+                let from = src.and_then(|h| self.handle_to_peer[d].get(&h).copied());
+                let waker = lock(&self.shared.inbox).push((from, data));
+                if let Some(w) = waker {
+                    w.wake();
+                }
+                if let Err(e) = self.post_recv(d, slot) {
+                    tracing::error!(error = %e, "re-posting a receive buffer failed");
+                }
+                self.unflushed = true;
+            }
+        }
+    }
+
+    /// Fails every operation that has waited longer than `limit` for its completion and
+    /// marks its peer failed. The slab entry stays (keeping its memory alive) until the
+    /// provider completes or shutdown cancels it.
+    fn expire(&mut self, now: Instant, limit: Duration) {
+        // Operations that never even reached the NIC (a peer whose connection never comes
+        // up keeps refusing them).
+        for i in 0..self.pending_peers.len() {
+            let peer = self.pending_peers[i];
+            let p = &mut self.peers[peer.0 as usize];
+            if p.pending.front().is_some_and(|(since, _)| now.duration_since(*since) >= limit) {
+                let message = format!("operations could not be posted within {limit:?}; peer marked failed");
+                tracing::warn!(peer = peer.0, %message, "operations timed out");
+                p.failed.get_or_insert_with(|| message.clone());
+                for (_, s) in p.pending.drain(..) {
+                    s.fail(Error::PeerUnreachable { peer: peer.0, message: message.clone() });
+                }
+            }
+        }
+        let peers = &self.peers;
+        self.pending_peers.retain(|p| !peers[p.0 as usize].pending.is_empty());
+        for op in self.slab.iter_mut() {
+            if matches!(op.notify, Notify::None) || now.duration_since(op.posted) < limit {
+                continue;
+            }
+            let message = format!("no completion for a {} within {limit:?}; peer marked failed", op.name);
+            tracing::warn!(peer = op.peer.0, %message, "operation timed out");
+            if let Some(p) = self.peers.get_mut(op.peer.0 as usize) {
+                p.failed.get_or_insert_with(|| message.clone());
+            }
+            let notify = std::mem::replace(&mut op.notify, Notify::None);
+            notify.fail(Error::PeerUnreachable { peer: op.peer.0, message });
+        }
+    }
+
+    fn finish(&mut self, op: InFlight, result: Result<()>) {
+        if let Some((d, slot)) = op.send_slot {
+            self.send_pools[d].free.push(slot);
+        }
+        let next = op.notify.complete(result);
+        drop(op.keep);
+        for s in next {
+            // The imm-only writes of an `Arrivals::One` transfer: its shards are all done.
+            self.handle(s);
+        }
+    }
+
+    /// Sleeps until a submission or a completion may be there (or the poll interval of a
+    /// Shutdown: refuse new work, drain, cancel, close NIC objects, then free memory. Runs
+    /// once; later passes do nothing.
+    pub(crate) fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        self.closing = true;
+        let items = std::mem::take(&mut lock(&self.shared.queue).items);
+        for s in items {
+            match s {
+                Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+                other => other.fail(Error::Shutdown),
+            }
+        }
+        for p in self.peers.iter_mut() {
+            for (_, s) in p.pending.drain(..) {
+                s.fail(Error::Shutdown);
+            }
+        }
+        // Give in-flight operations a chance to finish normally.
+        let deadline = Instant::now() + self.cfg.shutdown_grace;
+        while !self.slab.is_empty() && Instant::now() < deadline {
+            if !self.poll_domains() {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        // Follow-ups posted during the grace period may have been queued behind a full NIC.
+        for p in self.peers.iter_mut() {
+            for (_, s) in p.pending.drain(..) {
+                s.fail(Error::Shutdown);
+            }
+        }
+        let mut keep = Vec::new();
+        for op in self.slab.drain() {
+            keep.push(op.keep);
+            op.notify.fail(Error::Shutdown);
+        }
+        self.shared.close_counters();
+        let waiters = {
+            let mut inbox = lock(&self.shared.inbox);
+            inbox.closed = true;
+            inbox.take_waiters()
+        };
+        for w in waiters {
+            w.wake();
+        }
+        // Close every registration, then the domains; only then free memory.
+        for (d, live) in self.live.iter_mut().enumerate() {
+            for (_, r) in live.drain() {
+                self.domains[d].deregister(r);
+            }
+        }
+        for (d, p) in self.recv_pools.iter().chain(self.send_pools.iter()).enumerate() {
+            let d = d % self.domains.len();
+            self.domains[d].deregister(p.reg);
+        }
+        drop(std::mem::take(&mut self.domains));
+        // Only now may the pools' memory go.
+        drop(std::mem::take(&mut self.recv_pools));
+        drop(std::mem::take(&mut self.send_pools));
+        let graveyard = {
+            let mut q = lock(&self.shared.queue);
+            q.state = QueueState::Closed;
+            std::mem::take(&mut q.graveyard)
+        };
+        drop(graveyard);
+        drop(keep);
+    }
+}
+

@@ -1,0 +1,175 @@
+//! `ReactorMode::Inline`: the awaiting task drives the NICs itself, so the thread that
+//! awaits never parks; a background reactor thread takes over when nobody awaits. Every test
+//! moves real bytes through libfabric (tcp, shm) between two engines.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
+use fabric_async::bootstrap::Rendezvous;
+use integration_tests::{get_str, primary, providers, store, Peer};
+
+const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
+
+/// One side of a ping-pong: its engine, its region (bytes 0..8 are what it sends, 8..16
+/// what it receives) and the peer's region.
+struct Side {
+    engine: Engine,
+    region: MemoryRegion,
+    remote: RemoteRegion,
+}
+
+/// Two engines of `mode` on provider `p`, each with a 4 KiB region the other can write.
+async fn pair(p: &str, mode: ReactorMode) -> (Side, Side) {
+    let a = Engine::builder().provider(p).mode(mode).build().unwrap();
+    let b = Engine::builder().provider(p).mode(mode).build().unwrap();
+    let (ra, rb) = (a.alloc(4096).await.unwrap(), b.alloc(4096).await.unwrap());
+    let to_b = a.remote_region(&rb.descriptor().to_bytes()).await.unwrap();
+    let to_a = b.remote_region(&ra.descriptor().to_bytes()).await.unwrap();
+    (Side { engine: a, region: ra, remote: to_b }, Side { engine: b, region: rb, remote: to_a })
+}
+
+/// `n` round trips of 8 bytes with immediates: the leader writes `i`, the other side checks
+/// it landed and echoes it, the leader checks the echo. Returns how often the thread's
+/// runtime parked while doing it.
+fn ping_pong(s: Side, lead: bool, n: u64) -> usize {
+    let parks = Arc::new(AtomicUsize::new(0));
+    let p2 = parks.clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .on_thread_park(move || {
+            p2.fetch_add(1, Ordering::Relaxed);
+        })
+        .build()
+        .unwrap();
+    let counted = rt.block_on(async {
+        let (send, wait) = if lead { (1, 2) } else { (2, 1) };
+        let c = s.engine.imm_counter(wait);
+        // Parks before the first round trip (the runtime starting) do not count.
+        let before = parks.load(Ordering::Relaxed);
+        let mut got = [0u8; 8];
+        for i in 0..n {
+            if lead {
+                s.region.write_at(0, &i.to_le_bytes()).unwrap();
+                s.engine.write_imm(&s.region, 0, &s.remote, 8, 8, send).await.unwrap();
+                c.wait_for(1).await.unwrap();
+                s.region.read_at(8, &mut got).unwrap();
+                assert_eq!(u64::from_le_bytes(got), i, "the echo of round trip {i}");
+            } else {
+                c.wait_for(1).await.unwrap();
+                s.region.read_at(8, &mut got).unwrap();
+                assert_eq!(u64::from_le_bytes(got), i, "round trip {i} landed before its immediate");
+                s.region.write_at(0, &got).unwrap();
+                s.engine.write_imm(&s.region, 0, &s.remote, 8, 8, send).await.unwrap();
+            }
+        }
+        assert_eq!(c.available(), 0, "exactly one arrival per round trip");
+        parks.load(Ordering::Relaxed) - before
+    });
+    drop(s);
+    counted
+}
+
+async fn run_ping_pong(p: &str, mode: ReactorMode, n: u64) -> (usize, usize) {
+    let (a, b) = pair(p, mode).await;
+    assert_eq!(a.engine.is_inline(), mode == ReactorMode::Inline);
+    let pong = std::thread::spawn(move || ping_pong(b, false, n));
+    let ping = std::thread::spawn(move || ping_pong(a, true, n));
+    let lead = tokio::task::spawn_blocking(move || ping.join().expect("ping thread")).await.unwrap();
+    let other = tokio::task::spawn_blocking(move || pong.join().expect("pong thread")).await.unwrap();
+    (lead, other)
+}
+
+/// Awaiting writes and counters of an inline engine never parks the awaiting thread, and
+/// every byte and count is right. The same ping-pong in `Event` mode parks (about once per
+/// wait): the measure can tell the two apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_futures_never_park_the_awaiting_thread() {
+    for p in providers() {
+        let n = 300;
+        let (lead, other) = run_ping_pong(&p, ReactorMode::Inline, n).await;
+        assert_eq!((lead, other), (0, 0), "{p}: parks of the awaiting threads in {n} inline round trips");
+        let (lead, other) = run_ping_pong(&p, ReactorMode::Event, n).await;
+        assert!(
+            lead as u64 >= n / 2 && other as u64 >= n / 2,
+            "{p}: Event mode parked only {lead} / {other} times in {n} round trips"
+        );
+    }
+}
+
+/// Nobody awaits: the background reactor thread of an inline engine counts a peer
+/// process's writes by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_engine_progresses_without_callers() {
+    let (_server, store, addr) = store().await;
+    let p = primary();
+    let engine = Engine::builder().provider(p.as_str()).mode(ReactorMode::Inline).build().unwrap();
+    let region = engine.alloc(4096).await.unwrap();
+    store.put("writer/desc", region.descriptor().to_bytes()).await.unwrap();
+    let mut peer = Peer::spawn(PEER, addr, &p, &["writer", "--storm", "400,4,1,3"]);
+    let counter = engine.imm_counter(100);
+    // `available` only reads the count: it drives nothing.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while counter.available() < 400 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(get_str(&store, "writer/done").await, "ok");
+    assert_eq!(counter.available(), 400, "{p}: every arrival, counted by the reactor thread");
+    counter.wait_for(400).await.unwrap();
+    assert_eq!(counter.available(), 0);
+    store.put("writer/exit", vec![]).await.unwrap();
+    assert!(peer.wait_success(Duration::from_secs(20)).await);
+}
+
+/// The synchronous spin path on inline engines: `post_write_imm` + `OpBatch::spin_until` on
+/// one side, `ImmCounter::spin_wait` on the other, each driving its own engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_spin_path_drives_its_engine() {
+    for p in providers() {
+        let (a, b) = pair(&p, ReactorMode::Inline).await;
+        let n = 2000u64;
+        a.region.write_at(0, &[0x5a; 64]).unwrap();
+        let rx = std::thread::spawn(move || {
+            let c = b.engine.imm_counter(9);
+            assert!(c.spin_wait(n, Duration::from_secs(60)), "all {n} arrivals");
+            assert_eq!(c.available(), 0);
+            let mut got = [0u8; 64];
+            b.region.read_at(64, &mut got).unwrap();
+            got
+        });
+        let tx = std::thread::spawn(move || {
+            let batch = OpBatch::new();
+            for i in 0..n {
+                a.engine.post_write_imm(&batch, &a.region, 0, &a.remote, 64, 64, 9).unwrap();
+                // At most 64 in flight; the spin drives the engine.
+                if i >= 64 {
+                    assert!(batch.spin_until(i - 64, Duration::from_secs(60)).unwrap());
+                }
+            }
+            assert!(batch.spin_until(n, Duration::from_secs(60)).unwrap());
+            assert_eq!(batch.failed(), 0);
+            a
+        });
+        let got = tokio::task::spawn_blocking(move || rx.join().expect("receiver")).await.unwrap();
+        let _a = tokio::task::spawn_blocking(move || tx.join().expect("sender")).await.unwrap();
+        assert_eq!(got, [0x5a; 64], "{p}: the bytes landed");
+    }
+}
+
+/// A timed-out inline wait consumes nothing (tokio's timer fires although the task never
+/// lets its thread park), and shutdown releases an inline waiter.
+#[tokio::test(flavor = "current_thread")]
+async fn inline_wait_times_out_and_shuts_down() {
+    let (a, b) = pair(&primary(), ReactorMode::Inline).await;
+    let c = b.engine.imm_counter(3);
+    a.engine.imm(&a.remote, 3).await.unwrap();
+    let t = Instant::now();
+    let r = tokio::time::timeout(Duration::from_millis(50), c.wait_for(2)).await;
+    assert!(r.is_err(), "one arrival of two: the wait times out");
+    assert!(t.elapsed() < Duration::from_secs(5), "the timer fired while the task spun");
+    assert_eq!(c.available(), 1, "a timed-out wait consumes nothing");
+    let waiter = c.wait_for(2);
+    b.engine.shutdown();
+    assert!(matches!(waiter.await, Err(fabric_async::Error::Shutdown)));
+}
