@@ -4,7 +4,7 @@
 //! `has_items` / eventfd decision, the reactor taking the queue, and the completion that
 //! wakes the parked future). Not part of the API: hidden from the docs.
 //!
-//! [`BenchReactor`] holds a real [`Shared`] (queue, counter table, eventfd) and no reactor
+//! [`BenchReactor`] holds a real `Shared` (queue, counter table, eventfd) and no reactor
 //! thread: the bench plays the reactor. Caller-side steps are the engine's own functions
 //! (`Shared::submit_all`, `Shared::counter_cell`); the reactor-side steps repeat, line for
 //! line, what `reactor::Reactor` does (`complete`, `take_submissions`, `sleep`), minus the

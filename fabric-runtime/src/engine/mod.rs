@@ -171,7 +171,7 @@ impl Engine {
     /// NIC of this engine (verbs: yes; libfabric: where the provider granted
     /// `FI_DELIVERY_COMPLETE`, as `tcp` does). Without it, `Arrivals::One` transfers with
     /// `Route::Sharded` over several NICs are refused with [`Error::Unsupported`] (see
-    /// [`TransferOpts::check_one_arrival`]).
+    /// [`TransferOpts::check_one_arrival`](crate::TransferOpts::check_one_arrival)).
     pub fn delivery_complete(&self) -> bool {
         self.shared().delivery_complete
     }
@@ -277,7 +277,7 @@ impl Engine {
     }
 
     /// Writes `len` bytes of `src` at `src_off` into `dst` at `dst_off`, routed by the
-    /// engine's [`TransferOpts`] (see [`Transfers::write`]). Both ranges are bounds-checked
+    /// engine's [`TransferOpts`](crate::TransferOpts) (see [`Transfers::write`]). Both ranges are bounds-checked
     /// before anything is posted.
     ///
     /// # Cancel safety

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::shared::Shared;
 use crate::sync::{lock, Driver};
 
-/// Future returned by [`Engine::recv`].
+/// Future returned by [`Engine::recv`](super::Engine::recv).
 #[must_use = "futures do nothing unless polled"]
 pub struct RecvFuture {
     shared: Arc<Shared>,
