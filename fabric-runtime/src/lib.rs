@@ -7,6 +7,8 @@
 
 // Under `--cfg loom` only the lock-free counter is compiled, against loom's atomics.
 pub mod counter;
+#[cfg(all(feature = "cuda", not(loom)))]
+pub mod cuda;
 #[cfg(not(loom))]
 pub mod engine;
 pub mod error;
