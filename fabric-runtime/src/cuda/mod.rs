@@ -42,6 +42,8 @@
 mod driver;
 mod loader;
 mod memory;
+mod stream;
 
 pub use driver::{available, context, driver, Context, Driver};
 pub use memory::{pointer_info, AddressRange, DeviceBuffer, DeviceMemory, MemoryKind, PinnedHostBuffer, PointerInfo};
+pub use stream::{Event, EventStatus, Stream};
