@@ -40,10 +40,12 @@
 //! message }`.
 
 mod driver;
+mod ipc;
 mod loader;
 mod memory;
 mod stream;
 
 pub use driver::{available, context, driver, Context, Driver};
+pub use ipc::{ipc_export, IpcExport, IpcMapping, IpcMemHandle};
 pub use memory::{pointer_info, AddressRange, DeviceBuffer, DeviceMemory, MemoryKind, PinnedHostBuffer, PointerInfo};
 pub use stream::{Event, EventStatus, Stream};
