@@ -78,6 +78,12 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
 
+    /// A CUDA driver or NVRTC call failed. `code` is the `CUresult` (or `nvrtcResult`) value;
+    /// `message` is its name and description, plus NVRTC's compile log where there is one.
+    /// (A machine without a CUDA driver gets [`Error::Unsupported`] instead.)
+    #[error("{call} failed: {message} (CUDA error {code})")]
+    Cuda { call: &'static str, code: i32, message: String },
+
     /// The builder was given an invalid configuration.
     #[error("invalid configuration: {0}")]
     Config(String),

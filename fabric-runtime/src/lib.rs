@@ -10,6 +10,8 @@
 #[doc(hidden)]
 pub mod bench_hooks;
 pub mod counter;
+#[cfg(all(feature = "cuda", not(loom)))]
+pub mod cuda;
 #[cfg(not(loom))]
 pub mod engine;
 pub mod error;

@@ -8,3 +8,4 @@ pub mod descriptor;
 pub mod route;
 #[doc(hidden)]
 pub mod slab;
+pub mod staging;

@@ -1,0 +1,364 @@
+//! Streams, events, and asynchronous copies.
+//!
+//! A copy is enqueued on a [`Stream`] and returns at once; an [`Event`] recorded after it
+//! says when it has finished ([`Event::query`] never blocks: the reactor polls it). The safe
+//! copies take their buffers as `Arc`s and keep a clone until their completion has been seen
+//! (by [`Stream::reap`], [`Stream::synchronize`], or the stream's drop), so dropping a buffer
+//! while a copy engine still uses it frees nothing.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::fmt;
+use std::ptr;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys as cu;
+use cudarc::driver::sys::CUresult;
+
+use super::driver::{check, Context};
+use super::memory::{check_range, DeviceMemory, PinnedHostBuffer};
+use crate::error::Result;
+
+/// Something a copy or kernel uses, held until it has completed.
+pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
+
+/// A CUDA stream (`cuStreamCreate(CU_STREAM_NON_BLOCKING)`): an ordered queue of copies and
+/// kernels on one device. Non-blocking: it never waits for the legacy default stream, so the
+/// blocking helpers of [`DeviceBuffer`](super::DeviceBuffer) do not queue behind a kernel
+/// that spins on a host counter.
+///
+/// Dropping a stream waits for the work queued on it (`cuStreamSynchronize`), then releases
+/// the buffers its copies held.
+pub struct Stream {
+    /// Work still in flight, oldest first, with what it uses. Events complete in stream order.
+    in_flight: Mutex<VecDeque<InFlight>>,
+    raw: cu::CUstream,
+    /// Dropped after the stream is destroyed (field order).
+    ctx: Arc<Context>,
+}
+
+struct InFlight {
+    /// Recorded after the work; `None` when recording failed: then only a synchronize frees.
+    done: Option<Event>,
+    _keep: Vec<Keep>,
+}
+
+// SAFETY: a CUstream is a driver handle; the driver API is thread-safe and a stream may be
+// used from any thread. The Rust-side state is behind a Mutex.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("in_flight", &self.in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream {
+    /// A new non-blocking stream on `ctx`'s device.
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
+        let _cur = ctx.enter()?;
+        let mut raw: cu::CUstream = ptr::null_mut();
+        let flags = cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: a context is current; valid out-pointer. Destroyed in Drop.
+        check("cuStreamCreate", unsafe { cu::cuStreamCreate(&mut raw, flags) })?;
+        Ok(Stream { in_flight: Mutex::new(VecDeque::new()), raw, ctx: ctx.clone() })
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    pub(crate) fn raw(&self) -> cu::CUstream {
+        self.raw
+    }
+
+    /// A new event, recorded at the current end of this stream: it completes when everything
+    /// queued so far has.
+    pub fn record(&self) -> Result<Event> {
+        let ev = Event::new(&self.ctx)?;
+        ev.record(self)?;
+        Ok(ev)
+    }
+
+    /// Makes work queued on this stream from now on wait until `event` completes (on the GPU;
+    /// the calling thread does not wait). Works across streams and devices.
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: live stream and event; flags must be 0.
+        check("cuStreamWaitEvent", unsafe { cu::cuStreamWaitEvent(self.raw, event.raw, 0) })
+    }
+
+    /// Blocks the calling thread until everything queued has completed, then releases every
+    /// buffer held by the safe copies. Cold path: tests, teardown.
+    pub fn synchronize(&self) -> Result<()> {
+        {
+            let _cur = self.ctx.enter()?;
+            // SAFETY: live stream.
+            check("cuStreamSynchronize", unsafe { cu::cuStreamSynchronize(self.raw) })?;
+        }
+        self.lock().clear();
+        Ok(())
+    }
+
+    /// Releases the buffers of the copies that have completed, without blocking. Returns how
+    /// many pieces of work are still in flight. Every safe copy reaps first, so a stream that
+    /// is used keeps few buffers.
+    pub fn reap(&self) -> Result<usize> {
+        let mut q = self.lock();
+        while let Some(front) = q.front() {
+            match &front.done {
+                Some(ev) if ev.query()? == EventStatus::Ready => {
+                    q.pop_front();
+                }
+                _ => break,
+            }
+        }
+        Ok(q.len())
+    }
+
+    /// How many pieces of work with held buffers have not been reaped yet.
+    pub fn in_flight(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<InFlight>> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Holds `keep` until the work queued so far has completed. Called right after the work was
+    /// enqueued; if the completion event cannot be recorded, `keep` is held until the stream is
+    /// synchronized or dropped (never released early).
+    pub(crate) fn hold_until_done(&self, keep: Vec<Keep>) {
+        let done = match self.record() {
+            Ok(ev) => Some(ev),
+            Err(e) => {
+                tracing::warn!(error = %e, "cuda: no completion event; buffers held until the stream is synchronized");
+                None
+            }
+        };
+        self.lock().push_back(InFlight { done, _keep: keep });
+    }
+
+    /// Copies `len` bytes from pinned host memory to device memory, asynchronously. Both
+    /// buffers are held until the copy has completed.
+    pub fn copy_h2d<D: DeviceMemory>(
+        &self,
+        dst: &Arc<D>,
+        dst_offset: usize,
+        src: &Arc<PinnedHostBuffer>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range(dst_offset, len, dst.len())?;
+        check_range(src_offset, len, src.len())?;
+        self.reap()?;
+        // SAFETY: both ranges checked in bounds of live buffers; the Arcs are held until the
+        // copy's completion event has been seen.
+        unsafe {
+            self.copy_h2d_raw(dst.device_ptr() + dst_offset as u64, src.as_ptr().add(src_offset), len)?;
+        }
+        self.hold_until_done(vec![dst.clone(), src.clone()]);
+        Ok(())
+    }
+
+    /// Copies `len` bytes from device memory to pinned host memory, asynchronously. Both
+    /// buffers are held until the copy has completed.
+    pub fn copy_d2h<S: DeviceMemory>(
+        &self,
+        dst: &Arc<PinnedHostBuffer>,
+        dst_offset: usize,
+        src: &Arc<S>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range(dst_offset, len, dst.len())?;
+        check_range(src_offset, len, src.len())?;
+        self.reap()?;
+        // SAFETY: as in `copy_h2d`.
+        unsafe {
+            self.copy_d2h_raw(dst.as_ptr().add(dst_offset), src.device_ptr() + src_offset as u64, len)?;
+        }
+        self.hold_until_done(vec![dst.clone(), src.clone()]);
+        Ok(())
+    }
+
+    /// Copies `len` bytes between device memories, asynchronously: `cuMemcpyDtoDAsync` on one
+    /// device, `cuMemcpyPeerAsync` across two (over NVLink or PCIe; staged through the host by
+    /// the driver if the devices cannot reach each other). Both are held until it completes.
+    pub fn copy_d2d<D: DeviceMemory, S: DeviceMemory>(
+        &self,
+        dst: &Arc<D>,
+        dst_offset: usize,
+        src: &Arc<S>,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range(dst_offset, len, dst.len())?;
+        check_range(src_offset, len, src.len())?;
+        self.reap()?;
+        let (d, s) = (dst.device_ptr() + dst_offset as u64, src.device_ptr() + src_offset as u64);
+        // SAFETY: as in `copy_h2d`.
+        unsafe {
+            if dst.context().ordinal() == src.context().ordinal() {
+                self.copy_d2d_raw(d, s, len)?;
+            } else {
+                self.copy_peer_raw(d, dst.context(), s, src.context(), len)?;
+            }
+        }
+        self.hold_until_done(vec![dst.clone(), src.clone()]);
+        Ok(())
+    }
+
+    /// Enqueues a host-to-device copy of raw addresses.
+    ///
+    /// # Safety
+    ///
+    /// `dst..dst+len` must be device memory and `src..src+len` host memory (pinned, for the
+    /// copy to be asynchronous), both valid until the copy has completed (an event recorded
+    /// after it is ready, or the stream synchronized); nothing else may write `dst` or `src`
+    /// meanwhile.
+    pub unsafe fn copy_h2d_raw(&self, dst: u64, src: *const u8, len: usize) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: the caller guarantees both ranges; live stream.
+        check("cuMemcpyHtoDAsync", unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, self.raw) })
+    }
+
+    /// Enqueues a device-to-host copy of raw addresses.
+    ///
+    /// # Safety
+    ///
+    /// As [`copy_h2d_raw`](Self::copy_h2d_raw), with the roles swapped: nothing may read or
+    /// write `dst` until the copy has completed.
+    pub unsafe fn copy_d2h_raw(&self, dst: *mut u8, src: u64, len: usize) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: the caller guarantees both ranges; live stream.
+        check("cuMemcpyDtoHAsync", unsafe { cu::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.raw) })
+    }
+
+    /// Enqueues a device-to-device copy of raw addresses (same device, or any two devices
+    /// with unified addressing).
+    ///
+    /// # Safety
+    ///
+    /// Both ranges must be device memory valid until the copy has completed; nothing may
+    /// write either meanwhile.
+    pub unsafe fn copy_d2d_raw(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: the caller guarantees both ranges; live stream.
+        check("cuMemcpyDtoDAsync", unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw) })
+    }
+
+    /// Enqueues a copy between the memories of two devices.
+    ///
+    /// # Safety
+    ///
+    /// As [`copy_d2d_raw`](Self::copy_d2d_raw); `dst` must belong to `dst_ctx`'s device and
+    /// `src` to `src_ctx`'s.
+    pub unsafe fn copy_peer_raw(
+        &self,
+        dst: u64,
+        dst_ctx: &Context,
+        src: u64,
+        src_ctx: &Context,
+        len: usize,
+    ) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: the caller guarantees both ranges and their contexts; live stream.
+        check("cuMemcpyPeerAsync", unsafe {
+            cu::cuMemcpyPeerAsync(dst, dst_ctx.raw(), src, src_ctx.raw(), len, self.raw)
+        })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _cur = self.ctx.enter();
+        // SAFETY: live stream. Waiting here is what lets the held buffers go: a copy engine may
+        // still be using them. Errors (a faulted context) cannot be acted on in Drop.
+        let _ = unsafe { cu::cuStreamSynchronize(self.raw) };
+        // SAFETY: destroyed once; no work of ours remains on it.
+        let _ = unsafe { cu::cuStreamDestroy_v2(self.raw) };
+        // `in_flight` (events, held buffers) and then `ctx` drop after this, in field order.
+    }
+}
+
+/// What [`Event::query`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventStatus {
+    /// Everything before the event's record point has completed (or it was never recorded).
+    Ready,
+    /// Not yet.
+    NotReady,
+}
+
+/// A CUDA event (`CU_EVENT_DISABLE_TIMING`): a point in a stream that the host can poll
+/// without blocking, and that other streams can wait for.
+pub struct Event {
+    raw: cu::CUevent,
+    /// Dropped after the event is destroyed.
+    ctx: Arc<Context>,
+}
+
+// SAFETY: a CUevent is a thread-safe driver handle.
+unsafe impl Send for Event {}
+// SAFETY: as above; `&self` methods only make driver calls.
+unsafe impl Sync for Event {}
+
+impl fmt::Debug for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Event").field("ordinal", &self.ctx.ordinal()).finish_non_exhaustive()
+    }
+}
+
+impl Event {
+    /// A new event on `ctx`'s device, not recorded yet (a query says [`EventStatus::Ready`]).
+    pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        let _cur = ctx.enter()?;
+        let mut raw: cu::CUevent = ptr::null_mut();
+        let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: a context is current; valid out-pointer. Destroyed in Drop.
+        check("cuEventCreate", unsafe { cu::cuEventCreate(&mut raw, flags) })?;
+        Ok(Event { raw, ctx: ctx.clone() })
+    }
+
+    /// Records the event at the current end of `stream` (same device). Re-recording moves it.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: live event and stream.
+        check("cuEventRecord", unsafe { cu::cuEventRecord(self.raw, stream.raw()) })
+    }
+
+    /// Whether the work before the record point has completed. Never blocks: this is what a
+    /// reactor polls. An error is a failed copy or kernel (the context is then unusable).
+    pub fn query(&self) -> Result<EventStatus> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: live event.
+        match unsafe { cu::cuEventQuery(self.raw) } {
+            CUresult::CUDA_SUCCESS => Ok(EventStatus::Ready),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(EventStatus::NotReady),
+            r => check("cuEventQuery", r).map(|()| EventStatus::Ready),
+        }
+    }
+
+    /// Blocks the calling thread until the event has completed. Cold path only.
+    pub fn synchronize(&self) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: live event.
+        check("cuEventSynchronize", unsafe { cu::cuEventSynchronize(self.raw) })
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _cur = self.ctx.enter();
+        // SAFETY: destroyed once. Destroying an event whose work is pending is allowed: the
+        // driver releases it when the work completes.
+        let _ = unsafe { cu::cuEventDestroy_v2(self.raw) };
+    }
+}
