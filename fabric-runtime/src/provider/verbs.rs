@@ -110,6 +110,9 @@
 //! [`imm_to_wire`] / [`imm_from_wire`] convert, so the target's [`Completion::Imm`] equals what
 //! was posted.
 //!
+//! The bytes of the address ([`PeerAddr`]) and of the handshake messages are pure code, in
+//! [`crate::pure::verbs_wire`].
+//!
 //! All `unsafe` of the verbs backend lives in this module; every verbs return code goes
 //! through `check` / `check_ptr`.
 
@@ -125,6 +128,9 @@ use rdma_sys as sys;
 
 use super::{Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration};
 use crate::error::Error;
+// The address and handshake bytes are pure code, beside the other wire formats.
+use crate::pure::verbs_wire::{Handshake, HsKind, HANDSHAKE_LEN};
+pub use crate::pure::verbs_wire::{PeerAddr, ADDR_LEN};
 
 /// Default largest two-sided message, in bytes (the engine's default too).
 pub const DEFAULT_MAX_MSG_SIZE: usize = 8192;
@@ -297,151 +303,11 @@ fn status_str(status: u32) -> String {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pure parts: addresses, handshake messages, GID choice.
+// GID choice. (The address and handshake bytes are in `pure::verbs_wire`.)
 // ---------------------------------------------------------------------------------------------
 
-const ADDR_MAGIC: [u8; 4] = *b"FVRB";
-/// Version of the address and of the handshake it implies. 2: two RC QPs per peer (data +
-/// message), both QPNs and PSNs in REQ/REP. A peer of another version is refused by
-/// [`PeerAddr::decode`] (so [`Domain::add_peer`] fails at once instead of hanging).
-const ADDR_VERSION: u8 = 2;
-/// Bytes of an encoded [`PeerAddr`].
-pub const ADDR_LEN: usize = 36;
-
-/// What a peer needs to reach a [`VerbsDomain`]: the bytes of [`Domain::address`].
-///
-/// Layout (big-endian integers): `"FVRB"`, version, active MTU (`ibv_mtu`), LID (2), GID (16),
-/// UD QPN (4), UD Q_Key (4), max message size (4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PeerAddr {
-    pub mtu: u8,
-    pub lid: u16,
-    pub gid: [u8; 16],
-    pub ud_qpn: u32,
-    pub qkey: u32,
-    pub max_msg_size: u32,
-}
-
-impl PeerAddr {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(ADDR_LEN);
-        b.extend_from_slice(&ADDR_MAGIC);
-        b.push(ADDR_VERSION);
-        b.push(self.mtu);
-        b.extend_from_slice(&self.lid.to_be_bytes());
-        b.extend_from_slice(&self.gid);
-        b.extend_from_slice(&self.ud_qpn.to_be_bytes());
-        b.extend_from_slice(&self.qkey.to_be_bytes());
-        b.extend_from_slice(&self.max_msg_size.to_be_bytes());
-        b
-    }
-
-    pub fn decode(b: &[u8]) -> Result<PeerAddr, Error> {
-        let malformed = |reason: String| Error::Malformed { what: "verbs address", reason };
-        if b.len() != ADDR_LEN {
-            return Err(malformed(format!("{} bytes, verbs addresses are {ADDR_LEN}", b.len())));
-        }
-        if b[..4] != ADDR_MAGIC {
-            return Err(malformed(format!("bad magic {:02x?}", &b[..4])));
-        }
-        if b[4] != ADDR_VERSION {
-            return Err(malformed(format!("version {} (this build speaks {ADDR_VERSION})", b[4])));
-        }
-        let mtu = b[5];
-        if !(1..=5).contains(&mtu) {
-            return Err(malformed(format!("MTU code {mtu} is not an ibv_mtu (1..=5)")));
-        }
-        let be32 = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[8..24]);
-        if gid == [0; 16] {
-            return Err(malformed("all-zero GID".into()));
-        }
-        let ud_qpn = be32(24);
-        if ud_qpn == 0 || ud_qpn > 0x00ff_ffff {
-            return Err(malformed(format!("UD QPN {ud_qpn:#x} is not a 24-bit QP number")));
-        }
-        Ok(PeerAddr {
-            mtu,
-            lid: u16::from_be_bytes([b[6], b[7]]),
-            gid,
-            ud_qpn,
-            qkey: be32(28),
-            max_msg_size: be32(32),
-        })
-    }
-}
-
-const HS_MAGIC: [u8; 4] = *b"FVHS";
-const HS_LEN: usize = 4 + 4 + ADDR_LEN + 20;
 // A handshake (behind the GRH the HCA prepends) fits one UD receive slot.
-const _: () = assert!(GRH_LEN + HS_LEN <= UD_SLOT_SIZE);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum HsKind {
-    Req = 1,
-    Rep = 2,
-}
-
-/// One handshake message, sent on the UD QPs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Handshake {
-    kind: HsKind,
-    /// The sender's address (so the receiver can answer and identify it).
-    from: PeerAddr,
-    /// The sender's data RC QP number and initial packet sequence number.
-    qpn: u32,
-    psn: u32,
-    /// In a REP: the data QPN of the REQ being answered.
-    echo_qpn: u32,
-    /// The sender's message RC QP number and initial packet sequence number.
-    msg_qpn: u32,
-    msg_psn: u32,
-}
-
-impl Handshake {
-    fn encode(&self) -> [u8; HS_LEN] {
-        let mut b = [0u8; HS_LEN];
-        b[..4].copy_from_slice(&HS_MAGIC);
-        b[4] = ADDR_VERSION;
-        b[5] = self.kind as u8;
-        b[8..8 + ADDR_LEN].copy_from_slice(&self.from.encode());
-        let o = 8 + ADDR_LEN;
-        b[o..o + 4].copy_from_slice(&self.qpn.to_be_bytes());
-        b[o + 4..o + 8].copy_from_slice(&self.psn.to_be_bytes());
-        b[o + 8..o + 12].copy_from_slice(&self.echo_qpn.to_be_bytes());
-        b[o + 12..o + 16].copy_from_slice(&self.msg_qpn.to_be_bytes());
-        b[o + 16..o + 20].copy_from_slice(&self.msg_psn.to_be_bytes());
-        b
-    }
-
-    fn decode(b: &[u8]) -> Result<Handshake, Error> {
-        let malformed = |reason: String| Error::Malformed { what: "verbs handshake", reason };
-        if b.len() >= 5 && b[..4] == HS_MAGIC && b[4] != ADDR_VERSION {
-            return Err(malformed(format!("version {} (this build speaks {ADDR_VERSION})", b[4])));
-        }
-        if b.len() < HS_LEN || b[..4] != HS_MAGIC {
-            return Err(malformed(format!("{} bytes without a version-{ADDR_VERSION} header", b.len())));
-        }
-        let kind = match b[5] {
-            1 => HsKind::Req,
-            2 => HsKind::Rep,
-            k => return Err(malformed(format!("unknown message kind {k}"))),
-        };
-        let from = PeerAddr::decode(&b[8..8 + ADDR_LEN])?;
-        let o = 8 + ADDR_LEN;
-        let be32 = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        Ok(Handshake {
-            kind,
-            from,
-            qpn: be32(o),
-            psn: be32(o + 4),
-            echo_qpn: be32(o + 8),
-            msg_qpn: be32(o + 12),
-            msg_psn: be32(o + 16),
-        })
-    }
-}
+const _: () = assert!(GRH_LEN + HANDSHAKE_LEN <= UD_SLOT_SIZE);
 
 /// The type of a GID table entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -2132,93 +1998,6 @@ impl Domain for VerbsDomain {
 mod tests {
     use super::*;
 
-    fn addr() -> PeerAddr {
-        let mut gid = [0u8; 16];
-        gid[10] = 0xff;
-        gid[11] = 0xff;
-        gid[12..].copy_from_slice(&[10, 0, 2, 15]);
-        PeerAddr { mtu: 3, lid: 0, gid, ud_qpn: 0x11, qkey: HANDSHAKE_QKEY, max_msg_size: 8192 }
-    }
-
-    #[test]
-    fn address_round_trips() {
-        let a = addr();
-        let b = a.encode();
-        assert_eq!(b.len(), ADDR_LEN);
-        assert_eq!(PeerAddr::decode(&b).unwrap(), a);
-    }
-
-    #[test]
-    fn malformed_addresses_are_refused() {
-        let good = addr().encode();
-        let bad = |b: &[u8]| match PeerAddr::decode(b) {
-            Err(Error::Malformed { what, reason }) => {
-                assert_eq!(what, "verbs address");
-                reason
-            }
-            other => panic!("{other:?}"),
-        };
-        assert!(bad(&good[..ADDR_LEN - 1]).contains("bytes"));
-        assert!(bad(&[]).contains("bytes"));
-        let mut b = good.clone();
-        b.push(0);
-        bad(&b);
-        let mut b = good.clone();
-        b[0] = b'X';
-        assert!(bad(&b).contains("magic"));
-        let mut b = good.clone();
-        b[4] = 9;
-        assert!(bad(&b).contains("version"));
-        let mut b = good.clone();
-        b[5] = 0;
-        assert!(bad(&b).contains("MTU"));
-        let mut b = good.clone();
-        b[8..24].fill(0);
-        assert!(bad(&b).contains("GID"));
-        let mut b = good.clone();
-        b[24..28].copy_from_slice(&0x0100_0000u32.to_be_bytes());
-        assert!(bad(&b).contains("QPN"));
-        // A libfabric address is refused cleanly.
-        assert!(bad(b"fi_shm://123:4:0\0").contains("bytes"));
-    }
-
-    #[test]
-    fn handshake_round_trips() {
-        let m = Handshake {
-            kind: HsKind::Rep,
-            from: addr(),
-            qpn: 0x123456,
-            psn: 0xabcdef,
-            echo_qpn: 77,
-            msg_qpn: 0x123457,
-            msg_psn: 0x0fedcb,
-        };
-        assert_eq!(Handshake::decode(&m.encode()).unwrap(), m);
-        let mut b = m.encode();
-        b[5] = 3;
-        assert!(Handshake::decode(&b).is_err());
-        assert!(Handshake::decode(&b[..10]).is_err());
-        // A handshake of another version (v1: one QP per peer) is refused by name.
-        let mut b = m.encode();
-        b[4] = 1;
-        match Handshake::decode(&b) {
-            Err(Error::Malformed { reason, .. }) => assert!(reason.starts_with("version 1"), "{reason}"),
-            other => panic!("{other:?}"),
-        }
-    }
-
-    #[test]
-    fn an_address_of_another_version_is_a_clear_error() {
-        let mut b = addr().encode();
-        b[4] = 1;
-        match PeerAddr::decode(&b) {
-            Err(Error::Malformed { reason, .. }) => {
-                assert_eq!(reason, format!("version 1 (this build speaks {ADDR_VERSION})"));
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
     fn e(index: u32, gid_type: GidType, gid: [u8; 16]) -> GidEntry {
         GidEntry { index, gid_type, gid }
     }
@@ -2232,7 +2011,7 @@ mod tests {
             g[15] = 1;
             g
         };
-        let v4 = addr().gid;
+        let v4 = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 2, 15];
         let global6 = {
             let mut g = [0u8; 16];
             g[0] = 0x20;
