@@ -1,0 +1,320 @@
+//! The [`Domain`] impl: posting (`fi_writedata`, `fi_write`, `fi_read`, `fi_send`, `fi_recv`
+//! with a context slot each), polling (`fi_cq_readfrom`, error entries with `fi_cq_readerr`,
+//! entries classified into [`Completion`]s), `fi_trywait` before the reactor sleeps, and the
+//! cold calls of the contract.
+
+use std::collections::VecDeque;
+use std::ffi::{c_char, c_void, CStr};
+use std::os::fd::RawFd;
+use std::ptr;
+
+use libfabric_sys as sys;
+
+use super::address::validate_peer_address;
+use super::error::{check, strerror, EAGAIN, EAVAIL};
+use super::LibfabricDomain;
+use crate::error::Error;
+use crate::provider::{
+    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+};
+
+/// Completions read from the CQ per `fi_cq_readfrom` call.
+const CQ_BATCH: usize = 16;
+
+/// `fi_addr_t` of a completion's source as a [`PeerHandle`].
+fn peer_of(src: sys::fi_addr_t) -> Option<PeerHandle> {
+    (src != sys::FI_ADDR_NOTAVAIL).then_some(src)
+}
+
+impl LibfabricDomain {
+    /// Converts one CQ entry into completions (appended to `out`).
+    fn classify(&mut self, e: &sys::fi_cq_data_entry, src: sys::fi_addr_t, out: &mut VecDeque<Completion>) {
+        let flags = e.flags;
+        let ctx_token = if e.op_context.is_null() { None } else { self.ctxs.complete(e.op_context) };
+        if flags & sys::FI_REMOTE_CQ_DATA as u64 != 0 {
+            // Target side of a write with immediate. rxm reports len 0, shm/udp len N: ignore
+            // len; cq_data_size may be 8, the engine's immediate is the low 32 bits.
+            out.push_back(Completion::Imm { imm: (e.data & 0xffff_ffff) as u32 });
+            // A provider may have consumed a posted receive for it: that receive completes here.
+            if let Some(token) = ctx_token {
+                out.push_back(if flags & sys::FI_RECV as u64 != 0 {
+                    Completion::Recv { token, len: 0, src: peer_of(src) }
+                } else {
+                    Completion::Done { token }
+                });
+            }
+            return;
+        }
+        let Some(token) = ctx_token else {
+            tracing::warn!(flags = format_args!("{flags:#x}"), ctx = ?e.op_context, "libfabric completion without one of our contexts; skipped");
+            return;
+        };
+        if flags & sys::FI_RECV as u64 != 0 {
+            out.push_back(Completion::Recv { token, len: e.len, src: peer_of(src) });
+        } else {
+            out.push_back(Completion::Done { token });
+        }
+    }
+
+    /// Reads one error entry (after `-FI_EAVAIL`).
+    fn read_error(&mut self, out: &mut VecDeque<Completion>) -> Result<bool, Error> {
+        let mut err = sys::fi_cq_err_entry::default();
+        // SAFETY: cq is open; err is a valid, zeroed entry (err_data NULL, err_data_size 0, so
+        // the provider uses its own buffer for err_data).
+        let ret = unsafe { sys::fabric_shim_fi_cq_readerr(self.cq.as_ptr(), &mut err, 0) };
+        if ret == EAGAIN {
+            return Ok(false);
+        }
+        check("fi_cq_readerr", ret as isize)?;
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: cq is open; err_data is valid until the next CQ read; buf is writable for its
+        // length; the result is NULL or a NUL-terminated string (buf or a provider string).
+        let message = unsafe {
+            let p = sys::fabric_shim_fi_cq_strerror(
+                self.cq.as_ptr(),
+                err.prov_errno,
+                err.err_data,
+                buf.as_mut_ptr(),
+                buf.len(),
+            );
+            if p.is_null() {
+                strerror(err.err)
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        };
+        let token = if err.op_context.is_null() { None } else { self.ctxs.complete(err.op_context) };
+        match token {
+            Some(token) => out.push_back(Completion::Failed { token, errno: err.err, message }),
+            None => tracing::warn!(
+                errno = err.err,
+                prov_errno = err.prov_errno,
+                %message,
+                "libfabric error completion without one of our contexts (e.g. a failed remote write); skipped"
+            ),
+        }
+        Ok(true)
+    }
+}
+
+impl Domain for LibfabricDomain {
+    fn transport(&self) -> &str {
+        &self.transport
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    fn max_msg_size(&self) -> usize {
+        self.max_msg_size
+    }
+
+    fn delivery_complete(&self) -> bool {
+        self.delivery_complete
+    }
+
+    unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        location: MemoryLocation,
+    ) -> Result<Registration, Error> {
+        // SAFETY: forwarded from the caller (the range stays allocated until deregister).
+        unsafe { self.register_memory(addr, len, location) }
+    }
+
+    fn deregister(&mut self, reg: Registration) {
+        self.deregister_memory(reg);
+    }
+
+    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error> {
+        let malformed = |reason: String| Error::Malformed { what: "peer address", reason };
+        validate_peer_address(self.addr_format, &self.address, addr, &self.transport)?;
+        let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
+        // SAFETY: av is open; addr holds exactly one address of this provider's format,
+        // checked above (fixed-size formats have our length, string formats end in a NUL, so
+        // the provider never reads past the slice); fi_addr receives one entry. With FI_AV_TABLE the insert is synchronous.
+        let ret = unsafe {
+            sys::fabric_shim_fi_av_insert(
+                self.av.as_ptr(),
+                addr.as_ptr().cast(),
+                1,
+                &mut fi_addr,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        match check("fi_av_insert", ret as isize) {
+            Ok(1) if fi_addr != sys::FI_ADDR_NOTAVAIL => Ok(fi_addr),
+            Ok(_) => Err(malformed("the provider rejected the address".into())),
+            Err(Error::Provider { errno, message, .. }) if errno == sys::FI_EINVAL as i32 => {
+                Err(malformed(message))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
+        if let Op::Send { local, .. } = op {
+            if local.len > self.max_msg_size {
+                return Err(PostError::Failed(Error::MessageTooLarge {
+                    len: local.len,
+                    max: self.max_msg_size,
+                }));
+            }
+        }
+        let ep = self.ep.as_ptr();
+        let slot = self.ctxs.take(token);
+        let ctx = slot.as_ptr().cast::<c_void>();
+        let buf = |l: &LocalSlice| l.addr as *mut c_void;
+        let desc = |l: &LocalSlice| l.desc as *mut c_void;
+        // SAFETY: the caller guarantees the memory in `op` is registered with this domain
+        // (desc from that registration) and stays valid until the completion is polled; ctx
+        // is a pool slot that stays put and unused until its completion is read; ep is open.
+        let (call, ret) = unsafe {
+            match *op {
+                Op::Write { peer, ref local, remote, imm: Some(imm) } => (
+                    "fi_writedata",
+                    sys::fabric_shim_fi_writedata(
+                        ep,
+                        buf(local),
+                        local.len,
+                        desc(local),
+                        u64::from(imm),
+                        peer,
+                        remote.addr,
+                        remote.key,
+                        ctx,
+                    ),
+                ),
+                Op::Write { peer, ref local, remote, imm: None } => (
+                    "fi_write",
+                    sys::fabric_shim_fi_write(
+                        ep,
+                        buf(local),
+                        local.len,
+                        desc(local),
+                        peer,
+                        remote.addr,
+                        remote.key,
+                        ctx,
+                    ),
+                ),
+                Op::Read { peer, ref local, remote } => (
+                    "fi_read",
+                    sys::fabric_shim_fi_read(
+                        ep,
+                        buf(local),
+                        local.len,
+                        desc(local),
+                        peer,
+                        remote.addr,
+                        remote.key,
+                        ctx,
+                    ),
+                ),
+                Op::Send { peer, ref local } => {
+                    ("fi_send", sys::fabric_shim_fi_send(ep, buf(local), local.len, desc(local), peer, ctx))
+                }
+                Op::Recv { ref local } => (
+                    "fi_recv",
+                    sys::fabric_shim_fi_recv(
+                        ep,
+                        buf(local),
+                        local.len,
+                        desc(local),
+                        sys::FI_ADDR_UNSPEC,
+                        ctx,
+                    ),
+                ),
+            }
+        };
+        match ret {
+            0.. => Ok(()),
+            EAGAIN => {
+                self.ctxs.untake(slot);
+                Err(PostError::Again)
+            }
+            _ => {
+                self.ctxs.untake(slot);
+                Err(PostError::Failed(check(call, ret).expect_err("ret is negative")))
+            }
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error> {
+        let mut got = 0;
+        let mut pending = std::mem::take(&mut self.overflow);
+        let result = (|| {
+            while got < max {
+                if let Some(c) = pending.pop_front() {
+                    out.push(c);
+                    got += 1;
+                    continue;
+                }
+                let mut entries = [sys::fi_cq_data_entry::default(); CQ_BATCH];
+                let mut srcs = [sys::FI_ADDR_NOTAVAIL; CQ_BATCH];
+                let want = (max - got).min(CQ_BATCH);
+                // SAFETY: cq is open with FI_CQ_FORMAT_DATA, so each entry is an
+                // fi_cq_data_entry; both arrays hold at least `want` entries.
+                let ret = unsafe {
+                    sys::fabric_shim_fi_cq_readfrom(
+                        self.cq.as_ptr(),
+                        entries.as_mut_ptr().cast(),
+                        want,
+                        srcs.as_mut_ptr(),
+                    )
+                };
+                match ret {
+                    EAGAIN => break,
+                    EAVAIL => {
+                        if !self.read_error(&mut pending)? {
+                            break;
+                        }
+                    }
+                    _ => {
+                        let n = check("fi_cq_readfrom", ret)? as usize;
+                        for (e, &src) in entries.iter().zip(srcs.iter()).take(n) {
+                            self.classify(e, src, &mut pending);
+                        }
+                        if n < want && pending.is_empty() {
+                            break;
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })();
+        // Whatever did not fit in `max` (or was read before an error) is kept for next time.
+        self.overflow = pending;
+        result.map(|()| got)
+    }
+
+    fn wait_fd(&self) -> Option<RawFd> {
+        self.wait_fd
+    }
+
+    fn arm(&mut self) -> bool {
+        if self.wait_fd.is_none() || !self.overflow.is_empty() {
+            return false;
+        }
+        let mut fids = [self.cq.fid()];
+        // SAFETY: fabric and cq are open; fids holds one valid fid for the call's duration.
+        let ret = unsafe { sys::fabric_shim_fi_trywait(self.fabric.as_ptr(), fids.as_mut_ptr(), 1) };
+        match ret as isize {
+            0 => true,
+            EAGAIN => false,
+            r => {
+                if let Err(e) = check("fi_trywait", r) {
+                    tracing::warn!(error = %e, "fi_trywait failed; polling instead of sleeping");
+                }
+                false
+            }
+        }
+    }
+
+    /// Nothing to acknowledge: libfabric's wait fd is level-triggered on the provider's own
+    /// sockets/signals and is reset by reading the CQ, which the reactor does next.
+    fn ack_wakeup(&mut self) {}
+}

@@ -1,0 +1,171 @@
+//! The ibverbs backend: reliable-connected (RC) queue pairs on one RDMA device and port.
+//!
+//! ```text
+//!   VerbsDomain ──▶ peers[h]: data QP ──▶ imm_srq ◀── `recv_slots` zero-length receives (no memory)
+//!       │                     msg QP  ──▶ msg_srq ◀── `msg_slots` slots of `max_msg_size` (registered)
+//!       │                     (both QPs: send + recv CQ ──▶ cq ──events──▶ channel = wait_fd)
+//!       ├──▶ ud: UD QP (connection handshake)
+//!       ├──▶ mrs (user registrations)
+//!       └──▶ pd ──▶ context (device)        PeerHandle = index into `peers`
+//! ```
+//!
+//! # Objects and teardown
+//!
+//! Every verbs object is wrapped in an owner whose `Drop` destroys it, and a child holds an
+//! `Arc` of each parent it needs (QP → CQ, SRQ, PD; CQ → channel → context; MR/AH/SRQ → PD;
+//! PD → context), so destruction order — QPs, SRQs, CQ, channel, MRs, PD, device context — is
+//! guaranteed by ownership whatever order the fields of [`VerbsDomain`] drop in (their order
+//! matches it anyway). Drop never panics; a failed destroy is logged.
+//!
+//! # Two RC QPs per peer, two SRQs
+//!
+//! An incoming `RDMA_WRITE_WITH_IMM` (imm-only writes included) consumes one receive of the
+//! target QP's receive queue but writes no receive buffer, so a **zero-length** receive
+//! (`num_sge = 0`, no memory) is enough for it. An incoming `SEND` is placed in whatever
+//! receive is at the head of the queue, and in a zero-length one it is a length error that
+//! kills the connection. The two kinds therefore never share a receive queue: each peer has
+//!
+//! * a **data QP**, attached to the **imm SRQ** (`VerbsConfig::recv_slots` zero-length
+//!   receives, shared by every peer's data QP), which carries every write, write with
+//!   immediate, imm-only write and read ([`Op::Write`], [`Op::Read`]); and
+//! * a **message QP**, attached to the **message SRQ** (`VerbsConfig::msg_slots` slots of
+//!   `max_msg_size` bytes in one registered pool, shared by every peer's message QP), which
+//!   carries [`Op::Send`] only.
+//!
+//! With the defaults that is 2048 imm receives that cost no memory, and 64 x 8 KiB = 512 KiB
+//! registered for messages (one SRQ serving both kinds needed its 2048 entries to be 8 KiB
+//! slots: 16 MiB). [`VerbsDomain::receive_queues`] reports both.
+//!
+//! * `IBV_WC_RECV_RDMA_WITH_IMM` on the imm SRQ → [`Completion::Imm`]; the SRQ is one
+//!   receive short until the next re-post.
+//! * `IBV_WC_RECV` (a SEND) on the message SRQ → the bytes are copied into the oldest engine
+//!   buffer handed in with [`Op::Recv`] (those are kept in a queue and never posted to the
+//!   NIC), which then completes as [`Completion::Recv`] with `src` = the handle of the peer
+//!   owning the receiving message QP (both QPNs map to the peer); the slot goes back to the
+//!   SRQ. If the engine has no buffer posted, the slot is held (not re-posted) until one
+//!   arrives. Cost: one copy of at most `max_msg_size` bytes per two-sided message, which only
+//!   carries small control messages.
+//!
+//! Both SRQs are topped up at the end of every [`Domain::poll`], each with one chained
+//! `ibv_post_srq_recv`. A burst of immediates (or messages) larger than what the poller keeps
+//! up with makes the receiving HCA answer "receiver not ready" (RNR NAK); RC QPs are set up
+//! with `rnr_retry = 7` (retry forever), so the sender waits and retries instead of failing:
+//! a burst of 10,000 imm writes slows down but never errors. A SEND larger than the peer's
+//! `max_msg_size` (both are in the address) is refused at post time.
+//!
+//! Ordering: operations on one QP keep their order, so writes and reads to a peer are ordered
+//! among themselves and so are sends, but a send is **not** ordered with the writes posted
+//! before it (another QP). The engine promises no such order either (libfabric RDM does not
+//! have it): wait for a write's completion before sending a message that announces it.
+//!
+//! The CQ holds every completion of both SRQs, the UD QP and the sends: `cq_depth` must
+//! exceed `recv_slots + msg_slots + 2 * UD_SLOTS`, and what is left bounds the send work
+//! requests in flight over all QPs (beyond it, and beyond `sq_depth` on one QP, `post`
+//! answers [`PostError::Again`]). Posts are chained per QP and handed to the NIC with one
+//! `ibv_post_send` per QP in [`Domain::flush`] (one doorbell per QP per flush).
+//!
+//! An error completion on either QP fails the peer: the first failure completes with its
+//! status's errno, the peer is marked failed with that cause, both of its QPs are moved to
+//! the error state, and every work request flushed behind it (on either QP) completes as
+//! `ECONNRESET` naming the first cause; later posts to the peer fail with
+//! [`Error::PeerUnreachable`].
+//!
+//! # Connection setup: a UD handshake
+//!
+//! [`Domain::address`] is plain bytes ([`PeerAddr`]): magic, version, active MTU, LID, GID,
+//! the QPN and Q_Key of a UD QP, and `max_msg_size`. [`Domain::add_peer`] creates both RC QPs
+//! (INIT), returns the peer's handle at once and sends a REQ (our data QPN + PSN and message
+//! QPN + PSN) to the peer's UD QP, re-sent every [`HANDSHAKE_RETRY`] from `poll` (and
+//! [`Domain::timer`] wakes a sleeping reactor for it) until a REP (the peer's two QPNs and
+//! PSNs) arrives; then both QPs go RTR → RTS (path MTU = the smaller active MTU, GRH routing
+//! with the chosen GID index), and the peer is Connected only when both are. Posts to a peer
+//! still connecting return [`PostError::Again`]; after `VerbsConfig::connect_timeout` they
+//! fail with [`Error::PeerUnreachable`]. The address and handshake carry a version (2: two QPs
+//! per peer); an address of another version is refused by [`Domain::add_peer`] at once
+//! ([`Error::Malformed`] naming both versions), and a handshake of another version is ignored
+//! with a warning.
+//!
+//! A REQ from a peer never added here creates that peer (with a new handle) and is answered
+//! at once: a peer may be added on one side only. Simultaneous open (both sides add each
+//! other) is resolved without a second pair of QPs: a side that is connecting and receives
+//! the other's REQ accepts it (connecting its *existing* QPs to the requester's) only if its
+//! own address is the larger; the smaller side ignores the REQ and the larger side answers the
+//! smaller side's REQ with a REP carrying the same QPs. Duplicated or late REQs for QPs we are
+//! already connected to are answered again with the same REP.
+//!
+//! # Memory
+//!
+//! Registration is `ibv_reg_mr_iova2` with `LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`, plus
+//! `RELAXED_ORDERING` (an optional access flag the kernel drops if unsupported; if the
+//! registration is still refused, it is retried without, once for the domain's lifetime).
+//! `remote_base` is the virtual address. [`MemoryLocation::Cuda`] goes through
+//! `ibv_reg_dmabuf_mr`, which needs a dma-buf file descriptor of the GPU range
+//! (`cuMemGetHandleForAddressRange(..., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ...)` of the
+//! CUDA driver API); this crate does not link the CUDA driver yet, so the fd source returns
+//! [`Error::Unsupported`] and the dma-buf registration itself (compiled, `memory.rs`) is not reached.
+//!
+//! # Immediates
+//!
+//! `imm_data` is big-endian on the wire (`__be32` in both `ibv_send_wr` and `ibv_wc`);
+//! [`imm_to_wire`] / [`imm_from_wire`] convert, so the target's [`Completion::Imm`] equals what
+//! was posted.
+//!
+//! # Files
+//!
+//! | file | holds |
+//! |---|---|
+//! | `mod.rs` | these docs, the `wr_id` kinds, the re-exports |
+//! | `config.rs` | [`VerbsConfig`] and its defaults |
+//! | `device.rs` | device and port choice, the GID table and [`select_gid`] |
+//! | `owned.rs` | the owning wrappers (context, PD, channel, CQ, SRQ, QP, AH, MR), `SlotPool` |
+//! | `qp.rs` | peers and their two RC QPs: creation, INIT → RTR → RTS, failure |
+//! | `handshake.rs` | the UD handshake: sending, re-sending and answering REQ/REP |
+//! | `recv.rs` | the receive side: topping up both SRQs, delivering messages |
+//! | `memory.rs` | memory registration (host, dma-buf) |
+//! | `domain.rs` | the [`VerbsDomain`] struct and `open` |
+//! | `datapath.rs` | the [`Domain`] impl: post, flush, poll, arm; completion classification |
+//! | `error.rs` | return codes and work completion statuses as [`Error`]s |
+//!
+//! The bytes of the address ([`PeerAddr`]) and of the handshake messages are pure code, in
+//! [`crate::pure::verbs_wire`].
+//!
+//! All `unsafe` of the verbs backend lives in this folder; every verbs return code goes
+//! through `check` / `check_ptr` (`error.rs`).
+
+#[cfg(doc)]
+use super::{Completion, Domain, MemoryLocation, Op, PostError};
+#[cfg(doc)]
+use crate::error::Error;
+
+mod config;
+mod datapath;
+mod device;
+mod domain;
+mod error;
+mod handshake;
+mod memory;
+mod owned;
+mod qp;
+mod recv;
+
+pub use config::{VerbsConfig, DEFAULT_MAX_MSG_SIZE};
+pub use datapath::{imm_from_wire, imm_to_wire};
+pub use device::{select_gid, GidEntry, GidType};
+pub use domain::VerbsDomain;
+pub use handshake::HANDSHAKE_RETRY;
+pub use recv::ReceiveQueues;
+// The address and handshake bytes are pure code, beside the other wire formats.
+pub use crate::pure::verbs_wire::{PeerAddr, ADDR_LEN};
+
+/// The transport name stored in descriptors.
+const TRANSPORT: &str = "verbs";
+
+/// wr_id kinds (top byte); the low 32 bits are an index in the kind's own table.
+const WR_OP: u64 = 1 << 56;
+/// A zero-length receive of the imm SRQ (no index: the entries are interchangeable).
+const WR_IMM_RECV: u64 = 2 << 56;
+const WR_UD_RECV: u64 = 3 << 56;
+const WR_UD_SEND: u64 = 4 << 56;
+/// A message slot of the message SRQ.
+const WR_MSG_RECV: u64 = 5 << 56;
+const WR_KIND_MASK: u64 = 0xff << 56;
