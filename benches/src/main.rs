@@ -3,7 +3,11 @@
 //! ```text
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
 //!     [--domains N] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
+//!     [--mode event|adaptive|busypoll]
 //! ```
+//!
+//! `--help` (and `fabric-bench TEST --help`) explains every option; the options go before or
+//! after the test's name.
 //!
 //! This process is the leader. It starts a second copy of itself as the peer; the two meet
 //! through a `TcpStore` on 127.0.0.1 and then run the same sequence of phases, each side
@@ -34,13 +38,157 @@ mod wake;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::{Parser, Subcommand, ValueEnum};
 use fabric_async::ReactorMode;
 
-const TESTS: [&str; 5] = ["bw", "lat", "rate", "wake", "scale"];
+/// The engine measured beside its ceiling, in the same run.
+///
+/// This process is the leader: it starts a second copy of itself as the peer, both meet
+/// through a TcpStore on 127.0.0.1, and every engine figure is printed beside a baseline
+/// measured in the same run. Traffic stays on loopback (FI_TCP_IFACE=lo unless set).
+#[derive(Parser, Debug)]
+#[command(
+    name = "fabric-bench",
+    subcommand_required = true,
+    arg_required_else_help = true,
+    args_override_self = true,
+    after_help = "Baselines: the raw provider loop (the provider's domain driven by a plain thread), \
+                  iperf3 on tcp, ib_write_bw / ib_write_lat (perftest) on verbs.\n\
+                  The options go before or after the test's name. Progress goes to stderr, the \
+                  table to stdout."
+)]
+struct Cli {
+    #[command(subcommand)]
+    test: Test,
+    /// The transport: tcp, shm or verbs[:DEV].
+    ///
+    /// tcp: libfabric's tcp;ofi_rxm on 127.0.0.1. shm: libfabric's shared memory. verbs[:DEV]:
+    /// ibverbs RC queue pairs on the first device with an active port, or on DEV (on these
+    /// machines only inside the Soft-RoCE VM, where every test moves less data).
+    #[arg(long, global = true, value_name = "PROVIDER", default_value = "tcp", value_parser = provider)]
+    provider: String,
+    /// NICs (domains) per engine.
+    ///
+    /// EngineBuilder::domains: engine writes are sharded over N domains in 1 MiB shards and the
+    /// receiver waits for write_arrivals per write. The raw baselines stay on one domain.
+    #[arg(long, global = true, value_name = "N", default_value_t = 1, value_parser = positive)]
+    domains: usize,
+    /// The bw sweep's sizes, comma-separated (4096, 4K, 4KiB, 1M, 64MiB, 1G).
+    ///
+    /// Default 4 KiB..64 MiB by factors of 4 (--quick: 4K,64K,1M,4M; verbs: 4 KiB..1 MiB,
+    /// --quick 4K,64K,1M).
+    #[arg(long, global = true, value_name = "4K,64K,1M,..", value_parser = sizes)]
+    sizes: Option<Sizes>,
+    /// Operations per bw point, round trips per lat case (and the most per wake case),
+    /// operations per rate run.
+    ///
+    /// Default: sized per test (bw about 1 GiB per point, lat 3000 round trips, rate 200,000
+    /// operations); smaller with --quick and on verbs.
+    #[arg(long, global = true, value_name = "N", value_parser = positive)]
+    iters: Option<usize>,
+    /// Writes in flight in bw and scale [default: 16; verbs: 128].
+    ///
+    /// 16 as in the fabtests reference numbers; on verbs 128, the default send queue depth
+    /// (-t) of ib_write_bw, the baseline there.
+    #[arg(long, global = true, value_name = "N", value_parser = positive)]
+    window: Option<usize>,
+    /// Writes the results as JSON to PATH (the shape benches/check_json.py checks).
+    #[arg(long, global = true, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Where the PNG plot of the bw sweep goes [default: target/fabric-bench/bw-<provider>.png].
+    ///
+    /// Written whenever bw ran.
+    #[arg(long, global = true, value_name = "PATH")]
+    plot: Option<PathBuf>,
+    /// A smoke run (seconds): fewer sizes, operations and repetitions.
+    #[arg(long, global = true)]
+    quick: bool,
+    /// The engine's reactor mode in bw and rate (lat and wake choose their own).
+    #[arg(long, global = true, value_name = "MODE", value_enum, default_value_t = Mode::Event)]
+    mode: Mode,
+    /// Internal: run as the peer of the leader whose TcpStore is at ADDR.
+    #[arg(long, global = true, hide = true, value_name = "ADDR")]
+    peer_of: Option<String>,
+}
 
+/// The tests. `all` runs them in this order.
+#[derive(Subcommand, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Test {
+    /// write_imm bandwidth over a size sweep, --window writes in flight.
+    ///
+    /// Sizes 4 KiB..64 MiB by factors of 4 (verbs: 4 KiB..1 MiB), median of 3 bursts of about
+    /// 1 GiB each, timed until every local completion and the receiver's ack. Baselines: the
+    /// raw loop (same sizes and window), iperf3 -l 1M on tcp, ib_write_bw on verbs. Writes
+    /// the PNG plot (--plot).
+    Bw,
+    /// write_imm ping-pong round trip p50/p99 (8 B, 256 B, 4 KiB).
+    ///
+    /// 3000 round trips per size, the first 10% dropped; the engine in Event mode (BusyPoll on
+    /// shm, which has no CQ wait fd). Baselines: the raw loop's ping-pong, ib_write_lat on verbs.
+    Lat,
+    /// imm-only operations per second, window 64.
+    ///
+    /// Through futures (median of 3 runs) and through post_imm + OpBatch. Baseline: the raw
+    /// loop's imm-only rate.
+    Rate,
+    /// 8 B ping-pong in Event, Adaptive, BusyPoll and the sync spin path, with CPU use.
+    ///
+    /// Each case sized to about 3 s by a short probe; the process's CPU while ping-ponging and
+    /// while idle with the engine up. Baselines: the raw loop's ping-pong and its CPU, and an
+    /// OS thread park/unpark round trip.
+    Wake,
+    /// 1..256 peer engines, and 1..100,000 futures in flight.
+    ///
+    /// One engine writes 64 KiB write_imm round-robin to k peer engines (bandwidth against the
+    /// 1-peer figure, RSS per peer); then n imm futures created at once (rate against the raw
+    /// loop's imm rate, RSS per future).
+    Scale,
+    /// Every test: bw, lat, rate, wake, scale.
+    All,
+}
+
+impl Test {
+    pub fn name(self) -> &'static str {
+        match self {
+            Test::Bw => "bw",
+            Test::Lat => "lat",
+            Test::Rate => "rate",
+            Test::Wake => "wake",
+            Test::Scale => "scale",
+            Test::All => "all",
+        }
+    }
+}
+
+/// `--mode`: the engine's `ReactorMode` in bw and rate.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The reactor sleeps on the completion channel when idle.
+    Event,
+    /// Spins 200 us after activity, then sleeps as Event.
+    Adaptive,
+    /// The reactor polls without sleeping (a core per engine).
+    Busypoll,
+}
+
+impl From<Mode> for ReactorMode {
+    fn from(m: Mode) -> ReactorMode {
+        match m {
+            Mode::Event => ReactorMode::Event,
+            Mode::Adaptive => ReactorMode::Adaptive { spin: Duration::from_micros(200) },
+            Mode::Busypoll => ReactorMode::BusyPoll,
+        }
+    }
+}
+
+/// The `--sizes` list (one value, comma-separated: a later `--sizes` replaces it).
+#[derive(Clone, Debug)]
+struct Sizes(Vec<usize>);
+
+/// The run, as the tests see it.
 #[derive(Clone, Debug)]
 pub struct Opts {
-    pub test: String,
+    pub test: Test,
     pub provider: String,
     pub sizes: Option<Vec<usize>>,
     pub iters: Option<usize>,
@@ -55,6 +203,36 @@ pub struct Opts {
     pub domains: usize,
 }
 
+impl Opts {
+    /// Whether `test` runs in this invocation (it was named, or `all` was).
+    pub fn runs(&self, test: Test) -> bool {
+        self.test == Test::All || self.test == test
+    }
+}
+
+impl From<Cli> for Opts {
+    fn from(c: Cli) -> Opts {
+        // On verbs the baseline is ib_write_bw, whose default send queue depth (`-t`) is 128:
+        // the engine gets as many writes in flight. With 16, its bandwidth on Soft-RoCE in the
+        // VM depends on how soon the (sleeping) reactor reaps each completion:
+        // docs/performance.md.
+        let window = c.window.unwrap_or(if raw::is_verbs(&c.provider) { 128 } else { 16 });
+        Opts {
+            test: c.test,
+            provider: c.provider,
+            sizes: c.sizes.map(|s| s.0),
+            iters: c.iters,
+            window,
+            json: c.json,
+            plot: c.plot,
+            quick: c.quick,
+            mode: c.mode.into(),
+            peer_of: c.peer_of,
+            domains: c.domains,
+        }
+    }
+}
+
 /// Whether the run is on the ibverbs backend. The only verbs device on these machines is
 /// Soft-RoCE inside an emulated (TCG) VM: ~20-45 MB/s and tens of microseconds per operation,
 /// so every test moves less data there (sized for `all --quick` in well under a minute of VM
@@ -63,25 +241,24 @@ pub fn on_verbs(o: &Opts) -> bool {
     raw::is_verbs(&o.provider)
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: fabric-bench <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]] [--domains N]\n\
-         \x20                   [--sizes 4K,64K,1M,..] [--iters N] [--window N] [--json PATH]\n\
-         \x20                   [--plot PATH] [--quick] [--mode event|adaptive|busypoll]\n\
-         \n\
-         bw     write_imm bandwidth, 4 KiB..64 MiB, `window` writes in flight (default 16;\n\
-         \x20      verbs: 128, ib_write_bw's default -t; verbs sizes 4 KiB..1 MiB)\n\
-         lat    write_imm ping-pong round trip p50/p99 (8 B, 256 B, 4 KiB)\n\
-         rate   imm-only operations per second\n\
-         wake   8 B ping-pong in Event, Adaptive, BusyPoll and the sync spin path, with CPU use\n\
-         scale  1..256 peer engines, and 1..100,000 futures in flight\n\
-         all    every test\n\
-         --iters sets the operations per bw point / round trips per latency case.\n\
-         --mode is the engine's reactor mode in bw and rate (default event).\n\
-         --quick is a smoke run (seconds). Baselines: the raw provider loop, iperf3 on tcp,\n\
-         \x20      ib_write_bw / ib_write_lat (perftest) on verbs."
-    );
-    std::process::exit(2)
+fn provider(s: &str) -> Result<String, String> {
+    if matches!(s, "tcp" | "shm") || raw::is_verbs(s) {
+        Ok(s.to_string())
+    } else {
+        Err("only tcp, shm and verbs[:DEV] are benchmarked".into())
+    }
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("expected a whole number above 0".into()),
+    }
+}
+
+fn sizes(s: &str) -> Result<Sizes, String> {
+    let v: Option<Vec<usize>> = s.split(',').map(parse_size).collect();
+    v.map(Sizes).ok_or_else(|| "expected sizes such as 4096,4K,64KiB,1M,1G (above 0), comma-separated".into())
 }
 
 /// `4096`, `4K`, `4KiB`, `1M`, `64MiB`, `1G`.
@@ -96,68 +273,8 @@ fn parse_size(s: &str) -> Option<usize> {
     num.parse::<usize>().ok().map(|n| n * mul).filter(|&n| n > 0)
 }
 
-fn parse() -> Opts {
-    let mut o = Opts {
-        test: String::new(),
-        provider: "tcp".into(),
-        sizes: None,
-        iters: None,
-        window: 16,
-        json: None,
-        plot: None,
-        quick: false,
-        mode: ReactorMode::Event,
-        peer_of: None,
-        domains: 1,
-    };
-    let mut window = None;
-    let mut args = std::env::args().skip(1);
-    while let Some(k) = args.next() {
-        let mut val = || args.next().unwrap_or_else(|| usage());
-        match k.as_str() {
-            "--provider" => o.provider = val(),
-            "--domains" => {
-                o.domains = val().parse().ok().filter(|n| *n > 0).unwrap_or_else(|| usage());
-            }
-            "--sizes" => {
-                let v: Option<Vec<usize>> = val().split(',').map(parse_size).collect();
-                o.sizes = Some(v.unwrap_or_else(|| usage()));
-            }
-            "--iters" => o.iters = Some(val().parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage())),
-            "--window" => window = Some(val().parse().ok().filter(|&n| n > 0).unwrap_or_else(|| usage())),
-            "--json" => o.json = Some(val().into()),
-            "--plot" => o.plot = Some(val().into()),
-            "--quick" => o.quick = true,
-            "--mode" => {
-                o.mode = match val().as_str() {
-                    "event" => ReactorMode::Event,
-                    "adaptive" => ReactorMode::Adaptive { spin: Duration::from_micros(200) },
-                    "busypoll" => ReactorMode::BusyPoll,
-                    _ => usage(),
-                }
-            }
-            "--peer-of" => o.peer_of = Some(val()),
-            "-h" | "--help" => usage(),
-            t if !t.starts_with('-') && o.test.is_empty() => o.test = t.to_string(),
-            _ => usage(),
-        }
-    }
-    if o.test != "all" && !TESTS.contains(&o.test.as_str()) {
-        usage();
-    }
-    if !matches!(o.provider.as_str(), "tcp" | "shm") && !raw::is_verbs(&o.provider) {
-        eprintln!("fabric-bench: --provider {}: only tcp, shm and verbs[:DEV] are benchmarked", o.provider);
-        std::process::exit(2);
-    }
-    // On verbs the baseline is ib_write_bw, whose default send queue depth (`-t`) is 128: the
-    // engine gets as many writes in flight. With 16, its bandwidth on Soft-RoCE in the VM
-    // depends on how soon the (sleeping) reactor reaps each completion: docs/performance.md.
-    o.window = window.unwrap_or(if on_verbs(&o) { 128 } else { 16 });
-    o
-}
-
 fn main() {
-    let o = parse();
+    let o = Opts::from(Cli::parse());
     // Set before any thread exists (LibfabricDomain::open would set it lazily otherwise).
     if std::env::var_os("FI_TCP_IFACE").is_none() {
         std::env::set_var("FI_TCP_IFACE", "lo");
@@ -184,6 +301,83 @@ fn raise_fd_limit() {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
             r.rlim_cur = r.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    fn opts(args: &[&str]) -> Result<Opts, clap::Error> {
+        Cli::try_parse_from(std::iter::once("fabric-bench").chain(args.iter().copied())).map(Opts::from)
+    }
+
+    #[test]
+    fn the_command_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults() {
+        let o = opts(&["all"]).unwrap();
+        assert_eq!(o.test, Test::All);
+        assert_eq!(o.provider, "tcp");
+        assert_eq!((o.window, o.domains, o.quick), (16, 1, false));
+        assert_eq!(o.mode, ReactorMode::Event);
+        assert!(o.sizes.is_none() && o.iters.is_none() && o.json.is_none() && o.plot.is_none());
+        assert_eq!(opts(&["bw", "--provider", "verbs"]).unwrap().window, 128);
+        assert_eq!(opts(&["bw", "--provider", "verbs:rxe0", "--window", "8"]).unwrap().window, 8);
+    }
+
+    #[test]
+    fn options_go_before_or_after_the_test() {
+        for args in [
+            &["--provider", "shm", "--quick", "bw", "--window", "32"][..],
+            &["bw", "--quick", "--window", "32", "--provider", "shm"][..],
+        ] {
+            let o = opts(args).unwrap();
+            assert_eq!((o.test, o.provider.as_str(), o.quick, o.window), (Test::Bw, "shm", true, 32));
+        }
+        // The peer is started with the leader's arguments plus `--peer-of ADDR` at the end.
+        let o = opts(&["all", "--quick", "--json", "x.json", "--peer-of", "127.0.0.1:1"]).unwrap();
+        assert_eq!(o.peer_of.as_deref(), Some("127.0.0.1:1"));
+        assert_eq!(o.json, Some(PathBuf::from("x.json")));
+    }
+
+    #[test]
+    fn values_parse_as_before() {
+        let o = opts(&["bw", "--sizes", "4096,4K,4KiB,1M,64MiB,1G", "--mode", "busypoll", "--domains", "2"])
+            .unwrap();
+        assert_eq!(o.sizes.unwrap(), [4096, 4096, 4096, 1 << 20, 64 << 20, 1 << 30]);
+        assert_eq!((o.mode, o.domains), (ReactorMode::BusyPoll, 2));
+        let o = opts(&["rate", "--mode", "adaptive", "--iters", "7"]).unwrap();
+        assert_eq!(o.mode, ReactorMode::Adaptive { spin: Duration::from_micros(200) });
+        assert_eq!(o.iters, Some(7));
+        // The last of a repeated option wins.
+        assert_eq!(opts(&["bw", "--sizes", "4K", "--sizes", "1M"]).unwrap().sizes.unwrap(), [1 << 20]);
+        assert_eq!(opts(&["bw", "--window", "4", "--window", "8"]).unwrap().window, 8);
+    }
+
+    #[test]
+    fn bad_command_lines_are_refused() {
+        for args in [
+            &[][..],
+            &["--quick"],
+            &["nope"],
+            &["bw", "lat"],
+            &["bw", "--provider", "udp"],
+            &["bw", "--sizes", "4K,0"],
+            &["bw", "--sizes", "4X"],
+            &["bw", "--window", "0"],
+            &["bw", "--iters", "-1"],
+            &["bw", "--domains", "0"],
+            &["bw", "--mode", "spin"],
+            &["bw", "--bogus"],
+        ] {
+            assert!(opts(args).is_err(), "{args:?} was accepted");
         }
     }
 }

@@ -8,12 +8,12 @@ use fabric_async::ReactorMode;
 use futures::future::join_all;
 
 use crate::measure::{gbps, mem_available, rss, trim};
-use crate::on_verbs;
 use crate::rate::RATE_WINDOW;
 use crate::report::{Report, Row};
 use crate::session::{
     builder, engine_absorb, engine_side, fill, on_thread, raw_side, Ctx, Res, IMM_ACK, IMM_DATA, IMM_WARM,
 };
+use crate::{on_verbs, Test};
 
 pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let verbs = on_verbs(&ctx.o);
@@ -157,7 +157,7 @@ async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     };
     let side = engine_side(ctx, ReactorMode::Event, 1 << 20).await?;
     // The baseline is the raw loop's imm-only rate: measured by `rate`, or here if it did not run.
-    if !(ctx.o.test == "all" || ctx.o.test == "rate") {
+    if !ctx.o.runs(Test::Rate) {
         let ops = match (on_verbs(&ctx.o), ctx.o.quick) {
             (false, true) => 5_000,
             (false, false) => 50_000,

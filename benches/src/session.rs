@@ -22,7 +22,7 @@ use fabric_async::{Engine, MemoryRegion, ReactorMode, RemoteRegion};
 use crate::progress::Progress;
 use crate::raw::Raw;
 use crate::report::Report;
-use crate::{bw, lat, perftest, rate, scale, wake, Opts};
+use crate::{bw, lat, perftest, rate, scale, wake, Opts, Test};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = std::result::Result<T, BoxError>;
@@ -80,7 +80,7 @@ pub async fn leader_main(o: Opts) -> Res<()> {
     let mut rep = Report::new(&o.provider);
     eprintln!(
         "fabric-bench {} on {} ({} cores){}{}",
-        o.test,
+        o.test.name(),
         o.provider,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         if o.quick { ", quick" } else { "" },
@@ -134,9 +134,9 @@ pub async fn peer_main(o: Opts, addr: String) -> Res<()> {
 }
 
 pub async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
-    let all = ctx.o.test == "all";
-    let want = |t: &str| all || ctx.o.test == t;
-    let (bw, lat, rate, wake, scale) = (want("bw"), want("lat"), want("rate"), want("wake"), want("scale"));
+    let o = &ctx.o;
+    let (bw, lat, rate, wake, scale) =
+        (o.runs(Test::Bw), o.runs(Test::Lat), o.runs(Test::Rate), o.runs(Test::Wake), o.runs(Test::Scale));
     if bw {
         bw::run(ctx, rep).await?;
         if ctx.lead {
