@@ -65,8 +65,7 @@ impl Ctx {
 
     /// A line on stdout during the run, on a line of its own (not after the bar).
     pub fn note(&mut self, msg: &str) {
-        self.progress.clear();
-        println!("{msg}");
+        self.progress.println(msg);
     }
 }
 
@@ -92,7 +91,7 @@ pub async fn leader_main(o: Opts) -> Res<()> {
     );
     let t0 = Instant::now();
     let result = run_tests(&mut ctx, &mut rep).await;
-    ctx.progress.clear();
+    ctx.progress.finish();
     eprintln!("done in {:.1} s", t0.elapsed().as_secs_f64());
     if result.is_err() {
         // The peer may be waiting for this side at the store (up to its 300 s timeout).
