@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --release --example quickstart -- [--provider tcp|shm|udp|verbs[:DEV]] [--size MiB]
 //!                                             [--chunk KiB] [--window N] [--rounds N]
+//! cargo run --release --example quickstart -- --help    # every option, with its default
 //! ```
 //!
 //! This process is the sender. It starts a second copy of itself as the receiver; the two
@@ -16,11 +17,42 @@ use std::collections::VecDeque;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, ImmCounterExt};
+use fabric_async::Engine;
+use fabric_examples::{positive, wait_arrivals, BoxError, ProviderArg};
 
 const IMM_DATA: u32 = 1;
 
+/// A real RDMA-style transfer between two processes on this machine, every byte checked.
+///
+/// This process is the sender; it starts a second copy of itself as the receiver. Each round
+/// the sender streams --size MiB as write_imm operations of --chunk KiB, --window of them in
+/// flight; the receiver waits for that many arrivals on its immediate counter, checks every
+/// byte and reports back. Prints each round's time and bandwidth, then the median and best.
+#[derive(Parser, Debug)]
+#[command(name = "quickstart", args_override_self = true)]
+struct Cli {
+    #[command(flatten)]
+    provider: ProviderArg,
+    /// MiB moved per round (a region of this size on each side).
+    #[arg(long, value_name = "MiB", default_value_t = 128, value_parser = positive)]
+    size: usize,
+    /// KiB per write_imm: a round is size/chunk writes (the last one shorter if it does not divide).
+    #[arg(long, value_name = "KiB", default_value_t = 4096, value_parser = positive)]
+    chunk: usize,
+    /// write_imm operations in flight at once (0 counts as 1).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    window: usize,
+    /// Rounds, each with its own byte pattern (0 counts as 1).
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    rounds: usize,
+    /// Internal: run as the receiver for the sender whose TcpStore is at ADDR.
+    #[arg(long, value_name = "ADDR", hide = true)]
+    receiver_of: Option<String>,
+}
+
+/// The run in bytes.
 #[derive(Clone)]
 struct Opts {
     provider: String,
@@ -31,40 +63,17 @@ struct Opts {
     store: Option<String>,
 }
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: quickstart [--provider tcp|shm|udp|verbs[:DEV]] [--size MiB] [--chunk KiB] [--window N] [--rounds N]"
-    );
-    std::process::exit(2)
-}
-
-fn parse() -> Opts {
-    let mut o = Opts {
-        provider: std::env::var("FABRIC_PROVIDER").unwrap_or_else(|_| "tcp".into()),
-        size: 128 << 20,
-        chunk: 4 << 20,
-        window: 16,
-        rounds: 5,
-        store: None,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(k) = args.next() {
-        let mut num = || -> usize { args.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| usage()) };
-        match k.as_str() {
-            "--provider" => o.provider = args.next().unwrap_or_else(|| usage()),
-            "--size" => o.size = num() << 20,
-            "--chunk" => o.chunk = num() << 10,
-            "--window" => o.window = num().max(1),
-            "--rounds" => o.rounds = num().max(1),
-            "--receiver-of" => o.store = Some(args.next().unwrap_or_else(|| usage())),
-            "-h" | "--help" => usage(),
-            _ => usage(),
+impl From<Cli> for Opts {
+    fn from(c: Cli) -> Opts {
+        Opts {
+            provider: c.provider.name,
+            size: c.size << 20,
+            chunk: c.chunk << 10,
+            window: c.window.max(1),
+            rounds: c.rounds.max(1),
+            store: c.receiver_of,
         }
     }
-    if o.size == 0 || o.chunk == 0 {
-        usage();
-    }
-    o
 }
 
 /// The byte at `offset` in round `round`.
@@ -78,11 +87,9 @@ fn fill(buf: &mut [u8], round: usize) {
     }
 }
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
 #[tokio::main]
 async fn main() {
-    let o = parse();
+    let o = Opts::from(Cli::parse());
     let result = match &o.store {
         Some(addr) => receiver(o.clone(), addr.clone()).await,
         None => sender(o).await,
@@ -183,11 +190,9 @@ async fn receiver(o: Opts, store_addr: String) -> Result<(), BoxError> {
     let mut expected = vec![0u8; o.size];
     let mut got = vec![0u8; o.size];
     for round in 0..o.rounds {
-        if !counter.wait_for_timeout(chunks, Duration::from_secs(60)).await? {
-            return Err(
-                format!("round {round}: only {} of {chunks} writes arrived", counter.available()).into()
-            );
-        }
+        wait_arrivals(&counter, chunks, Duration::from_secs(60))
+            .await
+            .map_err(|e| format!("round {round}: {e}"))?;
         engine.send(sender, b"arrived").await?;
         fill(&mut expected, round);
         dst.read_at(0, &mut got)?;

@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! cargo run --release --example shapes -- [--provider tcp|shm|verbs] [--nics N] [--iters N]
+//! cargo run --release --example shapes -- --help    # every option, with its default
 //! ```
 //!
 //! Three engines in this process stand for three GPUs' engines (on libfabric each NIC is its
@@ -14,41 +15,35 @@
 
 use std::time::{Duration, Instant};
 
-use fabric_async::{
-    Engine, ImmCounterExt, MemoryRegion, PageLayout, RemoteRegion, ScatterEntry, TransferOpts,
-};
+use clap::Parser;
+use fabric_async::{Engine, MemoryRegion, PageLayout, RemoteRegion, ScatterEntry, TransferOpts};
+use fabric_examples::{wait_arrivals, BoxError, ProviderArg};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
+/// The transfer shapes over several NICs, one by one, with the arrivals each produces.
+///
+/// Three engines in this process (a sender and two receivers), each with --nics NICs: a
+/// sharded write_imm, a paged write, a scatter to two peers, a barrier and an RDMA read, every
+/// arrival count and byte checked; then the latency of one write_imm with one arrival per
+/// shard against exactly one arrival. docs/transfers.md explains the output.
+#[derive(Parser, Debug)]
+#[command(name = "shapes", args_override_self = true)]
 struct Opts {
-    provider: String,
+    #[command(flatten)]
+    provider: ProviderArg,
+    /// NICs per engine: domains of the provider standing for N NICs (ignored when the
+    /// provider names its devices, as in verbs:DEV0,DEV1).
+    #[arg(long, value_name = "N", default_value_t = 2)]
     nics: usize,
+    /// Timed write_imm operations per latency figure (each until counted at the target; the
+    /// median is printed).
+    #[arg(long, value_name = "N", default_value_t = 200)]
     iters: usize,
 }
 
-fn parse() -> Result<Opts, BoxError> {
-    let mut o = Opts {
-        provider: std::env::var("FABRIC_PROVIDER").unwrap_or_else(|_| "tcp".into()),
-        nics: 2,
-        iters: 200,
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let mut val = || args.next().ok_or_else(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--provider" => o.provider = val()?,
-            "--nics" => o.nics = val()?.parse()?,
-            "--iters" => o.iters = val()?.parse()?,
-            _ => return Err(format!("unknown argument {a:?}; see the header of examples/shapes.rs").into()),
-        }
-    }
-    Ok(o)
-}
-
 fn engine(o: &Opts) -> Result<Engine, BoxError> {
-    let b = Engine::builder().provider(&o.provider);
+    let b = Engine::builder().provider(&o.provider.name);
     // `verbs:dev0,dev1` names the NICs; elsewhere N domains stand for N NICs.
-    let b = if o.provider.contains(',') { b } else { b.domains(o.nics) };
+    let b = if o.provider.name.contains(',') { b } else { b.domains(o.nics) };
     Ok(b.build()?)
 }
 
@@ -58,10 +53,7 @@ async fn remote(from: &Engine, r: &MemoryRegion) -> Result<RemoteRegion, BoxErro
 
 /// Waits for `n` arrivals of `imm` (with a timeout, so a lost one is an error, not a hang).
 async fn arrivals(e: &Engine, imm: u32, n: u64) -> Result<(), BoxError> {
-    if !e.imm_counter(imm).wait_for_timeout(n, Duration::from_secs(30)).await? {
-        return Err(format!("{n} arrivals of imm {imm} did not come within 30 s").into());
-    }
-    Ok(())
+    wait_arrivals(&e.imm_counter(imm), n, Duration::from_secs(30)).await
 }
 
 fn check(what: &str, ok: bool) -> Result<(), BoxError> {
@@ -78,7 +70,7 @@ fn byte(i: u64) -> u8 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), BoxError> {
-    let o = parse()?;
+    let o = Opts::parse();
     let (a, b, c) = (engine(&o)?, engine(&o)?, engine(&o)?);
     println!(
         "3 engines on {} with {} NIC(s) each; defaults {:?}",
@@ -162,9 +154,7 @@ async fn main() -> Result<(), BoxError> {
             for _ in 0..o.iters {
                 let t0 = Instant::now();
                 t.write_imm(&src, 0, &rb, 0, size, 100).await?;
-                if !counter.wait_for_timeout(n, Duration::from_secs(30)).await? {
-                    return Err("arrivals lost".into());
-                }
+                wait_arrivals(&counter, n, Duration::from_secs(30)).await?;
                 samples.push(t0.elapsed());
             }
             samples.sort();

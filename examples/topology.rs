@@ -12,13 +12,26 @@
 
 use std::path::PathBuf;
 
-use fabric_async::topology::{Topology, TopologyOverride, OVERRIDE_ENV};
+use clap::Parser;
+use fabric_async::topology::{Topology, TopologyOverride};
 
-fn usage() -> ! {
-    eprintln!(
-        "usage: topology [--sysfs ROOT] [--override SPEC]   (without --sysfs: /sys and ${OVERRIDE_ENV})"
-    );
-    std::process::exit(2)
+/// Prints the GPUs, RDMA NICs and NUMA nodes of this machine, and which NICs and cores fabric
+/// would give each GPU.
+///
+/// With no option: /sys, then the override in $FABRIC_TOPOLOGY if it is set. docs/topology.md
+/// explains the output and the override grammar.
+#[derive(Parser, Debug)]
+#[command(name = "topology", args_override_self = true)]
+struct Cli {
+    /// Reads a copy of a machine's sysfs tree (ROOT/sys/...) instead of /sys.
+    ///
+    /// $FABRIC_TOPOLOGY is then not read.
+    #[arg(long, value_name = "ROOT")]
+    sysfs: Option<PathBuf>,
+    /// Applies a topology override, such as 0=mlx5_0,mlx5_1@cores:8-15, instead of
+    /// $FABRIC_TOPOLOGY.
+    #[arg(long = "override", value_name = "SPEC")]
+    spec: Option<String>,
 }
 
 fn run(sysfs: Option<PathBuf>, spec: Option<String>) -> Result<Topology, fabric_async::Error> {
@@ -34,15 +47,7 @@ fn run(sysfs: Option<PathBuf>, spec: Option<String>) -> Result<Topology, fabric_
 }
 
 fn main() {
-    let (mut sysfs, mut spec) = (None, None);
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--sysfs" => sysfs = Some(PathBuf::from(args.next().unwrap_or_else(|| usage()))),
-            "--override" => spec = Some(args.next().unwrap_or_else(|| usage())),
-            _ => usage(),
-        }
-    }
+    let Cli { sysfs, spec } = Cli::parse();
     match run(sysfs, spec) {
         Ok(topo) => print!("{topo}"),
         Err(e) => {

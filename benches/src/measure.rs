@@ -1,0 +1,68 @@
+//! Measuring: process CPU time and memory, percentiles, units.
+
+use std::time::Duration;
+
+pub fn cpu_time() -> Duration {
+    // SAFETY: `rusage` is plain C data (integers and `timeval`s) for which all-zero bytes is
+    // a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage fills the struct we own.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Gives freed heap back to the kernel, so that RSS deltas measure what is live.
+pub fn trim() {
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe { libc::malloc_trim(0) };
+}
+
+/// MemAvailable of /proc/meminfo, bytes.
+pub fn mem_available() -> u64 {
+    let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("MemAvailable:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Resident set size of this process, bytes. From `smaps_rollup`, which walks the page
+/// tables: `VmRSS` in `status` comes from counters that kernels before 6.2 (the test VM's
+/// 6.1) update per thread in batches of 64 pages, so a few hundred KiB of growth could read 0.
+pub fn rss() -> u64 {
+    let field = |file: &str, key: &str| {
+        let s = std::fs::read_to_string(file).ok()?;
+        let l = s.lines().find(|l| l.starts_with(key))?;
+        l.split_whitespace().nth(1)?.parse::<u64>().ok()
+    };
+    field("/proc/self/smaps_rollup", "Rss:")
+        .or_else(|| field("/proc/self/status", "VmRSS:"))
+        .map_or(0, |kb| kb * 1024)
+}
+
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// (p50, p99) in microseconds, after dropping the first 10% as warm-up.
+pub fn percentiles(rtts: &[Duration]) -> (f64, f64) {
+    let skip = rtts.len() / 10;
+    let mut v: Vec<f64> = rtts[skip..].iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    (v[v.len() / 2], v[(v.len() * 99 / 100).min(v.len() - 1)])
+}
+
+pub fn human(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+pub fn gbps(bytes: u64, t: Duration) -> f64 {
+    bytes as f64 * 8.0 / t.as_secs_f64() / 1e9
+}

@@ -1,0 +1,282 @@
+//! Process plumbing and what every test shares.
+//!
+//! The leader starts a second copy of this binary as the peer (`--peer-of ADDR`); both
+//! processes then run the same sequence of phases ([`run_tests`]), each side playing its
+//! role, and meet at [`Ctx::swap`] / [`Ctx::barrier`] (keys in a `TcpStore` on 127.0.0.1).
+//!
+//! ```text
+//!  leader (this process)                         peer (current_exe --peer-of ADDR)
+//!  TcpStoreServer 127.0.0.1:0 <--- swap/barrier ---> TcpStore client
+//!  Engine / Raw  ====== write_imm, imm (provider: tcp, shm, verbs) ======  Engine / Raw
+//!  Report: table, --json, plot                   (no output)
+//! ```
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
+use fabric_async::{Engine, MemoryRegion, ReactorMode, RemoteRegion};
+
+use crate::progress::Progress;
+use crate::raw::Raw;
+use crate::report::Report;
+use crate::{bw, lat, perftest, rate, scale, wake, Opts, Test};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type Res<T> = std::result::Result<T, BoxError>;
+
+// Immediates used by the phases (any distinct values do).
+pub const IMM_DATA: u32 = 1;
+pub const IMM_ACK: u32 = 2;
+pub const IMM_PING: u32 = 3;
+pub const IMM_PONG: u32 = 4;
+/// Warm-up writes: they set up the connection (rxm connects on first use) outside timings.
+pub const IMM_WARM: u32 = 5;
+
+/// One side's state: its role, the meeting point and the progress display.
+pub struct Ctx {
+    pub o: Opts,
+    /// This process is the leader (it reports); the peer only plays its part.
+    pub lead: bool,
+    store: TcpStore,
+    phase: u64,
+    progress: Progress,
+}
+
+impl Ctx {
+    /// Gives our bytes for this phase to the other side and returns theirs.
+    pub async fn swap(&mut self, tag: &str, mine: Vec<u8>) -> Res<Vec<u8>> {
+        self.phase += 1;
+        let (me, them) = if self.lead { ("L", "P") } else { ("P", "L") };
+        self.store.put(&format!("{}/{tag}/{me}", self.phase), mine).await?;
+        Ok(self.store.get(&format!("{}/{tag}/{them}", self.phase)).await?)
+    }
+
+    pub async fn barrier(&mut self, tag: &str) -> Res<()> {
+        self.swap(tag, Vec::new()).await.map(drop)
+    }
+
+    /// The progress bar (leader only): `test` has done `frac` of its steps and runs `what`.
+    pub fn progress(&mut self, test: &str, frac: f64, what: &str) {
+        self.progress.update(test, frac, what);
+    }
+
+    /// A line on stdout during the run, on a line of its own (not after the bar).
+    pub fn note(&mut self, msg: &str) {
+        self.progress.println(msg);
+    }
+}
+
+pub async fn leader_main(o: Opts) -> Res<()> {
+    let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
+    let store = TcpStore::connect(server.local_addr()).await?.with_timeout(Duration::from_secs(300));
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    args.extend(["--peer-of".to_string(), server.local_addr().to_string()]);
+    let mut child = Command::new(std::env::current_exe()?).args(&args).stdin(Stdio::null()).spawn()?;
+    let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0, progress: Progress::new(true) };
+    let mut rep = Report::new(&o.provider);
+    eprintln!(
+        "fabric-bench {} on {} ({} cores){}{}",
+        o.test.name(),
+        o.provider,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        if o.quick { ", quick" } else { "" },
+        if o.domains > 1 {
+            format!(", engines with {} domains (raw baselines: 1)", o.domains)
+        } else {
+            String::new()
+        }
+    );
+    let t0 = Instant::now();
+    let result = run_tests(&mut ctx, &mut rep).await;
+    ctx.progress.finish();
+    eprintln!("done in {:.1} s", t0.elapsed().as_secs_f64());
+    if result.is_err() {
+        // The peer may be waiting for this side at the store (up to its 300 s timeout).
+        let _ = child.kill();
+    }
+    let status = tokio::task::spawn_blocking(move || child.wait()).await??;
+    result?;
+    if !status.success() {
+        return Err(format!("the peer process exited with {status}").into());
+    }
+    rep.print();
+    if let Some(p) = &o.json {
+        rep.write_json(p)?;
+        println!("json: {}", p.display());
+    }
+    if rep.has_bw() {
+        let path = o.plot.clone().unwrap_or_else(|| {
+            let dir = PathBuf::from("target/fabric-bench");
+            let _ = std::fs::create_dir_all(&dir);
+            dir.join(format!("bw-{}.png", o.provider))
+        });
+        let engine = match o.domains {
+            1 => format!("futures, {}", mode_name(o.mode)),
+            n => format!("futures, {}, {n} domains", mode_name(o.mode)),
+        };
+        match rep.plot_bw(&path, &engine) {
+            Ok(()) => println!("plot: {}", path.display()),
+            Err(e) => println!("plot: not written: {e}"),
+        }
+    }
+    Ok(())
+}
+
+pub async fn peer_main(o: Opts, addr: String) -> Res<()> {
+    let store = TcpStore::connect(addr.parse()?).await?.with_timeout(Duration::from_secs(300));
+    let mut ctx = Ctx { o, lead: false, store, phase: 0, progress: Progress::new(false) };
+    let mut rep = Report::new("");
+    run_tests(&mut ctx, &mut rep).await
+}
+
+pub async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
+    let o = &ctx.o;
+    let (bw, lat, rate, wake, scale) =
+        (o.runs(Test::Bw), o.runs(Test::Lat), o.runs(Test::Rate), o.runs(Test::Wake), o.runs(Test::Scale));
+    if bw {
+        bw::run(ctx, rep).await?;
+        if ctx.lead {
+            bw::iperf3(ctx, rep).await;
+        }
+    }
+    if lat {
+        lat::run(ctx, rep).await?;
+        if ctx.lead {
+            lat::perftest_lat(ctx, rep).await?;
+        }
+    }
+    if rate {
+        rate::run(ctx, rep).await?;
+    }
+    if wake {
+        wake::run(ctx, rep).await?;
+    }
+    if scale {
+        scale::run(ctx, rep).await?;
+    }
+    Ok(())
+}
+
+/// An engine builder for the run's provider and NIC count. `--domains N` shards every
+/// engine transfer over N domains (the default 1 MiB shards); the raw baselines stay on one.
+pub fn builder(o: &Opts) -> fabric_async::EngineBuilder {
+    let b = Engine::builder().provider(&o.provider);
+    if o.domains > 1 {
+        b.domains(o.domains)
+    } else {
+        b
+    }
+}
+
+/// An engine in `mode` with a registered region of `len` bytes, connected to the other
+/// side's region.
+pub struct Side {
+    pub engine: Engine,
+    pub region: MemoryRegion,
+    pub remote: RemoteRegion,
+}
+
+pub async fn engine_side(ctx: &mut Ctx, mode: ReactorMode, len: usize) -> Res<Side> {
+    let engine = builder(&ctx.o).mode(mode).build()?;
+    let region = engine.alloc(len).await?;
+    fill(&region)?;
+    let theirs = ctx.swap("engine", region.descriptor().to_bytes()).await?;
+    let remote = engine.remote_region(&theirs).await?;
+    // Connect both ways before anything is timed.
+    engine.imm(&remote, IMM_WARM).await?;
+    engine.imm_counter(IMM_WARM).wait_for(1).await.expect("engine shut down during the benchmark");
+    Ok(Side { engine, region, remote })
+}
+
+/// Touches every page, so that the engine and the raw loop both move resident memory.
+pub fn fill(r: &MemoryRegion) -> Res<()> {
+    let chunk = vec![0x5au8; 1 << 20];
+    let mut off = 0;
+    while off < r.len() {
+        let n = chunk.len().min(r.len() - off);
+        r.write_at(off as u64, &chunk[..n])?;
+        off += n;
+    }
+    Ok(())
+}
+
+pub async fn raw_side(ctx: &mut Ctx, len: usize) -> Res<Raw> {
+    let (mut raw, mine) = Raw::open(&ctx.o.provider, len)?;
+    let theirs = ctx.swap("raw", mine).await?;
+    raw.connect(&theirs)?;
+    on_thread(raw, |r| r.warm_up(IMM_WARM)).await.map(|(r, ())| r)
+}
+
+/// Runs `f` on a plain thread with the raw side (the runtime thread keeps serving the store).
+pub async fn on_thread<T: Send + 'static>(
+    raw: Raw,
+    f: impl FnOnce(&mut Raw) -> Res<T> + Send + 'static,
+) -> Res<(Raw, T)> {
+    tokio::task::spawn_blocking(move || {
+        let mut raw = raw;
+        let r = f(&mut raw);
+        r.map(|t| (raw, t))
+    })
+    .await?
+}
+
+/// Streams `ops` write_imm of `size` (`size == 0`: imm-only) with `window` in flight, then
+/// waits for the receiver's ack.
+pub async fn engine_stream(s: &Side, size: usize, ops: u64, window: usize) -> Res<Duration> {
+    let slots = (s.region.len() / size.max(1)).max(1);
+    let ack = s.engine.imm_counter(IMM_ACK);
+    let t0 = Instant::now();
+    let mut inflight = VecDeque::with_capacity(window);
+    for i in 0..ops {
+        let f = if size == 0 {
+            s.engine.imm(&s.remote, IMM_DATA)
+        } else {
+            let off = ((i as usize % slots) * size) as u64;
+            s.engine.write_imm(&s.region, off, &s.remote, off, size as u64, IMM_DATA)
+        };
+        inflight.push_back(f);
+        if inflight.len() >= window {
+            inflight.pop_front().expect("non-empty").await?;
+        }
+    }
+    for f in inflight {
+        f.await?;
+    }
+    ack.wait_for(1).await.expect("engine shut down during the benchmark");
+    Ok(t0.elapsed())
+}
+
+/// Waits for the arrivals of `ops` write_imm of `size` bytes (`0`: imm-only): with several
+/// domains a write larger than a shard is several arrivals (`Engine::write_arrivals`).
+pub async fn engine_absorb(s: &Side, ops: u64, size: usize) -> Res<()> {
+    let per_op = s.engine.write_arrivals(&s.remote, size as u64)?;
+    s.engine
+        .imm_counter(IMM_DATA)
+        .wait_for(ops * per_op)
+        .await
+        .expect("engine shut down during the benchmark");
+    s.engine.imm(&s.remote, IMM_ACK).await?;
+    Ok(())
+}
+
+/// Where perftest runs, or `None` (with a note) when `tool` is not installed.
+pub async fn perftest_target(ctx: &mut Ctx, tool: &'static str) -> Res<Option<perftest::Target>> {
+    if !perftest::installed(tool) {
+        ctx.note(&format!("{tool} not installed (Debian package perftest): its rows have no baseline"));
+        return Ok(None);
+    }
+    let provider = ctx.o.provider.clone();
+    Ok(Some(tokio::task::spawn_blocking(move || perftest::Target::for_provider(&provider)).await??))
+}
+
+pub fn mode_name(m: ReactorMode) -> &'static str {
+    match m {
+        ReactorMode::Event => "Event",
+        ReactorMode::Adaptive { .. } => "Adaptive",
+        ReactorMode::BusyPoll => "BusyPoll",
+        _ => "?",
+    }
+}
