@@ -271,7 +271,7 @@ impl<D: Domain> Raw<D> {
             }
             self.poll()?;
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 && t.elapsed() > STALL {
+            if spins.is_multiple_of(1024) && t.elapsed() > STALL {
                 return Err(format!("raw loop: only {have} of {n} arrivals of imm {imm}").into());
             }
         }

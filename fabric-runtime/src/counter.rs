@@ -256,7 +256,7 @@ impl ImmCounter {
             }
             spins = spins.wrapping_add(1);
             // Reading the clock costs ~20 ns; look at it every 256 spins only.
-            if spins % 256 == 0 && (start.elapsed() >= timeout || self.cell.is_closed()) {
+            if spins.is_multiple_of(256) && (start.elapsed() >= timeout || self.cell.is_closed()) {
                 return false;
             }
             std::hint::spin_loop();

@@ -138,7 +138,7 @@ impl OpBatch {
                 d.progress();
             }
             spins = spins.wrapping_add(1);
-            if spins % 256 == 0 && start.elapsed() >= timeout {
+            if spins.is_multiple_of(256) && start.elapsed() >= timeout {
                 return Ok(false);
             }
             std::hint::spin_loop();
@@ -286,7 +286,7 @@ mod tests {
             }
             for i in 0..k - 1 {
                 heap(k - 1, a, out);
-                let j = if k % 2 == 0 { i } else { 0 };
+                let j = if k.is_multiple_of(2) { i } else { 0 };
                 a.swap(j, k - 1);
             }
             heap(k - 1, a, out);

@@ -76,7 +76,7 @@ impl CtxPool {
         let size = std::mem::size_of::<OpCtx>();
         let owned = self.chunks.iter().any(|c| {
             let base = c.as_ptr() as usize;
-            addr >= base && addr < base + CTX_CHUNK * size && (addr - base) % size == 0
+            addr >= base && addr < base + CTX_CHUNK * size && (addr - base).is_multiple_of(size)
         });
         if !owned {
             return None;

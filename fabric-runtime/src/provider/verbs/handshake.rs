@@ -161,7 +161,7 @@ impl VerbsDomain {
                 );
                 continue;
             }
-            if last.map_or(true, |l| now.duration_since(l) >= HANDSHAKE_RETRY) {
+            if last.is_none_or(|l| now.duration_since(l) >= HANDSHAKE_RETRY) {
                 self.peers[idx].state = PeerState::Connecting { since, last: Some(now) };
                 let msg = self.handshake(idx, HsKind::Req, 0);
                 self.send_handshake(idx, msg);
