@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
 use fabric_async::bootstrap::Rendezvous;
+use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
 use integration_tests::{get_str, primary, providers, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");

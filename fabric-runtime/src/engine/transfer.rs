@@ -12,13 +12,13 @@ use std::sync::Arc;
 use super::op::OpFuture;
 use super::region::{MemoryRegion, RemoteRegion};
 use super::Engine;
+use crate::error::{Error, Result, Side};
+use crate::provider::RemoteSlice;
+use crate::pure::route::{Arrivals, PageLayout, TransferOpts};
 use crate::shared::memory::RegionShared;
 use crate::shared::notify::{GroupState, Notify, OpState};
 use crate::shared::queue::{OpKind, OpReq, Submission};
 use crate::shared::Shared;
-use crate::error::{Error, Result, Side};
-use crate::provider::RemoteSlice;
-use crate::pure::route::{Arrivals, PageLayout, TransferOpts};
 
 /// A set of remote regions, checked once, that scatter and barrier address by index.
 ///

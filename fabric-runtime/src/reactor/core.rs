@@ -105,7 +105,6 @@ pub(crate) struct Core<D: Domain> {
     closed: bool,
 }
 
-
 impl<D: Domain> Core<D> {
     /// Registers the message pools on every domain and posts the receives.
     pub(crate) fn open(mut domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Self> {
@@ -197,7 +196,10 @@ impl<D: Domain> Core<D> {
     /// `Err(())` when the reactor must not sleep (completions pending, submissions queued,
     /// shutdown). On `Ok`, the queue says the reactor sleeps: submitters write the eventfd.
     #[allow(clippy::result_unit_err)]
-    pub(crate) fn prepare_sleep(&mut self, idle_interval: Duration) -> std::result::Result<Option<Duration>, ()> {
+    pub(crate) fn prepare_sleep(
+        &mut self,
+        idle_interval: Duration,
+    ) -> std::result::Result<Option<Duration>, ()> {
         let mut fds = std::mem::take(&mut self.pollfds);
         fds.clear();
         fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
@@ -696,4 +698,3 @@ impl<D: Domain> Core<D> {
         drop(keep);
     }
 }
-

@@ -79,7 +79,6 @@ pub(crate) struct ReactorConfig {
     pub(crate) op_timeout: Option<Duration>,
 }
 
-
 /// How long the reactor thread of an `Inline` engine sleeps while callers drive the NICs,
 /// before it looks again whether they still do.
 const INLINE_STANDBY: Duration = Duration::from_micros(200);

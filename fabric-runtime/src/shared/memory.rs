@@ -121,4 +121,3 @@ impl Drop for RegionShared {
         }
     }
 }
-
