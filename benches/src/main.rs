@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
 //!     [--domains N] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
-//!     [--mode event|adaptive|busypoll]
+//!     [--mode event|adaptive|busypoll|inline]
 //! ```
 //!
 //! `--help` (and `fabric-bench TEST --help`) explains every option; the options go before or
@@ -131,7 +131,7 @@ pub enum Test {
     /// Through futures (median of 3 runs) and through post_imm + OpBatch. Baseline: the raw
     /// loop's imm-only rate.
     Rate,
-    /// 8 B ping-pong in Event, Adaptive, BusyPoll and the sync spin path, with CPU use.
+    /// 8 B ping-pong in Event, Adaptive, BusyPoll, Inline and the sync spin path, with CPU use.
     ///
     /// Each case sized to about 3 s by a short probe; the process's CPU while ping-ponging and
     /// while idle with the engine up. Baselines: the raw loop's ping-pong and its CPU, and an
@@ -169,6 +169,8 @@ enum Mode {
     Adaptive,
     /// The reactor polls without sleeping (a core per engine).
     Busypoll,
+    /// Awaiting tasks drive the NICs themselves and never park (ReactorMode::Inline).
+    Inline,
 }
 
 impl From<Mode> for ReactorMode {
@@ -177,6 +179,7 @@ impl From<Mode> for ReactorMode {
             Mode::Event => ReactorMode::Event,
             Mode::Adaptive => ReactorMode::Adaptive { spin: Duration::from_micros(200) },
             Mode::Busypoll => ReactorMode::BusyPoll,
+            Mode::Inline => ReactorMode::Inline,
         }
     }
 }

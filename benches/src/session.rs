@@ -277,6 +277,7 @@ pub fn mode_name(m: ReactorMode) -> &'static str {
         ReactorMode::Event => "Event",
         ReactorMode::Adaptive { .. } => "Adaptive",
         ReactorMode::BusyPoll => "BusyPoll",
+        ReactorMode::Inline => "Inline",
         _ => "?",
     }
 }

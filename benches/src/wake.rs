@@ -77,6 +77,22 @@ enum WakeCase {
 
 async fn run_wake(ctx: &Ctx, case: WakeCase, side: &Arc<Side>, size: usize, n: usize) -> Res<Vec<Duration>> {
     Ok(match case {
+        // Inline futures spin on the awaiting thread: give them one of their own, with a
+        // current-thread runtime, as docs/performance.md tells users to.
+        WakeCase::Mode(ReactorMode::Inline) => {
+            let (s, lead) = (side.clone(), ctx.lead);
+            tokio::task::spawn_blocking(move || -> Res<Vec<Duration>> {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                rt.block_on(async {
+                    if lead {
+                        engine_ping(&s, size, n).await
+                    } else {
+                        engine_pong(&s, size, n).await.map(|()| Vec::new())
+                    }
+                })
+            })
+            .await??
+        }
         WakeCase::Mode(_) if ctx.lead => engine_ping(side, size, n).await?,
         WakeCase::Mode(_) => {
             engine_pong(side, size, n).await?;
@@ -118,8 +134,10 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         WakeCase::Mode(ReactorMode::Event),
         WakeCase::Mode(ReactorMode::Adaptive { spin: Duration::from_micros(200) }),
         WakeCase::Mode(ReactorMode::BusyPoll),
+        WakeCase::Mode(ReactorMode::Inline),
         WakeCase::Spin(ReactorMode::Event),
         WakeCase::Spin(ReactorMode::BusyPoll),
+        WakeCase::Spin(ReactorMode::Inline),
     ];
     let ncases = cases.len() as f64;
     for (c, case) in cases.into_iter().enumerate() {
