@@ -11,6 +11,7 @@
 //! to `fi_av_insert`.)
 #![forbid(unsafe_code)]
 
+pub mod control;
 pub mod descriptor;
 pub mod route;
 #[doc(hidden)]
