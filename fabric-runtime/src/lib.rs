@@ -39,6 +39,8 @@ pub use error::{Error, Result, Side};
 #[cfg(not(loom))]
 pub use provider::MemoryLocation;
 #[cfg(not(loom))]
-pub use pure::descriptor::{EngineAddress, RegionDescriptor};
+pub use pure::descriptor::{EngineAddress, GpuRegion, RegionDescriptor};
 #[cfg(not(loom))]
 pub use pure::route::{Arrivals, PageLayout, Route, Shard, TransferOpts};
+#[cfg(not(loom))]
+pub use pure::staging::GpuPath;

@@ -14,7 +14,7 @@
 //! make it allocate more than the input plus a few kilobytes), and anything that is not
 //! exactly a valid encoding is [`Error::Malformed`] with a reason saying what was wrong.
 //!
-//! # Wire format (version 1)
+//! # Wire format (addresses: version 1; descriptors: version 2, version 1 still read)
 //!
 //! All integers are little-endian. `str16` is a `u16` length followed by that many UTF-8 bytes;
 //! `bytes32` is a `u32` length followed by that many bytes.
@@ -23,7 +23,7 @@
 //! EngineAddress                         RegionDescriptor
 //! +---------------------------+         +---------------------------+
 //! | magic   "FABA"   4 bytes  |         | magic   "FABR"   4 bytes  |
-//! | version 1        u8       |         | version 1        u8       |
+//! | version 1        u8       |         | version 2 (or 1) u8       |
 //! | transport        str16    |         | transport        str16    |
 //! | domain count     u16      |         | region length    u64      |
 //! | per domain:               |         | domain count     u16      |
@@ -31,8 +31,21 @@
 //! +---------------------------+         |   address        bytes32  |
 //!                                       |   base           u64      |
 //!                                       |   key            u64      |
+//!                                       | version 2 only:           |
+//!                                       | location u8 (0 host,      |
+//!                                       |              1 CUDA)      |
+//!                                       | CUDA only:                |
+//!                                       |   ordinal        u32      |
+//!                                       |   flags u8 (1 staged,     |
+//!                                       |             2 IPC export) |
+//!                                       |   [IPC export   80 bytes] |
+//!                                       |   host id        bytes8   |
 //!                                       +---------------------------+
 //! ```
+//!
+//! A version 1 descriptor (from an older build) reads as host memory. `bytes8` is a `u8`
+//! length then that many bytes, at most [`MAX_HOST_ID_LEN`]; flag bits other than 1 and 2
+//! are refused.
 //!
 //! Limits, enforced by decoding and by `validate`: a transport name is at most
 //! [`MAX_TRANSPORT_LEN`] bytes, a list holds at most [`MAX_DOMAINS`] domains and one NIC
@@ -50,8 +63,18 @@ pub const MAX_ADDRESS_LEN: usize = 4096;
 /// The longest transport name, in bytes.
 pub const MAX_TRANSPORT_LEN: usize = 64;
 
-/// The wire format version written by this crate and the only one it reads.
+/// The wire format version of engine addresses, written and read by this crate.
 pub const WIRE_VERSION: u8 = 1;
+/// The wire format version of region descriptors written by this crate; it also reads
+/// version 1 (host memory).
+pub const DESCRIPTOR_VERSION: u8 = 2;
+/// The longest host identity a descriptor carries.
+pub const MAX_HOST_ID_LEN: usize = 64;
+/// Bytes of a CUDA IPC export (`cuda::IpcExport::WIRE_LEN`).
+pub const IPC_EXPORT_LEN: usize = 80;
+
+const FLAG_STAGED: u8 = 1;
+const FLAG_IPC: u8 = 2;
 
 const ADDRESS_MAGIC: [u8; 4] = *b"FABA";
 const DESCRIPTOR_MAGIC: [u8; 4] = *b"FABR";
@@ -91,6 +114,23 @@ pub struct RegionDescriptor {
     pub len: u64,
     /// One entry per domain of the owning engine, in its domain order.
     pub domains: Vec<DomainKey>,
+    /// `Some` for a region in GPU memory.
+    pub gpu: Option<GpuRegion>,
+}
+
+/// The GPU part of a [`RegionDescriptor`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuRegion {
+    /// The CUDA device ordinal at the owner.
+    pub ordinal: u32,
+    /// The owner's NICs see a pinned host shadow, not the GPU memory: a writer must use the
+    /// pull protocol (`pure::control`) so that the bytes reach GPU memory before they count.
+    pub staged: bool,
+    /// A CUDA IPC export of the region (80 bytes: handle, offset, length), for a writer on
+    /// the same host.
+    pub ipc: Option<Vec<u8>>,
+    /// The owner's host identity (its boot id): `ipc` can be opened where it is the same.
+    pub host: Vec<u8>,
 }
 
 impl EngineAddress {
@@ -130,7 +170,7 @@ impl EngineAddress {
     /// [`Error::Malformed`] with `what = "engine address"`. Never panics.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
         decode(ADDRESS_WHAT, bytes, |r| {
-            r.header(ADDRESS_MAGIC, DESCRIPTOR_MAGIC, DESCRIPTOR_WHAT)?;
+            r.header(ADDRESS_MAGIC, DESCRIPTOR_MAGIC, DESCRIPTOR_WHAT, &[WIRE_VERSION])?;
             let transport = r.transport()?;
             let count = r.domain_count()?;
             let mut domains = Vec::with_capacity(count);
@@ -146,7 +186,28 @@ impl RegionDescriptor {
     /// Checks the limits that decoding enforces, so that a descriptor that passes can be sent
     /// and read back. [`Error::Malformed`] says which limit is exceeded.
     pub fn validate(&self) -> Result<(), Error> {
-        validate_common(DESCRIPTOR_WHAT, &self.transport, self.domains.iter().map(|d| d.address.len()))
+        validate_common(DESCRIPTOR_WHAT, &self.transport, self.domains.iter().map(|d| d.address.len()))?;
+        if let Some(g) = &self.gpu {
+            let malformed = |reason: String| Err(Error::Malformed { what: DESCRIPTOR_WHAT, reason });
+            if g.host.len() > MAX_HOST_ID_LEN {
+                return malformed(format!(
+                    "host id is {} bytes, the limit is {MAX_HOST_ID_LEN}",
+                    g.host.len()
+                ));
+            }
+            if g.ipc.as_ref().is_some_and(|i| i.len() != IPC_EXPORT_LEN) {
+                return malformed(format!("an IPC export must be {IPC_EXPORT_LEN} bytes"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the region's memory lives at its owner.
+    pub fn location(&self) -> crate::provider::MemoryLocation {
+        match &self.gpu {
+            None => crate::provider::MemoryLocation::Host,
+            Some(g) => crate::provider::MemoryLocation::Cuda { ordinal: g.ordinal },
+        }
     }
 
     /// Fails with [`Error::Foreign`] unless this descriptor was made by transport `expected`.
@@ -174,10 +235,14 @@ impl RegionDescriptor {
     /// Call [`validate`](Self::validate) first if the value may exceed the limits: the bytes of
     /// a descriptor that does not validate are rejected by [`from_bytes`](Self::from_bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.encode(DESCRIPTOR_VERSION)
+    }
+
+    fn encode(&self, version: u8) -> Vec<u8> {
         let per_domain: usize = self.domains.iter().map(|d| 4 + d.address.len() + 16).sum();
-        let mut out = Vec::with_capacity(4 + 1 + 2 + self.transport.len() + 8 + 2 + per_domain);
+        let mut out = Vec::with_capacity(4 + 1 + 2 + self.transport.len() + 8 + 2 + per_domain + 100);
         out.extend_from_slice(&DESCRIPTOR_MAGIC);
-        out.push(WIRE_VERSION);
+        out.push(version);
         put_str16(&mut out, &self.transport);
         out.extend_from_slice(&self.len.to_le_bytes());
         put_u16(&mut out, self.domains.len());
@@ -186,17 +251,38 @@ impl RegionDescriptor {
             out.extend_from_slice(&d.base.to_le_bytes());
             out.extend_from_slice(&d.key.to_le_bytes());
         }
+        if version < 2 {
+            return out;
+        }
+        match &self.gpu {
+            None => out.push(0),
+            Some(g) => {
+                out.push(1);
+                out.extend_from_slice(&g.ordinal.to_le_bytes());
+                let flags =
+                    if g.staged { FLAG_STAGED } else { 0 } | if g.ipc.is_some() { FLAG_IPC } else { 0 };
+                out.push(flags);
+                if let Some(ipc) = &g.ipc {
+                    out.extend_from_slice(ipc);
+                }
+                out.push(u8::try_from(g.host.len()).unwrap_or(u8::MAX));
+                out.extend_from_slice(&g.host);
+            }
+        }
         out
     }
 
-    /// Decodes bytes made by [`to_bytes`](Self::to_bytes).
+    /// Decodes bytes made by [`to_bytes`](Self::to_bytes), or a version 1 descriptor of an
+    /// older build (host memory).
     ///
     /// Any input that is not exactly one valid encoding (truncated, trailing bytes, wrong
-    /// magic, another version, a limit exceeded, a transport that is not UTF-8) is
-    /// [`Error::Malformed`] with `what = "region descriptor"`. Never panics.
+    /// magic, another version, a limit exceeded, a transport that is not UTF-8, unknown
+    /// location or flags) is [`Error::Malformed`] with `what = "region descriptor"`. Never
+    /// panics.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
         decode(DESCRIPTOR_WHAT, bytes, |r| {
-            r.header(DESCRIPTOR_MAGIC, ADDRESS_MAGIC, ADDRESS_WHAT)?;
+            let version =
+                r.header(DESCRIPTOR_MAGIC, ADDRESS_MAGIC, ADDRESS_WHAT, &[1, DESCRIPTOR_VERSION])?;
             let transport = r.transport()?;
             let len = r.u64("region length")?;
             let count = r.domain_count()?;
@@ -207,7 +293,8 @@ impl RegionDescriptor {
                 let key = r.u64("domain remote key")?;
                 domains.push(DomainKey { address, base, key });
             }
-            Ok(RegionDescriptor { transport, len, domains })
+            let gpu = if version < 2 { None } else { r.gpu()? };
+            Ok(RegionDescriptor { transport, len, domains, gpu })
         })
     }
 }
@@ -319,7 +406,13 @@ impl<'a> Reader<'a> {
 
     /// Magic and version. `other` is the magic of the other kind of value, for a better message
     /// when the two are mixed up.
-    fn header(&mut self, magic: [u8; 4], other: [u8; 4], other_what: &str) -> Result<(), String> {
+    fn header(
+        &mut self,
+        magic: [u8; 4],
+        other: [u8; 4],
+        other_what: &str,
+        versions: &[u8],
+    ) -> Result<u8, String> {
         let found: [u8; 4] = self.array("magic")?;
         if found == other {
             return Err(format!("these bytes are an encoded {other_what}"));
@@ -332,10 +425,36 @@ impl<'a> Reader<'a> {
             ));
         }
         let [version] = self.array("version")?;
-        if version != WIRE_VERSION {
-            return Err(format!("unknown version {version}, this build reads version {WIRE_VERSION}"));
+        if !versions.contains(&version) {
+            return Err(format!("unknown version {version}, this build reads version(s) {versions:?}"));
         }
-        Ok(())
+        Ok(version)
+    }
+
+    /// The location part of a version 2 descriptor.
+    fn gpu(&mut self) -> Result<Option<GpuRegion>, String> {
+        match self.array::<1>("location")? {
+            [0] => Ok(None),
+            [1] => {
+                let ordinal = self.u32("CUDA ordinal")?;
+                let [flags] = self.array("GPU flags")?;
+                if flags & !(FLAG_STAGED | FLAG_IPC) != 0 {
+                    return Err(format!("unknown GPU flags {flags:#04x}"));
+                }
+                let ipc = if flags & FLAG_IPC != 0 {
+                    Some(self.take(IPC_EXPORT_LEN, "CUDA IPC export")?.to_vec())
+                } else {
+                    None
+                };
+                let [n] = self.array("host id length")?;
+                if usize::from(n) > MAX_HOST_ID_LEN {
+                    return Err(format!("host id length {n} exceeds the limit of {MAX_HOST_ID_LEN}"));
+                }
+                let host = self.take(usize::from(n), "host id")?.to_vec();
+                Ok(Some(GpuRegion { ordinal, staged: flags & FLAG_STAGED != 0, ipc, host }))
+            }
+            [other] => Err(format!("unknown location {other}")),
+        }
     }
 
     fn transport(&mut self) -> Result<String, String> {
@@ -389,6 +508,19 @@ mod tests {
                 DomainKey { address: vec![9; 16], base: 0x7f00_dead_beef, key: 0x1234 },
                 DomainKey { address: vec![], base: 0, key: u64::MAX },
             ],
+            gpu: None,
+        }
+    }
+
+    fn gpu_descriptor() -> RegionDescriptor {
+        RegionDescriptor {
+            gpu: Some(GpuRegion {
+                ordinal: 3,
+                staged: true,
+                ipc: Some(vec![0xab; IPC_EXPORT_LEN]),
+                host: b"2f3c-boot".to_vec(),
+            }),
+            ..descriptor()
         }
     }
 
@@ -427,7 +559,7 @@ mod tests {
         let d = descriptor();
         d.validate().unwrap();
         assert_eq!(RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
-        let empty = RegionDescriptor { transport: "shm".into(), len: 0, domains: vec![] };
+        let empty = RegionDescriptor { transport: "shm".into(), len: 0, domains: vec![], gpu: None };
         assert_eq!(RegionDescriptor::from_bytes(&empty.to_bytes()).unwrap(), empty);
     }
 
@@ -437,8 +569,10 @@ mod tests {
         assert_eq!(&bytes[..5], b"FABA\x01");
         assert_eq!(bytes.len(), 5 + 2 + 11 + 2 + (4 + 4) + 4 + (4 + 40));
         let bytes = descriptor().to_bytes();
-        assert_eq!(&bytes[..5], b"FABR\x01");
-        assert_eq!(bytes.len(), 5 + 2 + 5 + 8 + 2 + (4 + 16 + 16) + (4 + 16));
+        assert_eq!(&bytes[..5], b"FABR\x02");
+        assert_eq!(bytes.len(), 5 + 2 + 5 + 8 + 2 + (4 + 16 + 16) + (4 + 16) + 1);
+        let bytes = gpu_descriptor().to_bytes();
+        assert_eq!(bytes.len(), 5 + 2 + 5 + 8 + 2 + (4 + 16 + 16) + (4 + 16) + 1 + 4 + 1 + 80 + 1 + 9);
     }
 
     #[test]
@@ -535,7 +669,8 @@ mod tests {
         assert!(matches!(too_many.validate(), Err(Error::Malformed { .. })));
         assert!(EngineAddress::from_bytes(&too_many.to_bytes()).is_err());
 
-        let long_transport = RegionDescriptor { transport: "t".repeat(70_000), len: 1, domains: vec![] };
+        let long_transport =
+            RegionDescriptor { transport: "t".repeat(70_000), len: 1, domains: vec![], gpu: None };
         assert!(matches!(long_transport.validate(), Err(Error::Malformed { .. })));
         assert!(RegionDescriptor::from_bytes(&long_transport.to_bytes()).is_err());
 
@@ -543,6 +678,7 @@ mod tests {
             transport: "t".into(),
             len: 1,
             domains: vec![DomainKey { address: vec![0; MAX_ADDRESS_LEN + 1], base: 0, key: 0 }],
+            gpu: None,
         };
         assert!(matches!(long_address.validate(), Err(Error::Malformed { .. })));
         assert!(RegionDescriptor::from_bytes(&long_address.to_bytes()).is_err());
@@ -599,17 +735,83 @@ mod tests {
             accepted += 1;
         }
         if let Ok(d) = RegionDescriptor::from_bytes(input) {
-            assert_eq!(d.to_bytes(), input);
+            // Version 1 input reads as host memory and re-encodes as version 1.
+            let version = input[4];
+            assert_eq!(d.encode(version), input);
+            if version == 1 {
+                assert!(d.gpu.is_none());
+            }
             accepted += 1;
         }
         accepted
+    }
+
+    #[test]
+    fn gpu_descriptors_round_trip_and_version_1_still_reads() {
+        for d in [
+            gpu_descriptor(),
+            RegionDescriptor {
+                gpu: Some(GpuRegion { ordinal: 0, staged: false, ipc: None, host: vec![] }),
+                ..descriptor()
+            },
+        ] {
+            d.validate().unwrap();
+            assert_eq!(RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
+            assert_eq!(
+                d.location(),
+                crate::provider::MemoryLocation::Cuda { ordinal: d.gpu.as_ref().unwrap().ordinal }
+            );
+        }
+        // An older build's descriptor (version 1, no location) reads as host memory.
+        let v1 = descriptor().encode(1);
+        assert_eq!(&v1[..5], b"FABR\x01");
+        let d = RegionDescriptor::from_bytes(&v1).unwrap();
+        assert_eq!(d, descriptor());
+        assert_eq!(d.location(), crate::provider::MemoryLocation::Host);
+        // Every truncation of a GPU descriptor is an error.
+        let bytes = gpu_descriptor().to_bytes();
+        for n in 0..bytes.len() {
+            let reason =
+                malformed_reason(RegionDescriptor::from_bytes(&bytes[..n]).unwrap_err(), DESCRIPTOR_WHAT);
+            assert!(reason.contains("truncated"), "{n}: {reason}");
+        }
+    }
+
+    #[test]
+    fn bad_gpu_fields_are_malformed() {
+        let plain = descriptor().to_bytes();
+        let loc = plain.len() - 1;
+        let mut b = plain.clone();
+        b[loc] = 7;
+        assert!(malformed_reason(RegionDescriptor::from_bytes(&b).unwrap_err(), DESCRIPTOR_WHAT)
+            .contains("unknown location 7"));
+        let mut b = gpu_descriptor().to_bytes();
+        b[loc + 5] |= 0x80;
+        assert!(malformed_reason(RegionDescriptor::from_bytes(&b).unwrap_err(), DESCRIPTOR_WHAT)
+            .contains("unknown GPU flags"));
+        let mut b = gpu_descriptor().to_bytes();
+        b[loc + 6 + 80] = 200;
+        assert!(malformed_reason(RegionDescriptor::from_bytes(&b).unwrap_err(), DESCRIPTOR_WHAT)
+            .contains("host id length 200"));
+        let long_host = RegionDescriptor {
+            gpu: Some(GpuRegion { ordinal: 0, staged: true, ipc: None, host: vec![1; MAX_HOST_ID_LEN + 1] }),
+            ..descriptor()
+        };
+        assert!(long_host.validate().is_err());
+        assert!(RegionDescriptor::from_bytes(&long_host.to_bytes()).is_err());
+        let short_ipc = RegionDescriptor {
+            gpu: Some(GpuRegion { ordinal: 0, staged: true, ipc: Some(vec![1; 3]), host: vec![] }),
+            ..descriptor()
+        };
+        assert!(short_ipc.validate().is_err());
+        assert!(RegionDescriptor::from_bytes(&short_ipc.to_bytes()).is_err());
     }
 
     /// 100,000 inputs, each through both decoders.
     #[test]
     fn fuzz_never_panics() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        let seeds = [address().to_bytes(), descriptor().to_bytes()];
+        let seeds = [address().to_bytes(), descriptor().to_bytes(), gpu_descriptor().to_bytes()];
         let mut accepted = 0;
         let mut input = Vec::new();
         for i in 0..100_000 {
@@ -628,7 +830,7 @@ mod tests {
                 }
                 // A valid encoding with a few bytes replaced or bits flipped, then cut or extended.
                 _ => {
-                    input.extend_from_slice(&seeds[rng.below(2)]);
+                    input.extend_from_slice(&seeds[rng.below(seeds.len())]);
                     for _ in 0..=rng.below(4) {
                         let at = rng.below(input.len());
                         if rng.next() & 1 == 0 {

@@ -16,6 +16,30 @@
 
 use crate::error::{Error, Result};
 
+/// How GPU bytes of a region travel (see `docs/gpu.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GpuPath {
+    /// Every NIC of the owning engine registered the GPU memory itself: the NIC reads and
+    /// writes it (`ibv_reg_dmabuf_mr`, `FI_HMEM_CUDA`).
+    GpuDirect,
+    /// The NICs see a pinned host shadow of the same length; the engine copies between
+    /// shadow and GPU around each transfer (a GPU destination pulls: `pure::control`).
+    Staged,
+    /// A peer on this host: copied by the copy engine into its CUDA IPC mapping.
+    Ipc,
+}
+
+impl std::fmt::Display for GpuPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuPath::GpuDirect => "gpudirect",
+            GpuPath::Staged => "staged",
+            GpuPath::Ipc => "cuda-ipc",
+        })
+    }
+}
+
 /// One piece of a staged transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chunk {
