@@ -84,6 +84,11 @@ pub enum Error {
     #[error("{call} failed: {message} (CUDA error {code})")]
     Cuda { call: &'static str, code: i32, message: String },
 
+    /// `register_cuda` was given a range that is not CUDA device memory of `ordinal` inside
+    /// one allocation. Nothing was registered.
+    #[error("{ptr:#x}+{len} is not device memory of CUDA device {ordinal}: {reason}")]
+    NotDeviceMemory { ptr: u64, len: usize, ordinal: u32, reason: String },
+
     /// The builder was given an invalid configuration.
     #[error("invalid configuration: {0}")]
     Config(String),

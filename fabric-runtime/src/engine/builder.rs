@@ -25,6 +25,10 @@ pub struct EngineBuilder {
     pub(crate) transfer: TransferOpts,
     pub(crate) verbs_port: Option<u8>,
     pub(crate) verbs_gid_index: Option<u32>,
+    /// Chunk size of staged GPU pulls.
+    pub(crate) staging_chunk: u64,
+    /// Write same-host GPU destinations through CUDA IPC.
+    pub(crate) cuda_ipc: bool,
 }
 
 impl Default for EngineBuilder {
@@ -45,6 +49,8 @@ impl Default for EngineBuilder {
             transfer: TransferOpts::default(),
             verbs_port: None,
             verbs_gid_index: None,
+            staging_chunk: 4 << 20,
+            cuda_ipc: true,
         }
     }
 }
@@ -159,6 +165,22 @@ impl EngineBuilder {
         self
     }
 
+    /// Chunk size of a staged GPU transfer's pull (default 4 MiB): the receiver reads chunk
+    /// k+1 over the network while the copy engine moves chunk k into GPU memory, with at most
+    /// 4 reads in flight. Zero is refused by `build` ([`Error::Config`]).
+    pub fn staging_chunk(mut self, bytes: u64) -> Self {
+        self.staging_chunk = bytes;
+        self
+    }
+
+    /// Whether writes into a GPU region of an engine on this host go through CUDA IPC (the
+    /// copy engine writes the peer's GPU memory directly; default `true`). With `false` they
+    /// take the region's network path (staged or GPUDirect), as across hosts.
+    pub fn cuda_ipc(mut self, enabled: bool) -> Self {
+        self.cuda_ipc = enabled;
+        self
+    }
+
     /// The NICs and reactor core that `topology` plans for GPU `gpu` (see
     /// `docs/topology.md`): sets the provider (`verbs` for ConnectX and software RoCE NICs,
     /// `efa` for EFA, whose libfabric domains are named `<device>-rdm`), the NIC list, and
@@ -222,6 +244,7 @@ impl EngineBuilder {
             recv_depth: self.recv_depth,
             send_depth: self.send_depth,
             op_timeout: self.op_timeout,
+            msg_slot: self.max_msg_size + crate::pure::control::HEADER_LEN,
         }
     }
 
@@ -241,6 +264,9 @@ impl EngineBuilder {
 
     /// Opens the NIC(s) and starts the reactor thread.
     pub fn build(self) -> Result<Engine> {
+        if self.staging_chunk == 0 {
+            return Err(Error::Config("staging_chunk(0): chunks need at least one byte".into()));
+        }
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
         }

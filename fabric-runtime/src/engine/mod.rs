@@ -20,6 +20,8 @@
 //! (`reactor/`); the reactor never depends on the engine.
 
 mod builder;
+#[cfg(feature = "cuda")]
+mod gpu;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
@@ -35,6 +37,7 @@ use bytes::Bytes;
 use crate::counter::ImmCounter;
 use crate::error::{Error, Result};
 use crate::provider::{Domain, MemoryLocation};
+use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::pure::descriptor::{EngineAddress, RegionDescriptor};
 use crate::pure::route::PageLayout;
 use crate::reactor;
@@ -51,6 +54,10 @@ pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
+
+/// The smallest message slot: room for the engine's control messages (a PULL names one
+/// source per NIC and the sender's address).
+const CONTROL_SLOT: usize = 2048;
 
 struct EngineInner {
     shared: Arc<Shared>,
@@ -108,17 +115,24 @@ impl Engine {
             transport: transport.clone(),
             domains: domains.iter().map(|d| d.address()).collect(),
         };
-        let max_msg_size = domains.iter().map(|d| d.max_msg_size()).min().unwrap_or(0).min(cfg.max_msg_size);
+        // Every message carries a kind byte (user or engine control, `pure::control`); a slot
+        // also fits the engine's control messages.
+        let domain_max = domains.iter().map(|d| d.max_msg_size()).min().unwrap_or(0);
+        let max_msg_size = domain_max.saturating_sub(HEADER_LEN).min(cfg.max_msg_size);
+        let msg_slot = (max_msg_size + HEADER_LEN).max(CONTROL_SLOT).min(domain_max);
         let delivery_complete = domains.iter().all(|d| d.delivery_complete());
-        let shared = Arc::new(Shared::new(
-            transport,
-            address,
-            max_msg_size,
-            domains.len(),
-            cfg.transfer,
-            delivery_complete,
-        )?);
-        let started = reactor::spawn(domains, shared.clone(), cfg.reactor_config())?;
+        #[allow(unused_mut)]
+        let mut shared =
+            Shared::new(transport, address, max_msg_size, domains.len(), cfg.transfer, delivery_complete)?;
+        #[cfg(feature = "cuda")]
+        {
+            shared.gpu.chunk = cfg.staging_chunk;
+            shared.gpu.ipc_enabled = cfg.cuda_ipc;
+        }
+        let shared = Arc::new(shared);
+        let mut rcfg = cfg.reactor_config();
+        rcfg.msg_slot = msg_slot;
+        let started = reactor::spawn(domains, shared.clone(), rcfg)?;
         Ok(Engine {
             inner: Arc::new(EngineInner {
                 shared,
@@ -225,25 +239,43 @@ impl Engine {
         self.alloc_in(len, MemoryLocation::Host).await
     }
 
-    /// Allocates and registers `len` bytes in `location`. Only [`MemoryLocation::Host`] is
-    /// implemented; GPU memory returns [`Error::Unsupported`].
+    /// Allocates and registers `len` zeroed bytes in `location`.
+    ///
+    /// [`MemoryLocation::Cuda`] (cargo feature `cuda`, a CUDA driver): device memory of that
+    /// ordinal, registered GPUDirect where every NIC can, else staged through a pinned host
+    /// shadow (see [`MemoryRegion::gpu_path`] and `docs/gpu.md`). Without a driver:
+    /// [`Error::Unsupported`].
     ///
     /// # Cancel safety
     ///
     /// As for [`Engine::register`].
     pub async fn alloc_in(&self, len: usize, location: MemoryLocation) -> Result<MemoryRegion> {
-        if location != MemoryLocation::Host {
-            return Err(Error::Unsupported(format!("registering {location} memory")));
+        match location {
+            MemoryLocation::Host => self.register_backing(Backing::zeroed(len, 4096)?, location).await,
+            #[cfg(feature = "cuda")]
+            MemoryLocation::Cuda { ordinal } => self.alloc_cuda(len, ordinal).await,
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Unsupported(format!(
+                "registering {location} memory (cargo feature `cuda` is off)"
+            ))),
         }
-        self.register_backing(Backing::zeroed(len, 4096)?, location).await
     }
 
-    async fn register_backing(&self, backing: Backing, location: MemoryLocation) -> Result<MemoryRegion> {
+    /// Registers `backing` with every NIC; the registrations and the backing back.
+    pub(crate) async fn register_raw(
+        &self,
+        backing: Backing,
+        location: MemoryLocation,
+    ) -> Result<(Vec<crate::provider::Registration>, Backing)> {
         let (tx, rx) = futures::channel::oneshot::channel();
         if self.shared().submit(Submission::Register { backing, location, reply: tx }).is_err() {
             return Err(Error::Shutdown);
         }
-        let (regs, backing) = ControlFuture::new(rx).await?;
+        ControlFuture::new(rx).await
+    }
+
+    async fn register_backing(&self, backing: Backing, location: MemoryLocation) -> Result<MemoryRegion> {
+        let (regs, backing) = self.register_raw(backing, location).await?;
         Ok(MemoryRegion {
             inner: Arc::new(RegionShared::new(backing, regs, location, self.shared().clone())),
         })
@@ -267,7 +299,15 @@ impl Engine {
             domains: desc.domains.iter().map(|d| d.address.clone()).collect(),
         };
         let peer = self.add_peer(&owner.to_bytes()).await?;
-        Ok(RemoteRegion { peer, engine: Arc::as_ptr(self.shared()) as usize, desc: Arc::new(desc) })
+        #[cfg(feature = "cuda")]
+        let ipc = desc.gpu.as_ref().and_then(|g| gpu::ipc_usable(self.shared(), g));
+        Ok(RemoteRegion {
+            peer,
+            engine: Arc::as_ptr(self.shared()) as usize,
+            desc: Arc::new(desc),
+            #[cfg(feature = "cuda")]
+            ipc,
+        })
     }
 
     /// The arrival counter of immediate `imm`. Arrivals that landed before this call are
@@ -417,11 +457,10 @@ impl Engine {
             return OpFuture::failed(Error::MessageTooLarge { len: msg.len(), max: shared.max_msg_size });
         }
         let state = Arc::new(OpState::default());
-        let s = Submission::Send {
-            peer,
-            data: Bytes::copy_from_slice(msg),
-            notify: Notify::Future(state.clone()),
-        };
+        let mut data = Vec::with_capacity(HEADER_LEN + msg.len());
+        data.push(MsgKind::User as u8);
+        data.extend_from_slice(msg);
+        let s = Submission::Send { peer, data: Bytes::from(data), notify: Notify::Future(state.clone()) };
         match shared.submit(s) {
             Ok(()) => OpFuture::pending(state).driven_by(self.driver()),
             Err(_) => OpFuture::failed(Error::Shutdown),

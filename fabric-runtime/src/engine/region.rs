@@ -10,7 +10,8 @@ use crate::pure::descriptor::{DomainKey, RegionDescriptor};
 use crate::shared::memory::RegionShared;
 use crate::shared::PeerId;
 
-/// A range of host memory registered with every NIC of an engine.
+/// A range of memory (host, or a CUDA device's: see [`MemoryRegion::location`]) registered
+/// with every NIC of an engine.
 ///
 /// Cheap to clone (all clones share one registration). The memory is deregistered and freed
 /// when the last clone is dropped **and** no operation that uses it is in flight: every
@@ -36,8 +37,14 @@ impl MemoryRegion {
         false
     }
 
-    /// Start address of the memory.
+    /// Start address of the memory: a host address for host memory, the device address for
+    /// GPU memory (see also `MemoryRegion::device_ptr`). Never dereference it on the host
+    /// for a GPU region.
     pub fn as_ptr(&self) -> *const u8 {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.inner.gpu {
+            return g.ptr as *const u8;
+        }
         self.inner.backing().as_ptr()
     }
 
@@ -50,9 +57,16 @@ impl MemoryRegion {
         check_range(Side::Local, offset, len, self.len() as u64)
     }
 
-    /// Copies `buf.len()` bytes from the region at `offset` into `buf`.
+    /// Copies `buf.len()` bytes from the region at `offset` into `buf`. For a GPU region
+    /// this is a blocking CUDA copy from device memory (a setup or verification call, not a
+    /// data path: it waits for the copy engine).
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), Error> {
         self.check(offset, buf.len() as u64)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.inner.gpu {
+            let dir = crate::shared::queue::CopyDir::DeviceToHost;
+            return super::gpu::copy_blocking(g, dir, offset, buf.as_mut_ptr(), buf.len());
+        }
         // SAFETY: the range is inside the allocation (checked); the copy goes through raw
         // pointers so no reference to NIC-written memory is created.
         unsafe {
@@ -61,9 +75,15 @@ impl MemoryRegion {
         Ok(())
     }
 
-    /// Copies `data` into the region at `offset`.
+    /// Copies `data` into the region at `offset`. For a GPU region this is a blocking CUDA
+    /// copy into device memory (as [`MemoryRegion::read_at`]).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         self.check(offset, data.len() as u64)?;
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.inner.gpu {
+            let dir = crate::shared::queue::CopyDir::HostToDevice;
+            return super::gpu::copy_blocking(g, dir, offset, data.as_ptr().cast_mut(), data.len());
+        }
         // SAFETY: as in `read_at`; the region owns its memory, so writing through the
         // pointer is writing to memory we own.
         unsafe {
@@ -76,10 +96,17 @@ impl MemoryRegion {
         Ok(())
     }
 
-    /// Copies the whole region into a new vector.
+    /// Copies the whole region into a new vector (for a GPU region, a blocking CUDA copy).
+    ///
+    /// # Panics
+    ///
+    /// If the CUDA copy of a GPU region fails (use [`MemoryRegion::read_at`] to get the
+    /// error instead); never for host memory.
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.len()];
-        self.read_at(0, &mut v).expect("whole region is in bounds");
+        if let Err(e) = self.read_at(0, &mut v) {
+            panic!("MemoryRegion::to_vec: {e}");
+        }
         v
     }
 
@@ -87,8 +114,8 @@ impl MemoryRegion {
     ///
     /// # Safety
     ///
-    /// No transfer (local operation or remote write) may modify the region while the slice
-    /// is alive.
+    /// The region must be host memory ([`MemoryLocation::Host`]), and no transfer (local
+    /// operation or remote write) may modify it while the slice is alive.
     pub unsafe fn as_slice(&self) -> &[u8] {
         // SAFETY: the pointer and length describe our allocation; the caller promises no
         // concurrent writes.
@@ -110,6 +137,10 @@ impl MemoryRegion {
                 .zip(&shared.address.domains)
                 .map(|(r, a)| DomainKey { address: a.clone(), base: r.remote_base, key: r.remote_key })
                 .collect(),
+            #[cfg(feature = "cuda")]
+            gpu: self.gpu_descriptor(),
+            #[cfg(not(feature = "cuda"))]
+            gpu: None,
         }
     }
 }
@@ -138,6 +169,9 @@ pub struct RemoteRegion {
     /// Identity of the engine that resolved `peer` (peer ids mean nothing elsewhere).
     pub(crate) engine: usize,
     pub(crate) desc: Arc<RegionDescriptor>,
+    /// A GPU region of an engine on this host whose CUDA IPC export this engine can open.
+    #[cfg(feature = "cuda")]
+    pub(crate) ipc: Option<crate::cuda::IpcExport>,
 }
 
 impl RemoteRegion {

@@ -65,12 +65,12 @@ pub struct ScatterEntry {
 /// Made by [`Engine::with`]; the engine's own methods use the builder's defaults.
 #[derive(Debug, Clone, Copy)]
 pub struct Transfers<'a> {
-    engine: &'a Engine,
-    opts: TransferOpts,
+    pub(super) engine: &'a Engine,
+    pub(super) opts: TransferOpts,
 }
 
 /// Operations of one transfer, ready to submit.
-struct Plan {
+pub(super) struct Plan {
     ops: Vec<OpReq>,
     keep: Option<Arc<RegionShared>>,
     /// Imm-only writes posted once every op has completed (`Arrivals::One`).
@@ -111,7 +111,7 @@ impl Engine {
 }
 
 impl<'a> Transfers<'a> {
-    fn shared(&self) -> &'a Arc<Shared> {
+    pub(super) fn shared(&self) -> &'a Arc<Shared> {
         self.engine.shared()
     }
 
@@ -124,7 +124,7 @@ impl<'a> Transfers<'a> {
         self.opts
     }
 
-    fn check_remote(&self, r: &RemoteRegion) -> Result<()> {
+    pub(super) fn check_remote(&self, r: &RemoteRegion) -> Result<()> {
         if r.engine != self.id() {
             return Err(Error::Config("the remote region was made by another engine".into()));
         }
@@ -134,7 +134,7 @@ impl<'a> Transfers<'a> {
         Ok(())
     }
 
-    fn check_local(&self, r: &MemoryRegion) -> Result<()> {
+    pub(super) fn check_local(&self, r: &MemoryRegion) -> Result<()> {
         if !Arc::ptr_eq(r.inner.engine(), self.shared()) {
             return Err(Error::Config("the local region belongs to another engine".into()));
         }
@@ -152,7 +152,8 @@ impl<'a> Transfers<'a> {
             Some((r, off)) => {
                 self.check_local(r)?;
                 r.check(off, len)?;
-                Ok((r.as_ptr() as u64 + off, Some(r.inner.clone())))
+                // The address the NICs know: the memory itself, or a staged region's shadow.
+                Ok((r.inner.backing().addr() + off, Some(r.inner.clone())))
             }
             None => Ok((0, None)),
         }
@@ -225,23 +226,35 @@ impl<'a> Transfers<'a> {
     }
 
     fn submit(&self, plan: Plan) -> OpFuture {
+        let (subs, state) = match self.prepare(plan) {
+            Ok(Some(p)) => p,
+            Ok(None) => return OpFuture::done(),
+            Err(e) => return OpFuture::failed(e),
+        };
+        match self.shared().submit_all(subs) {
+            Ok(()) => OpFuture::pending(state).driven_by(self.engine.driver()),
+            Err(_) => OpFuture::failed(Error::Shutdown),
+        }
+    }
+
+    /// The submissions of a plan and the state their future waits on; `None`: nothing to
+    /// do.
+    pub(super) fn prepare(&self, plan: Plan) -> Result<Option<(Vec<Submission>, Arc<OpState>)>> {
         let Plan { mut ops, keep, then } = plan;
         let shared = self.shared();
         if ops.is_empty() && then.is_empty() {
-            return OpFuture::done();
+            return Ok(None);
         }
         if ops.is_empty() {
             // Only imm-only follow-ups (an `Arrivals::One` transfer of zero bytes): post
             // them directly.
             ops = then;
-            return self.submit(Plan { ops, keep, then: Vec::new() });
+            return self.prepare(Plan { ops, keep, then: Vec::new() });
         }
         if !then.is_empty() {
             // Data shards with a follow-up (`Arrivals::One`): refused before anything is
             // posted if the arrival could overtake the data.
-            if let Err(e) = self.opts.check_one_arrival(shared.nics, shared.delivery_complete) {
-                return OpFuture::failed(e);
-            }
+            self.opts.check_one_arrival(shared.nics, shared.delivery_complete)?;
         }
         let state = Arc::new(OpState::default());
         let done = Notify::Future(state.clone());
@@ -254,13 +267,10 @@ impl<'a> Transfers<'a> {
                 .map(|req| Submission::Op { req, keep: keep.clone(), notify: Notify::Group(group.clone()) })
                 .collect()
         };
-        match shared.submit_all(subs) {
-            Ok(()) => OpFuture::pending(state).driven_by(self.engine.driver()),
-            Err(_) => OpFuture::failed(Error::Shutdown),
-        }
+        Ok(Some((subs, state)))
     }
 
-    fn contiguous(
+    pub(super) fn contiguous(
         &self,
         local: Option<(&MemoryRegion, u64)>,
         remote: &RemoteRegion,
@@ -300,6 +310,10 @@ impl<'a> Transfers<'a> {
         dst_off: u64,
         len: u64,
     ) -> OpFuture {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = self.gpu_write(src, src_off, dst, dst_off, len, None) {
+            return f;
+        }
         self.run(self.contiguous(Some((src, src_off)), dst, dst_off, len, None, OpKind::Write))
     }
 
@@ -322,6 +336,10 @@ impl<'a> Transfers<'a> {
         len: u64,
         imm: u32,
     ) -> OpFuture {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = self.gpu_write(src, src_off, dst, dst_off, len, Some(imm)) {
+            return f;
+        }
         self.run(self.contiguous(Some((src, src_off)), dst, dst_off, len, Some(imm), OpKind::Write))
     }
 
@@ -355,13 +373,26 @@ impl<'a> Transfers<'a> {
         src_off: u64,
         len: u64,
     ) -> OpFuture {
+        #[cfg(feature = "cuda")]
+        if let Err(e) = self.refuse_staged("read", Some(dst), Some(src)) {
+            return OpFuture::failed(e);
+        }
         self.run(self.contiguous(Some((dst, dst_off)), src, src_off, len, None, OpKind::Read))
     }
 
     /// Arrivals of `imm` that [`Transfers::write_imm`] of `len` bytes into `dst` produces
     /// at its owner. A pure function of the options, `len` and the descriptor's NIC count:
     /// the receiver can call it with its own [`TransferOpts`] knowledge and the length.
+    ///
+    /// Into a staged GPU region or through CUDA IPC (see `docs/gpu.md`): exactly one.
     pub fn write_arrivals(&self, dst: &RemoteRegion, len: u64) -> Result<u64> {
+        #[cfg(feature = "cuda")]
+        if matches!(
+            dst.gpu_path(),
+            Some(crate::pure::staging::GpuPath::Staged | crate::pure::staging::GpuPath::Ipc)
+        ) {
+            return Ok(1);
+        }
         self.opts.write_arrivals(len, dst.desc.domains.len())
     }
 
@@ -401,13 +432,15 @@ impl<'a> Transfers<'a> {
     ) -> Result<Plan> {
         self.check_remote(dst)?;
         self.check_local(src)?;
+        #[cfg(feature = "cuda")]
+        self.refuse_staged("write_paged", Some(src), Some(dst))?;
         let nics = self.shared().nics;
         self.opts.validate(nics)?;
         let pages = layout.resolve(src_pages, dst_pages, src.len() as u64, dst.len())?;
         let one = imm.is_some() && self.opts.arrivals == Arrivals::One;
         let page_imm = if one { None } else { imm };
         let start = self.shared().next_start();
-        let base = src.as_ptr() as u64;
+        let base = src.inner.backing().addr();
         let mut plan =
             Plan { ops: Vec::with_capacity(pages.len()), keep: Some(src.inner.clone()), then: Vec::new() };
         for (i, (so, doff)) in pages.into_iter().enumerate() {
@@ -487,10 +520,14 @@ impl<'a> Transfers<'a> {
     ) -> Result<Plan> {
         self.check_local(src)?;
         self.check_entries(Some(src.len() as u64), group, entries)?;
+        #[cfg(feature = "cuda")]
+        for m in std::iter::once(None).chain(group.members.iter().map(Some)) {
+            self.refuse_staged("scatter", Some(src), m)?;
+        }
         let nics = self.shared().nics;
         self.opts.validate(nics)?;
         let one = imm.is_some() && self.opts.arrivals == Arrivals::One;
-        let base = src.as_ptr() as u64;
+        let base = src.inner.backing().addr();
         let mut plan = Plan { ops: Vec::new(), keep: Some(src.inner.clone()), then: Vec::new() };
         let mut told = vec![false; group.len()];
         for e in entries {
@@ -574,6 +611,10 @@ impl<'a> Transfers<'a> {
     ) -> Result<(OpReq, Option<Arc<RegionShared>>)> {
         self.check_remote(dst)?;
         dst.check(dst_off, len)?;
+        #[cfg(feature = "cuda")]
+        if len > 0 {
+            self.refuse_staged("post_write_imm", src.map(|s| s.0), Some(dst))?;
+        }
         let nics = self.shared().nics;
         self.opts.validate(nics)?;
         let (local_addr, keep) = self.local(src, len)?;

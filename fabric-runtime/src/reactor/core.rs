@@ -16,12 +16,19 @@ use crate::error::{Error, Result};
 use crate::provider::{
     Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
+use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::pure::slab::Slab;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::Notify;
 use crate::shared::queue::{OpKind, QueueState, Submission};
 use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
+
+// The staged-GPU half of the reactor (gates on CUDA events, the pull protocol): a child
+// module, so it works on `Core`'s fields directly.
+#[cfg(feature = "cuda")]
+#[path = "staging.rs"]
+mod staging;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -103,12 +110,17 @@ pub(crate) struct Core<D: Domain> {
     pub(crate) closing: bool,
     /// [`Core::close`] has run: the domains are gone.
     closed: bool,
+    /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
+    #[cfg(feature = "cuda")]
+    staging: staging::Staging,
 }
 
 impl<D: Domain> Core<D> {
     /// Registers the message pools on every domain and posts the receives.
     pub(crate) fn open(mut domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Self> {
-        let slot = shared.max_msg_size;
+        // A slot holds a user message of `max_msg_size` bytes after its kind byte, and the
+        // engine's own control messages (computed by the engine).
+        let slot = cfg.msg_slot;
         let mut recv_pools = Vec::new();
         let mut send_pools = Vec::new();
         for d in domains.iter_mut() {
@@ -141,6 +153,8 @@ impl<D: Domain> Core<D> {
             next_deadline_check: Instant::now(),
             closing: false,
             closed: false,
+            #[cfg(feature = "cuda")]
+            staging: staging::Staging::default(),
         };
         r.post_all_recvs()?;
         for d in r.domains.iter_mut() {
@@ -188,6 +202,10 @@ impl<D: Domain> Core<D> {
                 d.flush();
             }
         }
+        #[cfg(feature = "cuda")]
+        if self.staging.active() {
+            busy |= self.poll_staging();
+        }
         busy | self.poll_domains()
     }
 
@@ -224,6 +242,12 @@ impl<D: Domain> Core<D> {
             // Posts are waiting for queue space; completions will wake us, but stay safe
             // against a provider that frees space without one.
             let t = Duration::from_micros(100);
+            timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
+        }
+        #[cfg(feature = "cuda")]
+        if self.staging.has_gates() {
+            // CUDA events wake nobody: poll them soon.
+            let t = Duration::from_micros(20);
             timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
         }
         if self.cfg.op_timeout.is_some() && !self.slab.is_empty() {
@@ -363,6 +387,12 @@ impl<D: Domain> Core<D> {
             Submission::AddPeer { address, reply } => {
                 let _ = reply.send(self.add_peer(address));
             }
+            #[cfg(feature = "cuda")]
+            Submission::Gated { ordinal, copies, then, done, keep } => {
+                self.start_gate(ordinal, &copies, staging::GateThen::Submit(then, done), keep)
+            }
+            #[cfg(feature = "cuda")]
+            Submission::Pull { peer, pull, keep, notify } => self.send_pull(peer, *pull, keep, notify),
         }
     }
 
@@ -413,6 +443,16 @@ impl<D: Domain> Core<D> {
             }
             Some(p) => p.handles[domain],
         };
+        let too_long = match &s {
+            Submission::Send { data, .. } => {
+                Some(data.len()).filter(|&n| n > self.send_pools[domain].slot_size)
+            }
+            _ => None,
+        };
+        if let Some(len) = too_long {
+            s.fail(Error::MessageTooLarge { len, max: self.send_pools[domain].slot_size });
+            return None;
+        }
         let token = self.slab.next_token();
         let (op, send_slot, name) = match &s {
             Submission::Op { req, keep, .. } => {
@@ -430,7 +470,7 @@ impl<D: Domain> Core<D> {
                 let mut local = pool.slot(slot);
                 local.len = data.len();
                 // SAFETY: the slot is inside the pool's allocation and free (no operation
-                // uses it); `data.len() <= max_msg_size == slot_size` (checked on submit).
+                // uses it); `data.len() <= slot_size` (checked above).
                 unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), local.addr as *mut u8, data.len()) };
                 (Op::Send { peer: handle, local }, Some((domain, slot)), "send")
             }
@@ -569,14 +609,25 @@ impl<D: Domain> Core<D> {
                     std::slice::from_raw_parts(local.addr as *const u8, len)
                 });
                 let from = src.and_then(|h| self.handle_to_peer[d].get(&h).copied());
-                let waker = lock(&self.shared.inbox).push((from, data));
-                if let Some(w) = waker {
-                    w.wake();
-                }
                 if let Err(e) = self.post_recv(d, slot) {
                     tracing::error!(error = %e, "re-posting a receive buffer failed");
                 }
                 self.unflushed = true;
+                match MsgKind::of(&data) {
+                    Some(MsgKind::User) => {
+                        let waker = lock(&self.shared.inbox).push((from, data.slice(HEADER_LEN..)));
+                        if let Some(w) = waker {
+                            w.wake();
+                        }
+                    }
+                    #[cfg(feature = "cuda")]
+                    Some(MsgKind::Pull) => self.on_pull(&data),
+                    #[cfg(feature = "cuda")]
+                    Some(MsgKind::Ack) => self.on_ack(&data),
+                    kind => {
+                        tracing::warn!(?kind, len, "dropped a message of a kind this engine does not serve")
+                    }
+                }
             }
         }
     }
@@ -618,6 +669,12 @@ impl<D: Domain> Core<D> {
     fn finish(&mut self, op: InFlight, result: Result<()>) {
         if let Some((d, slot)) = op.send_slot {
             self.send_pools[d].free.push(slot);
+        }
+        #[cfg(feature = "cuda")]
+        if let Notify::Internal(tag, _) = op.notify {
+            drop(op.keep);
+            self.internal_done(tag, result);
+            return;
         }
         let next = op.notify.complete(result);
         drop(op.keep);
@@ -666,6 +723,10 @@ impl<D: Domain> Core<D> {
             keep.push(op.keep);
             op.notify.fail(Error::Shutdown);
         }
+        // Waits for the copy engines, then fails what waited on them; their memory is
+        // freed below, after the NIC objects.
+        #[cfg(feature = "cuda")]
+        let gpu_keep = self.close_staging();
         self.shared.close_counters();
         let waiters = {
             let mut inbox = lock(&self.shared.inbox);
@@ -696,5 +757,7 @@ impl<D: Domain> Core<D> {
         };
         drop(graveyard);
         drop(keep);
+        #[cfg(feature = "cuda")]
+        drop(gpu_keep);
     }
 }

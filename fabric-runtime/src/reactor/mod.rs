@@ -77,6 +77,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) recv_depth: usize,
     pub(crate) send_depth: usize,
     pub(crate) op_timeout: Option<Duration>,
+    /// Bytes of one message slot: the kind byte, then a user message or a control message.
+    pub(crate) msg_slot: usize,
 }
 
 /// How long the reactor thread of an `Inline` engine sleeps while callers drive the NICs,

@@ -22,6 +22,14 @@ pub(crate) struct Backing {
 enum BackingKind {
     Aligned(Layout),
     Vec(usize /* capacity */),
+    /// The pinned host shadow of a staged GPU region (what its NICs see).
+    #[cfg(feature = "cuda")]
+    Pinned(#[allow(dead_code)] crate::cuda::PinnedHostBuffer),
+    /// GPU memory registered with the NIC itself (GPUDirect): `ptr` is a device address.
+    /// `Some`: the engine's allocation (`alloc_in`), freed after the registration is closed;
+    /// `None`: the user's memory (`register_cuda`).
+    #[cfg(feature = "cuda")]
+    Device(#[allow(dead_code)] Option<Arc<crate::cuda::DeviceBuffer>>),
 }
 
 // SAFETY: `Backing` uniquely owns its allocation (like a `Box<[u8]>`); moving it between
@@ -60,6 +68,21 @@ impl Backing {
         Ok(Backing { ptr, len, kind: BackingKind::Vec(cap) })
     }
 
+    /// A staged GPU region's shadow: pinned host memory the NICs read and write.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn pinned(buf: crate::cuda::PinnedHostBuffer) -> Backing {
+        let ptr = NonNull::new(buf.as_ptr()).expect("PinnedHostBuffer pointer is non-null");
+        Backing { ptr, len: buf.len(), kind: BackingKind::Pinned(buf) }
+    }
+
+    /// GPU memory handed to the NIC directly (GPUDirect). `ptr` is a device address, never
+    /// dereferenced on the host.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device(ptr: u64, len: usize, owned: Option<Arc<crate::cuda::DeviceBuffer>>) -> Backing {
+        let ptr = NonNull::new(ptr as *mut u8).unwrap_or(NonNull::dangling());
+        Backing { ptr, len, kind: BackingKind::Device(owned) }
+    }
+
     pub(crate) fn addr(&self) -> u64 {
         self.ptr.as_ptr() as u64
     }
@@ -82,8 +105,26 @@ impl Drop for Backing {
             BackingKind::Vec(cap) => unsafe {
                 drop(Vec::from_raw_parts(self.ptr.as_ptr(), self.len, cap));
             },
+            // The buffers free themselves when the kind is dropped, after this.
+            #[cfg(feature = "cuda")]
+            BackingKind::Pinned(_) | BackingKind::Device(_) => {}
         }
     }
+}
+
+/// The GPU side of a region in CUDA memory.
+#[cfg(feature = "cuda")]
+pub(crate) struct GpuMemory {
+    pub(crate) ordinal: u32,
+    /// Device address of byte 0.
+    pub(crate) ptr: u64,
+    pub(crate) ctx: Arc<crate::cuda::Context>,
+    pub(crate) path: crate::pure::staging::GpuPath,
+    /// `alloc_in`'s allocation (`None`: the user's memory). Dropped with the region state,
+    /// which every operation using the region holds until its last copy or NIC access.
+    pub(crate) _owned: Option<Arc<crate::cuda::DeviceBuffer>>,
+    /// CUDA IPC export of the range, for peers on this host (`None` if the driver refused).
+    pub(crate) ipc: Option<crate::cuda::IpcExport>,
 }
 
 pub(crate) struct RegionShared {
@@ -91,6 +132,10 @@ pub(crate) struct RegionShared {
     backing: Option<Backing>,
     pub(crate) regs: Vec<Registration>,
     pub(crate) location: MemoryLocation,
+    /// GPU regions: the device memory (the backing is then its shadow, or the device memory
+    /// itself with GPUDirect).
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: Option<GpuMemory>,
     shared: Arc<Shared>,
 }
 
@@ -101,7 +146,32 @@ impl RegionShared {
         location: MemoryLocation,
         shared: Arc<Shared>,
     ) -> Self {
-        RegionShared { backing: Some(backing), regs, location, shared }
+        RegionShared {
+            backing: Some(backing),
+            regs,
+            location,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            shared,
+        }
+    }
+
+    /// A region of GPU memory (see [`GpuMemory`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn new_gpu(
+        backing: Backing,
+        regs: Vec<Registration>,
+        location: MemoryLocation,
+        shared: Arc<Shared>,
+        gpu: GpuMemory,
+    ) -> Self {
+        RegionShared { backing: Some(backing), regs, location, gpu: Some(gpu), shared }
+    }
+
+    /// Whether the region is GPU memory that the NICs reach through a host shadow.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn staged(&self) -> Option<&GpuMemory> {
+        self.gpu.as_ref().filter(|g| g.path == crate::pure::staging::GpuPath::Staged)
     }
 
     pub(crate) fn engine(&self) -> &Arc<Shared> {
@@ -116,6 +186,12 @@ impl RegionShared {
 
 impl Drop for RegionShared {
     fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        if self.staged().is_some() {
+            if let Some(r) = self.regs.first() {
+                self.shared.gpu.forget_staged(r.remote_key, self);
+            }
+        }
         if let Some(b) = self.backing.take() {
             self.shared.retire(std::mem::take(&mut self.regs), b);
         }

@@ -15,6 +15,8 @@
 //! * [`memory`]: the memory a region owns, and the region state that keeps it registered
 //!   until no operation uses it.
 
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu;
 pub(crate) mod memory;
 pub(crate) mod notify;
 pub(crate) mod queue;
@@ -111,6 +113,9 @@ pub(crate) struct Shared {
     pub(crate) inline_polls: AtomicU64,
     /// Shutdown was requested.
     closing: AtomicBool,
+    /// GPU regions, CUDA IPC mappings and staging settings.
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: gpu::GpuShared,
 }
 
 impl Shared {
@@ -144,6 +149,8 @@ impl Shared {
             delivery_complete,
             inline_polls: AtomicU64::new(0),
             closing: AtomicBool::new(false),
+            #[cfg(feature = "cuda")]
+            gpu: gpu::GpuShared::default(),
         })
     }
 

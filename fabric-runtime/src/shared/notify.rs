@@ -20,7 +20,18 @@ pub(crate) enum Notify {
     Group(Arc<GroupState>),
     /// Already told (the operation timed out); the entry only keeps memory alive.
     None,
+    /// An operation the reactor posted for itself (a chunk read of a pull, a control
+    /// message): the reactor routes its completion by this tag before `complete`; a failure
+    /// reported through `complete`/`fail` (refused at post, timed out) is queued in the list
+    /// for the reactor's next pass.
+    #[cfg(feature = "cuda")]
+    Internal(u64, Arc<InternalFailures>),
 }
+
+/// Failures of [`Notify::Internal`] operations that did not pass through the reactor's
+/// completion path.
+#[cfg(feature = "cuda")]
+pub(crate) type InternalFailures = Mutex<Vec<(u64, Error)>>;
 
 impl Notify {
     /// Completes the waiter. Returns the operations to post next when this was the last
@@ -33,6 +44,12 @@ impl Notify {
             Notify::Batch(b) => b.complete(result),
             Notify::Group(g) => return g.complete(result),
             Notify::None => {}
+            #[cfg(feature = "cuda")]
+            Notify::Internal(tag, failures) => {
+                if let Err(e) = result {
+                    lock(&failures).push((tag, e));
+                }
+            }
         }
         Vec::new()
     }

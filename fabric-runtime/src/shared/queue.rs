@@ -41,11 +41,67 @@ impl OpKind {
 
 /// What callers hand the reactor.
 pub(crate) enum Submission {
-    Op { req: OpReq, keep: Option<Arc<RegionShared>>, notify: Notify },
-    Send { peer: PeerId, data: Bytes, notify: Notify },
-    Register { backing: Backing, location: MemoryLocation, reply: Reply<(Vec<Registration>, Backing)> },
-    Deregister { regs: Vec<Registration>, backing: Backing },
-    AddPeer { address: EngineAddress, reply: Reply<PeerId> },
+    Op {
+        req: OpReq,
+        keep: Option<Arc<RegionShared>>,
+        notify: Notify,
+    },
+    Send {
+        peer: PeerId,
+        data: Bytes,
+        notify: Notify,
+    },
+    Register {
+        backing: Backing,
+        location: MemoryLocation,
+        reply: Reply<(Vec<Registration>, Backing)>,
+    },
+    Deregister {
+        regs: Vec<Registration>,
+        backing: Backing,
+    },
+    AddPeer {
+        address: EngineAddress,
+        reply: Reply<PeerId>,
+    },
+    /// CUDA copies to run first (on the reactor's stream of device `ordinal`); once their
+    /// event is ready, `then` is handled and `done` completed. `keep` holds the memory the
+    /// copies touch until then.
+    #[cfg(feature = "cuda")]
+    Gated {
+        ordinal: usize,
+        copies: Vec<CudaCopy>,
+        then: Vec<Submission>,
+        done: Option<Notify>,
+        keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    },
+    /// A write into a peer's staged GPU region: send it a PULL and complete `notify` on its
+    /// ACK. `keep` is the source, which the peer reads until then.
+    #[cfg(feature = "cuda")]
+    Pull {
+        peer: PeerId,
+        pull: Box<crate::pure::control::Pull>,
+        keep: Arc<RegionShared>,
+        notify: Notify,
+    },
+}
+
+/// One asynchronous CUDA copy of raw addresses (see `cuda::Stream::copy_*_raw`).
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CudaCopy {
+    pub(crate) dir: CopyDir,
+    pub(crate) dst: u64,
+    pub(crate) src: u64,
+    pub(crate) len: usize,
+}
+
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CopyDir {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +129,8 @@ impl Submission {
         match self {
             Submission::Op { req, .. } => req.peer,
             Submission::Send { peer, .. } => *peer,
+            #[cfg(feature = "cuda")]
+            Submission::Pull { peer, .. } => *peer,
             _ => unreachable!("only operations have a peer"),
         }
     }
@@ -88,6 +146,17 @@ impl Submission {
                 let _ = reply.send(Err(e));
             }
             Submission::Deregister { .. } => {}
+            #[cfg(feature = "cuda")]
+            Submission::Gated { then, done, .. } => {
+                for s in then {
+                    s.fail(e.clone());
+                }
+                if let Some(n) = done {
+                    n.fail(e);
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Submission::Pull { notify, .. } => notify.fail(e),
         }
     }
 }
