@@ -152,25 +152,38 @@ impl DeviceBuffer {
     /// [`Context::dmabuf_supported`].
     pub fn dmabuf_fd(&self, offset: usize, len: usize) -> Result<OwnedFd> {
         check_range(offset, len, self.len)?;
-        if !loader::has_driver_symbol(loader::DMABUF_SYMBOL) {
-            return Err(Error::Unsupported("this CUDA driver cannot export dma-bufs".into()));
-        }
-        let _cur = self.ctx.enter()?;
-        let mut fd: i32 = -1;
-        // SAFETY: the symbol exists (checked above); range inside this allocation; `fd` is a
-        // valid out-pointer for the int the DMA_BUF_FD handle type writes.
-        check("cuMemGetHandleForAddressRange", unsafe {
-            cu::cuMemGetHandleForAddressRange(
-                (&mut fd as *mut i32).cast(),
-                self.ptr + offset as u64,
-                len,
-                cu::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                0,
-            )
-        })?;
-        // SAFETY: on success the driver returned a new fd that we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        dmabuf_fd_of(&self.ctx, self.ptr + offset as u64, len)
     }
+}
+
+/// A dma-buf fd for `ptr..ptr+len` of device `ordinal`'s memory (any allocation the driver
+/// can export, for example a user's `cudaMalloc` range registered with `register_cuda`), for
+/// `ibv_reg_dmabuf_mr`. `ptr` and `len` must be multiples of the host page size and the
+/// range inside one allocation, else the driver refuses ([`Error::Cuda`]).
+pub fn dmabuf_fd(ordinal: usize, ptr: u64, len: usize) -> Result<OwnedFd> {
+    dmabuf_fd_of(&*super::context(ordinal)?, ptr, len)
+}
+
+fn dmabuf_fd_of(ctx: &Context, ptr: u64, len: usize) -> Result<OwnedFd> {
+    if !loader::has_driver_symbol(loader::DMABUF_SYMBOL) {
+        return Err(Error::Unsupported("this CUDA driver cannot export dma-bufs".into()));
+    }
+    let _cur = ctx.enter()?;
+    let mut fd: i32 = -1;
+    // SAFETY: the symbol exists (checked above); the driver checks the range itself and
+    // fails for one that is not its memory; `fd` is a valid out-pointer for the int the
+    // DMA_BUF_FD handle type writes.
+    check("cuMemGetHandleForAddressRange", unsafe {
+        cu::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut i32).cast(),
+            ptr,
+            len,
+            cu::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    // SAFETY: on success the driver returned a new fd that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 // SAFETY: ptr..ptr+len is our own live allocation on ctx's device, fixed for its life.

@@ -51,7 +51,8 @@ pub use driver::{available, context, driver, Context, Driver};
 pub use ipc::{ipc_export, IpcExport, IpcMapping, IpcMemHandle};
 pub use kernels::{pattern_byte, Kernels, SPIN_RELEASED, SPIN_TIMED_OUT};
 pub use memory::{
-    pointer_info, AddressRange, DeviceBuffer, DeviceMemory, MemoryKind, PinnedHostBuffer, PointerInfo,
+    dmabuf_fd, pointer_info, AddressRange, DeviceBuffer, DeviceMemory, MemoryKind, PinnedHostBuffer,
+    PointerInfo,
 };
 pub use nvrtc::{compile, nvrtc_version, Function, KernelArgs, LaunchConfig, Module};
 pub use stream::{Event, EventStatus, Stream};

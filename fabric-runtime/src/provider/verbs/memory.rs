@@ -2,7 +2,7 @@
 //! takes it), GPU memory through a dma-buf (see "Memory" in the module docs).
 
 use std::ffi::c_int;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use rdma_sys as sys;
 
@@ -33,7 +33,8 @@ impl VerbsDomain {
                 Error::Unsupported(_) => e,
                 e => reg_err(e),
             })?;
-            return self.reg_dmabuf(fd, 0, len, addr).map_err(reg_err);
+            // The kernel takes its own reference to the dma-buf; `fd` is closed after.
+            return self.reg_dmabuf(fd.as_raw_fd(), 0, len, addr).map_err(reg_err);
         }
         let base = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
             | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
@@ -90,12 +91,18 @@ impl VerbsDomain {
     }
 }
 
-/// A dma-buf fd for GPU memory. None exists yet: exporting one needs the CUDA driver's
-/// `cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)`, which this crate does
-/// not link. When it does, [`VerbsDomain::reg_dmabuf`] is the registration path.
-fn dmabuf_fd(ordinal: u32, _addr: u64, _len: usize) -> Result<RawFd, Error> {
+/// A dma-buf fd for GPU memory, from the CUDA driver (`cuMemGetHandleForAddressRange`,
+/// cargo feature `cuda`). The engine registers a GPU region GPUDirect where this and
+/// `ibv_reg_dmabuf_mr` succeed on every NIC, and stages it otherwise (`docs/gpu.md`).
+#[cfg(feature = "cuda")]
+fn dmabuf_fd(ordinal: u32, addr: u64, len: usize) -> Result<OwnedFd, Error> {
+    crate::cuda::dmabuf_fd(ordinal as usize, addr, len)
+}
+
+/// Without the `cuda` feature there is no dma-buf source.
+#[cfg(not(feature = "cuda"))]
+fn dmabuf_fd(ordinal: u32, _addr: u64, _len: usize) -> Result<OwnedFd, Error> {
     Err(Error::Unsupported(format!(
-        "registering cuda:{ordinal} memory with verbs needs a dma-buf fd from the CUDA driver \
-         (cuMemGetHandleForAddressRange), which fabric does not link yet"
+        "registering cuda:{ordinal} memory with verbs needs the cargo feature `cuda` (the dma-buf comes from the CUDA driver)"
     )))
 }

@@ -1,0 +1,401 @@
+//! GPU memory end to end: staged transfers (host→GPU, GPU→host, GPU→GPU) over every
+//! provider, CUDA IPC between two processes on one GPU, 8 writer tasks into GPU memory, and
+//! a staged transfer dropped mid-flight.
+//!
+//! The second process is this test binary, re-run as `gpu_child` with `FABRIC_GPU_CHILD`
+//! set (as `fabric-runtime/tests/cuda.rs` does), so nothing but this one binary has to be
+//! shipped to a GPU machine. Without a CUDA driver each test prints one line,
+//! `skipped: no CUDA driver (...): <test>`, and passes; `FABRIC_REQUIRE_CUDA=1` makes that a
+//! failure. On a GPU machine (no cargo there):
+//!
+//! ```sh
+//! cargo test -p integration-tests --test gpu --release --no-run   # prints target/release/deps/gpu-<hash>
+//! FI_TCP_IFACE=lo FABRIC_REQUIRE_CUDA=1 ./gpu-<hash> --test-threads 1
+//! ```
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fabric_async::bootstrap::{Rendezvous, TcpStore};
+use fabric_async::Engine;
+use fabric_runtime::{cuda, Error, GpuPath, MemoryLocation, MemoryRegion};
+use integration_tests::{fill_pattern, get, get_str, hash, providers, store};
+
+const CHILD_ENV: &str = "FABRIC_GPU_CHILD";
+const MIB: usize = 1 << 20;
+const GPU: MemoryLocation = MemoryLocation::Cuda { ordinal: 0 };
+
+/// Whether a GPU is usable; prints the skip line when not.
+fn gpu(test: &str) -> bool {
+    let why = match cuda::available() {
+        Ok(0) => "no CUDA device (the driver sees none)".to_string(),
+        Ok(_) => match cuda::context(0) {
+            Ok(_) => return true,
+            Err(e) => format!("no CUDA device (device 0: {e})"),
+        },
+        Err(Error::Unsupported(m)) => {
+            format!("no CUDA driver ({})", m.strip_prefix("no CUDA driver: ").unwrap_or(&m))
+        }
+        Err(e) => format!("no CUDA driver ({e})"),
+    };
+    if std::env::var_os("FABRIC_REQUIRE_CUDA").is_some_and(|v| v != "0") {
+        panic!("{test}: FABRIC_REQUIRE_CUDA is set but: {why}");
+    }
+    let _ = writeln!(std::io::stderr(), "skipped: {why}: {test}");
+    false
+}
+
+fn loc_name(l: MemoryLocation) -> &'static str {
+    if l == MemoryLocation::Host {
+        "host"
+    } else {
+        "gpu"
+    }
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill_pattern(&mut v, seed, 0);
+    v
+}
+
+/// The receiving process: this binary, running `gpu_child`.
+struct ChildProc(Option<Child>);
+
+impl ChildProc {
+    #[allow(clippy::too_many_arguments)]
+    fn spawn(
+        store: SocketAddr,
+        provider: &str,
+        loc: MemoryLocation,
+        size: usize,
+        imm: u32,
+        count: u64,
+        key: &str,
+    ) -> Self {
+        let c = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "gpu_child", "--nocapture", "--test-threads", "1"])
+            .env(CHILD_ENV, format!("{store}|{provider}|{}|{size}|{imm}|{count}|{key}", loc_name(loc)))
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("re-run this test binary as the child");
+        ChildProc(Some(c))
+    }
+
+    async fn wait_success(&mut self, timeout: Duration) -> bool {
+        let Some(c) = self.0.as_mut() else { return false };
+        let deadline = Instant::now() + timeout;
+        loop {
+            match c.try_wait() {
+                Ok(Some(s)) => {
+                    self.0 = None;
+                    return s.success();
+                }
+                Ok(None) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(20)).await,
+                _ => return false,
+            }
+        }
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The child's side: a region at the given location filled with 0xEE, its descriptor
+/// published under `<key>/desc`; waits for `count` arrivals of `imm`, then publishes the
+/// region's hash and the arrivals left over after a settle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+    let f: Vec<&str> = spec.split('|').collect();
+    let [addr, provider, loc, size, imm, count, key] = f[..] else { panic!("bad child spec {spec}") };
+    let store = TcpStore::connect(addr.parse().unwrap()).await.expect("store");
+    let r = async {
+        let engine = Engine::builder().provider(provider).build()?;
+        let loc = if loc == "gpu" { GPU } else { MemoryLocation::Host };
+        let size: usize = size.parse().unwrap();
+        let region = engine.alloc_in(size, loc).await?;
+        region.write_at(0, &vec![0xEE; size])?;
+        store.put(&format!("{key}/path"), format!("{:?}", region.gpu_path()).into_bytes()).await.unwrap();
+        store.put(&format!("{key}/desc"), region.descriptor().to_bytes()).await.unwrap();
+        let counter = engine.imm_counter(imm.parse().unwrap());
+        let count: u64 = count.parse().unwrap();
+        match tokio::time::timeout(Duration::from_secs(120), counter.wait_for(count)).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::Config(format!(
+                    "only {} of {count} arrivals in 120 s",
+                    counter.available()
+                )))
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let extra = counter.available();
+        let mut bytes = vec![0u8; size];
+        region.read_at(0, &mut bytes)?;
+        store.put(&format!("{key}/hash"), hash(&bytes).to_string().into_bytes()).await.unwrap();
+        store.put(&format!("{key}/extra"), extra.to_string().into_bytes()).await.unwrap();
+        Ok::<_, Error>(())
+    }
+    .await;
+    if let Err(e) = r {
+        store.put(&format!("{key}/hash"), format!("error: {e}").into_bytes()).await.unwrap();
+        panic!("gpu child: {e}");
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(60), store.get(&format!("{key}/exit"))).await;
+}
+
+struct Target {
+    child: ChildProc,
+    store: TcpStore,
+    _server: fabric_async::bootstrap::TcpStoreServer,
+    key: String,
+}
+
+/// Starts a child with a region of `size` bytes at `loc` that waits for `count` arrivals of
+/// `imm`; returns it with the descriptor bytes and the path it reports.
+async fn target(
+    provider: &str,
+    loc: MemoryLocation,
+    size: usize,
+    imm: u32,
+    count: u64,
+) -> (Target, Vec<u8>, String) {
+    let (server, store, addr) = store().await;
+    let key = "t".to_string();
+    let child = ChildProc::spawn(addr, provider, loc, size, imm, count, &key);
+    let desc = get(&store, &format!("{key}/desc")).await;
+    let path = get_str(&store, &format!("{key}/path")).await;
+    (Target { child, store, _server: server, key }, desc, path)
+}
+
+impl Target {
+    /// The child's region hash and its left-over arrivals; ends the child.
+    async fn finish(mut self) -> (String, u64) {
+        let h = get_str(&self.store, &format!("{}/hash", self.key)).await;
+        assert!(!h.starts_with("error"), "child: {h}");
+        let extra: u64 = get_str(&self.store, &format!("{}/extra", self.key)).await.parse().unwrap();
+        self.store.put(&format!("{}/exit", self.key), vec![]).await.unwrap();
+        assert!(self.child.wait_success(Duration::from_secs(30)).await, "child failed");
+        (h, extra)
+    }
+}
+
+async fn source(engine: &Engine, loc: MemoryLocation, data: &[u8]) -> MemoryRegion {
+    let r = engine.alloc_in(data.len(), loc).await.expect("source region");
+    r.write_at(0, data).unwrap();
+    r
+}
+
+/// One write_imm of a whole region from `src_loc` to a child's `dst_loc` region; bytes
+/// and the exact count verified.
+async fn one_transfer(
+    test: &str,
+    provider: &str,
+    src_loc: MemoryLocation,
+    dst_loc: MemoryLocation,
+    ipc: bool,
+) -> Duration {
+    let len = 24 * MIB + 4099; // several 4 MiB chunks and a ragged end
+    let imm = 0x600d;
+    let engine = Engine::builder().provider(provider).cuda_ipc(ipc).build().expect("engine");
+    let data = pattern(len, 0x5eed ^ len as u64);
+    let src = source(&engine, src_loc, &data).await;
+    // Into host memory: one per shard, as for any write; into GPU memory: exactly one.
+    let expected_arrivals = if dst_loc == MemoryLocation::Host {
+        engine.transfer_opts().write_arrivals(len as u64, 1).unwrap()
+    } else {
+        1
+    };
+    let (t, desc, child_path) = target(provider, dst_loc, len, imm, expected_arrivals).await;
+    let dst = engine.remote_region(&desc).await.expect("remote region");
+    let want_path = match (dst_loc, ipc) {
+        (MemoryLocation::Host, _) => None,
+        (_, true) => Some(GpuPath::Ipc),
+        _ => Some(GpuPath::Staged),
+    };
+    assert_eq!(dst.gpu_path(), want_path, "{test}/{provider}: the path a write takes (child: {child_path})");
+    assert_eq!(engine.write_arrivals(&dst, len as u64).unwrap(), expected_arrivals);
+    let start = Instant::now();
+    tokio::time::timeout(Duration::from_secs(120), engine.write_imm(&src, 0, &dst, 0, len as u64, imm))
+        .await
+        .unwrap_or_else(|_| panic!("{test}/{provider}: no completion in 120 s"))
+        .unwrap_or_else(|e| panic!("{test}/{provider}: {e}"));
+    let took = start.elapsed();
+    let (h, extra) = t.finish().await;
+    assert_eq!(h, hash(&data).to_string(), "{test}/{provider}: bytes at the target");
+    assert_eq!(extra, 0, "{test}/{provider}: exactly {expected_arrivals} arrival(s)");
+    println!(
+        "{test} over {provider}: {} MiB in {took:?} ({:.2} GB/s, future to future)",
+        len / MIB,
+        len as f64 / took.as_secs_f64() / 1e9
+    );
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_region_basics() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("gpu_region_basics") {
+        return;
+    }
+    let engine = Engine::builder().provider("tcp").build().expect("engine");
+    let len = 3 * MIB + 5;
+    let r = engine.alloc_in(len, GPU).await.expect("alloc_in(Cuda)");
+    assert_eq!(r.location(), GPU);
+    assert_eq!(r.gpu_path(), Some(GpuPath::Staged), "libfabric without FI_HMEM stages");
+    assert_eq!(engine.gpu_path(0).await.unwrap(), GpuPath::Staged);
+    let data = pattern(len, 9);
+    r.write_at(0, &data).unwrap();
+    assert_eq!(r.to_vec(), data);
+    let mut part = vec![0u8; 1000];
+    r.read_at(MIB as u64 + 3, &mut part).unwrap();
+    assert_eq!(&part[..], &data[MIB + 3..MIB + 1003]);
+    assert!(matches!(r.read_at(len as u64 - 1, &mut part), Err(Error::OutOfBounds { .. })));
+    let d = r.descriptor();
+    let g = d.gpu.as_ref().expect("a GPU descriptor");
+    assert!(g.staged && g.ipc.as_ref().is_some_and(|i| i.len() == 80) && !g.host.is_empty());
+    assert_eq!(fabric_runtime::RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
+
+    // register_cuda: the user's memory, validated.
+    let ctx = cuda::context(0).unwrap();
+    let dev = cuda::DeviceBuffer::new(&ctx, 2 * MIB).unwrap();
+    dev.copy_from_host(0, &pattern(2 * MIB, 4)).unwrap();
+    // SAFETY: `dev` outlives the region (dropped at the end of this test, after it).
+    let user = unsafe { engine.register_cuda(dev.device_ptr() + 4096, MIB, 0) }.await.expect("register_cuda");
+    assert_eq!(user.to_vec(), pattern(2 * MIB, 4)[4096..4096 + MIB]);
+    let host = vec![0u8; 4096];
+    // SAFETY: refused before anything is registered.
+    let e = unsafe { engine.register_cuda(host.as_ptr() as u64, 4096, 0) }.await.unwrap_err();
+    assert!(matches!(e, Error::NotDeviceMemory { .. }), "{e}");
+    // SAFETY: as above.
+    let e = unsafe { engine.register_cuda(dev.device_ptr() + MIB as u64, 2 * MIB, 0) }.await.unwrap_err();
+    assert!(matches!(e, Error::NotDeviceMemory { .. }), "past the allocation: {e}");
+
+    // Shapes that do not stage yet say so.
+    let peer_desc = r.descriptor().to_bytes();
+    let me = engine.remote_region(&peer_desc).await.unwrap();
+    let hostr = engine.alloc(4096).await.unwrap();
+    let e = engine.read(&hostr, 0, &me, 0, 16).await.unwrap_err();
+    assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU")), "{e}");
+    drop(user);
+    drop(dev);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_to_gpu_staged() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("host_to_gpu_staged") {
+        return;
+    }
+    for p in providers() {
+        one_transfer("host_to_gpu_staged", &p, MemoryLocation::Host, GPU, false).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_to_host_staged() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("gpu_to_host_staged") {
+        return;
+    }
+    for p in providers() {
+        one_transfer("gpu_to_host_staged", &p, GPU, MemoryLocation::Host, false).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_to_gpu_staged() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("gpu_to_gpu_staged") {
+        return;
+    }
+    for p in providers() {
+        one_transfer("gpu_to_gpu_staged", &p, GPU, GPU, false).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_to_gpu_cuda_ipc() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("gpu_to_gpu_cuda_ipc") {
+        return;
+    }
+    one_transfer("gpu_to_gpu_cuda_ipc", "tcp", GPU, GPU, true).await;
+    one_transfer("host_to_gpu_cuda_ipc", "tcp", MemoryLocation::Host, GPU, true).await;
+}
+
+/// 8 tasks, 16 staged writes each into distinct 64 KiB ranges of one GPU region, one
+/// immediate: exactly 128 arrivals, every byte in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_writer_tasks_into_gpu_memory() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("eight_writer_tasks_into_gpu_memory") {
+        return;
+    }
+    let (tasks, per, piece) = (8usize, 16usize, 64 * 1024usize);
+    let len = tasks * per * piece;
+    let engine = Engine::builder().provider("tcp").cuda_ipc(false).build().expect("engine");
+    let data = pattern(len, 77);
+    let src = source(&engine, GPU, &data).await;
+    let (t, desc, _) = target("tcp", GPU, len, 7, (tasks * per) as u64).await;
+    let dst = engine.remote_region(&desc).await.unwrap();
+    let mut handles = Vec::new();
+    for k in 0..tasks {
+        let (engine, src, dst) = (engine.clone(), src.clone(), dst.clone());
+        handles.push(tokio::spawn(async move {
+            for i in 0..per {
+                let off = ((i * tasks + k) * piece) as u64;
+                engine.write_imm(&src, off, &dst, off, piece as u64, 7).await.expect("staged write");
+            }
+        }));
+    }
+    for h in handles {
+        tokio::time::timeout(Duration::from_secs(120), h).await.expect("writers in time").unwrap();
+    }
+    let (h, extra) = t.finish().await;
+    assert_eq!(h, hash(&data).to_string(), "bytes");
+    assert_eq!(extra, 0, "exactly {} arrivals", tasks * per);
+}
+
+/// A staged GPU→GPU write whose future and source region are dropped at once: the transfer
+/// still completes with the right bytes (the operation held the source), and the engine
+/// serves the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_staged_transfer_frees_nothing_in_use() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("dropped_staged_transfer_frees_nothing_in_use") {
+        return;
+    }
+    for p in providers() {
+        let (a, b) = (64 * MIB, 8 * MIB);
+        let engine = Engine::builder().provider(p.as_str()).cuda_ipc(false).build().expect("engine");
+        let first = pattern(a, 1);
+        let second = pattern(b, 2);
+        let (t, desc, _) = target(&p, GPU, a + b, 9, 2).await;
+        let dst = engine.remote_region(&desc).await.unwrap();
+        {
+            let src = source(&engine, GPU, &first).await;
+            let mut fut = Box::pin(engine.write_imm(&src, 0, &dst, 0, a as u64, 9));
+            // Poll once, then drop the future and the region mid-flight.
+            let _ = futures::poll!(fut.as_mut());
+            drop(fut);
+            drop(src);
+        }
+        let src2 = source(&engine, GPU, &second).await;
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            engine.write_imm(&src2, 0, &dst, a as u64, b as u64, 9),
+        )
+        .await
+        .expect("second write in time")
+        .expect("the engine still serves");
+        let (h, extra) = t.finish().await;
+        let mut all = first.clone();
+        all.extend_from_slice(&second);
+        assert_eq!(h, hash(&all).to_string(), "{p}: both transfers' bytes");
+        assert_eq!(extra, 0, "{p}: exactly 2 arrivals");
+        println!("dropped staged transfer over {p}: both transfers landed, 2 arrivals");
+    }
+}
