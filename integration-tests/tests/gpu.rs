@@ -399,3 +399,80 @@ async fn dropped_staged_transfer_frees_nothing_in_use() {
         println!("dropped staged transfer over {p}: both transfers landed, 2 arrivals");
     }
 }
+
+/// `iters` back-to-back write_imm of `len` bytes (after one warm-up), awaited one at a time;
+/// GB/s from the first send to the last completion. Bytes of the last write verified.
+async fn throughput(
+    provider: &str,
+    src_loc: MemoryLocation,
+    dst_loc: MemoryLocation,
+    ipc: bool,
+    len: usize,
+    iters: u64,
+) -> f64 {
+    let engine = Engine::builder().provider(provider).cuda_ipc(ipc).build().expect("engine");
+    let data = pattern(len, 3);
+    let src = source(&engine, src_loc, &data).await;
+    let per = if dst_loc == MemoryLocation::Host {
+        engine.transfer_opts().write_arrivals(len as u64, 1).unwrap()
+    } else {
+        1
+    };
+    let (t, desc, _) = target(provider, dst_loc, len, 11, per * (iters + 1)).await;
+    let dst = engine.remote_region(&desc).await.unwrap();
+    engine.write_imm(&src, 0, &dst, 0, len as u64, 11).await.expect("warm-up");
+    let start = Instant::now();
+    for _ in 0..iters {
+        engine.write_imm(&src, 0, &dst, 0, len as u64, 11).await.expect("write");
+    }
+    let gbps = (len as u64 * iters) as f64 / start.elapsed().as_secs_f64() / 1e9;
+    let (h, extra) = t.finish().await;
+    assert_eq!(h, hash(&data).to_string());
+    assert_eq!(extra, 0);
+    gbps
+}
+
+/// The figures of `docs/gpu.md`: each path beside its ceilings measured in the same run
+/// (pinned H2D / D2H copy bandwidth, and a host→host write over the same provider).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_throughput_report() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("gpu_throughput_report") {
+        return;
+    }
+    let (len, iters) = (64 * MIB, 8u64);
+    let ctx = cuda::context(0).unwrap();
+    let dev = std::sync::Arc::new(cuda::DeviceBuffer::new(&ctx, len).unwrap());
+    let pinned = std::sync::Arc::new(cuda::PinnedHostBuffer::new(&ctx, len).unwrap());
+    let stream = cuda::Stream::new(&ctx).unwrap();
+    let copy_bw = |h2d: bool| {
+        let start = Instant::now();
+        for _ in 0..iters {
+            if h2d {
+                stream.copy_h2d(&dev, 0, &pinned, 0, len).unwrap();
+            } else {
+                stream.copy_d2h(&pinned, 0, &dev, 0, len).unwrap();
+            }
+        }
+        stream.synchronize().unwrap();
+        (len as u64 * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let (_, _) = (copy_bw(true), copy_bw(false));
+    let (h2d, d2h) = (copy_bw(true), copy_bw(false));
+    println!("| ceiling | H2D pinned copy | {h2d:.1} GB/s |");
+    println!("| ceiling | D2H pinned copy | {d2h:.1} GB/s |");
+    let host = MemoryLocation::Host;
+    for p in providers() {
+        let raw = throughput(&p, host, host, false, len, iters).await;
+        println!("| {p} | host -> host (network ceiling) | {raw:.2} GB/s |");
+        for (name, s, d) in [
+            ("host -> GPU staged", host, GPU),
+            ("GPU -> host staged", GPU, host),
+            ("GPU -> GPU staged", GPU, GPU),
+        ] {
+            let bw = throughput(&p, s, d, false, len, iters).await;
+            println!("| {p} | {name} | {bw:.2} GB/s ({:.2}x host->host) |", bw / raw);
+        }
+    }
+    let ipc = throughput("tcp", GPU, GPU, true, len, iters).await;
+    println!("| tcp | GPU -> GPU CUDA IPC (same GPU, imm over tcp) | {ipc:.1} GB/s |");
+}
