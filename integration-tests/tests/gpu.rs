@@ -47,6 +47,14 @@ fn gpu(test: &str) -> bool {
     false
 }
 
+/// `"tcp"`, or `"tcp:2"` for an engine of 2 domains (the loopback stand-in for 2 NICs).
+fn builder(provider: &str) -> fabric_async::EngineBuilder {
+    match provider.split_once(':') {
+        Some((p, n)) => Engine::builder().provider(p).domains(n.parse().expect("domain count")),
+        None => Engine::builder().provider(provider),
+    }
+}
+
 fn loc_name(l: MemoryLocation) -> &'static str {
     if l == MemoryLocation::Host {
         "host"
@@ -119,7 +127,7 @@ async fn gpu_child() {
     let [addr, provider, loc, size, imm, count, key] = f[..] else { panic!("bad child spec {spec}") };
     let store = TcpStore::connect(addr.parse().unwrap()).await.expect("store");
     let r = async {
-        let engine = Engine::builder().provider(provider).build()?;
+        let engine = builder(provider).build()?;
         let loc = if loc == "gpu" { GPU } else { MemoryLocation::Host };
         let size: usize = size.parse().unwrap();
         let region = engine.alloc_in(size, loc).await?;
@@ -206,12 +214,13 @@ async fn one_transfer(
 ) -> Duration {
     let len = 24 * MIB + 4099; // several 4 MiB chunks and a ragged end
     let imm = 0x600d;
-    let engine = Engine::builder().provider(provider).cuda_ipc(ipc).build().expect("engine");
+    let engine = builder(provider).cuda_ipc(ipc).build().expect("engine");
+    let nics = engine.nics();
     let data = pattern(len, 0x5eed ^ len as u64);
     let src = source(&engine, src_loc, &data).await;
     // Into host memory: one per shard, as for any write; into GPU memory: exactly one.
     let expected_arrivals = if dst_loc == MemoryLocation::Host {
-        engine.transfer_opts().write_arrivals(len as u64, 1).unwrap()
+        engine.transfer_opts().write_arrivals(len as u64, nics).unwrap()
     } else {
         1
     };
@@ -316,6 +325,18 @@ async fn gpu_to_gpu_staged() {
     }
     for p in providers() {
         one_transfer("gpu_to_gpu_staged", &p, GPU, GPU, false).await;
+    }
+}
+
+/// Two domains on each side: a GPU source's shards each gated on their own D2H copy, and
+/// pulls whose chunk reads alternate between the two NICs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_over_two_nics() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("staged_over_two_nics") {
+        return;
+    }
+    for (s, d) in [(GPU, MemoryLocation::Host), (MemoryLocation::Host, GPU), (GPU, GPU)] {
+        one_transfer("staged_over_two_nics", "tcp:2", s, d, false).await;
     }
 }
 

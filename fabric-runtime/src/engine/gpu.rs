@@ -285,7 +285,29 @@ impl Transfers<'_> {
     ) -> Result<OpFuture> {
         let plan = self.contiguous(Some((src, src_off)), dst, dst_off, len, imm, OpKind::Write)?;
         let Some((subs, state)) = self.prepare(plan)? else { return Ok(OpFuture::done()) };
-        self.after_source_copy(src, src_off, len, subs)?;
+        // One gate per shard: shard k is posted once its own D2H copy is done, while the
+        // copy engine moves shard k+1 (the copies run in order on the device's stream).
+        let shadow = src.inner.backing().addr();
+        let gated = subs
+            .into_iter()
+            .map(|s| match &s {
+                Submission::Op { req, .. } if req.len > 0 => {
+                    let off = req.local_addr - shadow;
+                    match Self::d2h(src, off, req.len as u64) {
+                        Some((ordinal, copy)) => Submission::Gated {
+                            ordinal,
+                            copies: vec![copy],
+                            then: vec![s],
+                            done: None,
+                            keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
+                        },
+                        None => s,
+                    }
+                }
+                _ => s,
+            })
+            .collect();
+        self.shared().submit_all(gated).map_err(|_| Error::Shutdown)?;
         Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
     }
 

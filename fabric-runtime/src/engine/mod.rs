@@ -339,9 +339,18 @@ impl Engine {
     /// landed (see [`ImmCounter`]): one with a single NIC; with several, as many as
     /// [`Engine::write_arrivals`] says (one per shard by default).
     ///
+    /// GPU memory (`docs/gpu.md`): a staged GPU source is copied to its shadow shard by
+    /// shard before each shard is posted; into a staged GPU destination the owner pulls the
+    /// bytes and counts exactly one arrival once they are in GPU memory (the future
+    /// completes on its ACK); into a GPU region of a process on this host the copy engine
+    /// writes it through CUDA IPC, then one imm-only write is posted.
+    ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::write`]: the write and its immediate still happen.
+    /// As for [`Engine::write`]: the write and its immediate still happen. Staged and IPC
+    /// writes hold the source region (and the IPC mapping) until their last step (the last
+    /// copy, the ACK, or the imm-only write), so nothing a copy engine or NIC still uses is
+    /// freed.
     #[allow(clippy::too_many_arguments)]
     pub fn write_imm(
         &self,

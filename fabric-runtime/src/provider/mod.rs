@@ -73,16 +73,17 @@ pub struct Registration {
     pub remote_base: u64,
 }
 
-/// Where memory lives. Only host memory is implemented; the parameter exists so that GPU
-/// memory (CUDA device pointers through `FI_HMEM_CUDA` or `ibv_reg_dmabuf_mr`) can be added
-/// without changing any signature.
+/// Where memory lives. A backend registers [`MemoryLocation::Cuda`] memory only if its NIC
+/// can reach GPU memory itself (verbs: `ibv_reg_dmabuf_mr`); otherwise it returns
+/// [`Error::Unsupported`] and the engine stages the region through pinned host memory
+/// (`docs/gpu.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MemoryLocation {
     /// Ordinary host memory.
     #[default]
     Host,
-    /// Memory of CUDA device `ordinal` (not implemented yet: [`Error::Unsupported`]).
+    /// Memory of CUDA device `ordinal` (cargo feature `cuda`).
     Cuda { ordinal: u32 },
 }
 

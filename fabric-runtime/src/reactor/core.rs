@@ -163,6 +163,14 @@ impl<D: Domain> Core<D> {
         Ok(r)
     }
 
+    /// Whether staged GPU writes wait for ACKs (which `op_timeout` also bounds).
+    fn staging_waits(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.staging.awaits_acks();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
     /// Whether some domain has no wait fd (shm, EFA): it cannot wake a sleeper.
     pub(crate) fn has_fdless_domain(&self) -> bool {
         self.domains.iter().any(|d| d.wait_fd().is_none())
@@ -177,7 +185,7 @@ impl<D: Domain> Core<D> {
             return false;
         }
         if let Some(limit) = self.cfg.op_timeout {
-            if !self.slab.is_empty() || self.has_pending() {
+            if !self.slab.is_empty() || self.has_pending() || self.staging_waits() {
                 let now = Instant::now();
                 if now >= self.next_deadline_check {
                     self.expire(now, limit);
@@ -249,6 +257,9 @@ impl<D: Domain> Core<D> {
             // CUDA events wake nobody: poll them soon.
             let t = Duration::from_micros(20);
             timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
+        } else if self.cfg.op_timeout.is_some() && self.staging.awaits_acks() {
+            // A peer that never ACKs must still time out.
+            timeout = Some(timeout.map_or(DEADLINE_TICK, |t| t.min(DEADLINE_TICK)));
         }
         if self.cfg.op_timeout.is_some() && !self.slab.is_empty() {
             // Wake up to check deadlines even if the peer never answers.
@@ -636,6 +647,8 @@ impl<D: Domain> Core<D> {
     /// marks its peer failed. The slab entry stays (keeping its memory alive) until the
     /// provider completes or shutdown cancels it.
     fn expire(&mut self, now: Instant, limit: Duration) {
+        #[cfg(feature = "cuda")]
+        self.expire_acks(now, limit);
         // Operations that never even reached the NIC (a peer whose connection never comes
         // up keeps refusing them).
         for i in 0..self.pending_peers.len() {

@@ -18,6 +18,7 @@ use std::any::Any;
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -66,6 +67,8 @@ struct Gate {
 /// A sender's pull waiting for its ACK.
 struct Awaiting {
     notify: Notify,
+    peer: PeerId,
+    sent: Instant,
     /// The source the receiver reads: kept until the ACK (or shutdown).
     _keep: Arc<RegionShared>,
 }
@@ -103,6 +106,11 @@ impl Staging {
     /// Whether a pass has staging work to look at.
     pub(super) fn active(&self) -> bool {
         !self.gates.is_empty() || !self.pulls.is_empty() || !self.awaiting.is_empty()
+    }
+
+    /// Whether sent PULLs wait for their ACK.
+    pub(super) fn awaits_acks(&self) -> bool {
+        !self.awaiting.is_empty()
     }
 
     /// Whether copies are in flight (the reactor must not sleep long: events wake nobody).
@@ -240,10 +248,32 @@ impl<D: Domain> Core<D> {
         let op = self.staging.next_op & LOW;
         self.staging.next_op += 1;
         pull.op = op;
-        self.staging.awaiting.insert(op, Awaiting { notify, _keep: keep });
+        self.staging.awaiting.insert(op, Awaiting { notify, peer, sent: Instant::now(), _keep: keep });
         let data = Bytes::from(pull.to_bytes());
         let notify = self.staging.internal(TAG_PULL_SENT, op);
         self.handle(Submission::Send { peer, data, notify });
+    }
+
+    /// Sender: fails the pulls whose ACK has not come within `limit` (`op_timeout`) and
+    /// marks their peer failed, as for any operation. As for a timed-out operation, the
+    /// entry (and so the source the peer may still read) stays until a late ACK or
+    /// shutdown.
+    pub(super) fn expire_acks(&mut self, now: Instant, limit: Duration) {
+        let mut failed = Vec::new();
+        for a in self.staging.awaiting.values_mut() {
+            if matches!(a.notify, Notify::None) || now.duration_since(a.sent) < limit {
+                continue;
+            }
+            failed.push((a.peer, std::mem::replace(&mut a.notify, Notify::None)));
+        }
+        for (peer, notify) in failed {
+            let message = format!("no ACK for a staged GPU write within {limit:?}; peer marked failed");
+            tracing::warn!(peer = peer.0, %message, "staged write timed out");
+            if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                p.failed.get_or_insert_with(|| message.clone());
+            }
+            notify.fail(Error::PeerUnreachable { peer: peer.0, message });
+        }
     }
 
     /// Sender: the ACK of one of our pulls.

@@ -101,8 +101,9 @@
 //! `remote_base` is the virtual address. [`MemoryLocation::Cuda`] goes through
 //! `ibv_reg_dmabuf_mr`, which needs a dma-buf file descriptor of the GPU range
 //! (`cuMemGetHandleForAddressRange(..., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ...)` of the
-//! CUDA driver API); this crate does not link the CUDA driver yet, so the fd source returns
-//! [`Error::Unsupported`] and the dma-buf registration itself (compiled, `memory.rs`) is not reached.
+//! CUDA driver API, `cuda::dmabuf_fd`, with the cargo feature `cuda`). Where that or the
+//! registration fails (no driver support, a range that is not page-aligned, a NIC without
+//! dma-buf), the engine stages the region through pinned host memory instead.
 //!
 //! # Immediates
 //!
