@@ -297,17 +297,7 @@ impl Future for WaitFor {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_queue(cx) };
-        // Inline: look, run a reactor pass, look again; still pending, be polled again at
-        // once rather than park the thread.
-        if let Poll::Ready(r) = self.as_mut().poll_queue(cx) {
-            return Poll::Ready(r);
-        }
-        driver.progress();
-        let r = self.as_mut().poll_queue(cx);
-        if r.is_pending() {
-            cx.waker().wake_by_ref();
-        }
-        r
+        crate::sync::inline_poll(&driver, cx, |cx| self.as_mut().poll_queue(cx))
     }
 }
 

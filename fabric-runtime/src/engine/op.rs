@@ -86,18 +86,7 @@ impl Future for OpFuture {
             Inner::Failed(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
             Inner::Pending(state) => match driver {
                 None => state.poll_result(cx.waker()),
-                Some(d) => {
-                    if let Poll::Ready(r) = state.poll_result(cx.waker()) {
-                        return Poll::Ready(r);
-                    }
-                    d.progress();
-                    let r = state.poll_result(cx.waker());
-                    if r.is_pending() {
-                        // Inline: be polled again at once rather than park the thread.
-                        cx.waker().wake_by_ref();
-                    }
-                    r
-                }
+                Some(d) => crate::sync::inline_poll(d, cx, |cx| state.poll_result(cx.waker())),
             },
         }
     }

@@ -39,16 +39,7 @@ impl Future for RecvFuture {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_inbox(cx) };
-        // Inline: as `OpFuture`.
-        if let Poll::Ready(r) = self.as_mut().poll_inbox(cx) {
-            return Poll::Ready(r);
-        }
-        driver.progress();
-        let r = self.as_mut().poll_inbox(cx);
-        if r.is_pending() {
-            cx.waker().wake_by_ref();
-        }
-        r
+        crate::sync::inline_poll(&driver, cx, |cx| self.as_mut().poll_inbox(cx))
     }
 }
 

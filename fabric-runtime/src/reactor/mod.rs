@@ -57,7 +57,8 @@ pub enum ReactorMode {
     /// reactor's pass on the caller's thread; a future still pending then wakes itself at
     /// once (`Waker::wake_by_ref`, as `tokio::task::yield_now` does) instead of waiting to be
     /// woken, so the executor thread never parks while something is awaited and no OS
-    /// wake-up sits on the latency path. It takes the awaiting thread's core: run that part
+    /// wake-up sits on the latency path (a pending future first spins, running passes, for up to
+    /// `EngineBuilder::inline_spin`, 20 µs by default, inside one `poll`). It takes the awaiting thread's core: run that part
     /// of the program on a runtime of its own (a current-thread runtime on a dedicated,
     /// pinned thread; see `docs/performance.md`). A reactor thread stays in the background:
     /// while callers drive it stands by (a timed sleep of 200 µs, no NIC access); once they
@@ -77,6 +78,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) recv_depth: usize,
     pub(crate) send_depth: usize,
     pub(crate) op_timeout: Option<Duration>,
+    /// `Inline`: how long a pending future spins inside one `poll`.
+    pub(crate) inline_spin: Duration,
 }
 
 /// How long the reactor thread of an `Inline` engine sleeps while callers drive the NICs,
@@ -87,6 +90,7 @@ const INLINE_STANDBY: Duration = Duration::from_micros(200);
 struct Inline<D: Domain> {
     core: Arc<Mutex<Core<D>>>,
     shared: Arc<Shared>,
+    spin: Duration,
 }
 
 impl<D: Domain> Progress for Inline<D> {
@@ -98,6 +102,10 @@ impl<D: Domain> Progress for Inline<D> {
             Err(TryLockError::WouldBlock) => false,
             Err(TryLockError::Poisoned(p)) => p.into_inner().turn(),
         }
+    }
+
+    fn spin_budget(&self) -> Duration {
+        self.spin
     }
 }
 
@@ -111,7 +119,7 @@ pub(crate) struct Started {
 pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Started> {
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
     let driver = (cfg.mode == ReactorMode::Inline)
-        .then(|| Arc::new(Inline { core: core.clone(), shared: shared.clone() }) as Driver);
+        .then(|| Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin }) as Driver);
     let thread = std::thread::Builder::new()
         .name("fabric-reactor".into())
         .spawn(move || run(core, shared, cfg))
