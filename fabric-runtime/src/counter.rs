@@ -297,7 +297,18 @@ impl Future for WaitFor {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_queue(cx) };
-        crate::sync::inline_poll(&driver, cx, |cx| self.as_mut().poll_queue(cx))
+        let this = &mut *self;
+        if this.id.is_some() {
+            // Already queued (an earlier poll gave up its spin): our place in line holds.
+            return crate::sync::inline_poll(&driver, cx, || None, |cx| Pin::new(this).poll_queue(cx));
+        }
+        let (cell, n) = (this.cell.clone(), this.n);
+        let peek = || (n == 0 || (!cell.has_waiters() && cell.take(n))).then_some(Ok(()));
+        let r = crate::sync::inline_poll(&driver, cx, peek, |cx| Pin::new(&mut *this).poll_queue(cx));
+        if matches!(r, Poll::Ready(Ok(()))) {
+            this.done = true;
+        }
+        r
     }
 }
 

@@ -35,18 +35,20 @@ pub(crate) trait Progress: Send + Sync {
     fn spin_budget(&self) -> std::time::Duration;
 }
 
-/// The `poll` of an inline future: `check` (which also registers the waker), then passes
-/// of the reactor on this thread, checking after each, for up to the driver's spin budget;
-/// still pending, it asks to be polled again at once (`wake_by_ref`, as
-/// `tokio::task::yield_now` does) instead of waiting to be woken. Spinning inside `poll`
-/// keeps the executor's own wake-up path (a syscall for a `block_on` future) off the hop.
+/// The `poll` of an inline future. `peek` looks for the result without registering the
+/// waker; `register` is the future's ordinary poll (which does). Passes of the reactor run on
+/// this thread, with a `peek` after each, for up to the driver's spin budget; only then is
+/// the waker registered (so an arrival inside the budget wakes nobody: no executor wake-up,
+/// which for a `block_on` future is a syscall), and a future still pending asks to be polled
+/// again at once (`wake_by_ref`, as `tokio::task::yield_now` does) instead of waiting.
 pub(crate) fn inline_poll<T>(
     driver: &Driver,
     cx: &mut std::task::Context<'_>,
-    mut check: impl FnMut(&mut std::task::Context<'_>) -> std::task::Poll<T>,
+    mut peek: impl FnMut() -> Option<T>,
+    register: impl FnOnce(&mut std::task::Context<'_>) -> std::task::Poll<T>,
 ) -> std::task::Poll<T> {
     use std::task::Poll;
-    if let Poll::Ready(r) = check(cx) {
+    if let Some(r) = peek() {
         return Poll::Ready(r);
     }
     let budget = driver.spin_budget();
@@ -54,7 +56,7 @@ pub(crate) fn inline_poll<T>(
     let mut passes = 0u32;
     loop {
         driver.progress();
-        if let Poll::Ready(r) = check(cx) {
+        if let Some(r) = peek() {
             return Poll::Ready(r);
         }
         passes = passes.wrapping_add(1);
@@ -64,8 +66,13 @@ pub(crate) fn inline_poll<T>(
         }
         std::hint::spin_loop();
     }
-    cx.waker().wake_by_ref();
-    Poll::Pending
+    match register(cx) {
+        Poll::Ready(r) => Poll::Ready(r),
+        Poll::Pending => {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        }
+    }
 }
 
 /// A handle to an inline engine's progress, cloned into its futures and counters.

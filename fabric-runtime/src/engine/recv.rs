@@ -39,7 +39,13 @@ impl Future for RecvFuture {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_inbox(cx) };
-        crate::sync::inline_poll(&driver, cx, |cx| self.as_mut().poll_inbox(cx))
+        let this = &mut *self;
+        if this.id.is_some() {
+            return crate::sync::inline_poll(&driver, cx, || None, |cx| Pin::new(this).poll_inbox(cx));
+        }
+        let shared = this.shared.clone();
+        let peek = || lock(&shared.inbox).msgs.pop_front().map(Ok);
+        crate::sync::inline_poll(&driver, cx, peek, |cx| Pin::new(&mut *this).poll_inbox(cx))
     }
 }
 
