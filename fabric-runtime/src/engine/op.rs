@@ -86,7 +86,9 @@ impl Future for OpFuture {
             Inner::Failed(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
             Inner::Pending(state) => match driver {
                 None => state.poll_result(cx.waker()),
-                Some(d) => crate::sync::inline_poll(d, cx, || state.try_take(), |cx| state.poll_result(cx.waker())),
+                Some(d) => {
+                    crate::sync::inline_poll(d, cx, || state.try_take(), |cx| state.poll_result(cx.waker()))
+                }
             },
         }
     }

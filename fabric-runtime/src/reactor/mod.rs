@@ -118,8 +118,9 @@ pub(crate) struct Started {
 /// Opens the message pools, then moves the domains to a new reactor thread.
 pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Started> {
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
-    let driver = (cfg.mode == ReactorMode::Inline)
-        .then(|| Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin }) as Driver);
+    let driver = (cfg.mode == ReactorMode::Inline).then(|| {
+        Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin }) as Driver
+    });
     let thread = std::thread::Builder::new()
         .name("fabric-reactor".into())
         .spawn(move || run(core, shared, cfg))
