@@ -297,15 +297,16 @@ impl Future for WaitFor {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_queue(cx) };
-        // Inline: look, run a reactor pass, look again; still pending, be polled again at
-        // once rather than park the thread.
-        if let Poll::Ready(r) = self.as_mut().poll_queue(cx) {
-            return Poll::Ready(r);
+        let this = &mut *self;
+        if this.id.is_some() {
+            // Already queued (an earlier poll gave up its spin): our place in line holds.
+            return crate::sync::inline_poll(&driver, cx, || None, |cx| Pin::new(this).poll_queue(cx));
         }
-        driver.progress();
-        let r = self.as_mut().poll_queue(cx);
-        if r.is_pending() {
-            cx.waker().wake_by_ref();
+        let (cell, n) = (this.cell.clone(), this.n);
+        let peek = || (n == 0 || (!cell.has_waiters() && cell.take(n))).then_some(Ok(()));
+        let r = crate::sync::inline_poll(&driver, cx, peek, |cx| Pin::new(&mut *this).poll_queue(cx));
+        if matches!(r, Poll::Ready(Ok(()))) {
+            this.done = true;
         }
         r
     }

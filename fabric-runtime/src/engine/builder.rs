@@ -20,6 +20,7 @@ pub struct EngineBuilder {
     pub(crate) max_msg_size: usize,
     pub(crate) node: Option<String>,
     pub(crate) op_timeout: Option<Duration>,
+    pub(crate) inline_spin: Duration,
     pub(crate) nics: Vec<String>,
     pub(crate) domains: Option<usize>,
     pub(crate) transfer: TransferOpts,
@@ -44,6 +45,7 @@ impl Default for EngineBuilder {
             max_msg_size: 8192,
             node: None,
             op_timeout: Some(Duration::from_secs(30)),
+            inline_spin: Duration::from_micros(20),
             nics: Vec::new(),
             domains: None,
             transfer: TransferOpts::default(),
@@ -80,6 +82,15 @@ impl EngineBuilder {
     /// Longest poll interval of an idle `Event`-mode reactor on a provider without a wait fd.
     pub fn idle_poll_interval(mut self, d: Duration) -> Self {
         self.idle_poll_interval = d;
+        self
+    }
+
+    /// [`ReactorMode::Inline`]: how long a pending future spins inside one `poll` (running
+    /// reactor passes on the caller's thread) before it hands the thread back to the
+    /// executor and asks to be polled again (default 20 µs). Longer keeps more hops inside
+    /// one poll; shorter lets other tasks of the same runtime run sooner.
+    pub fn inline_spin(mut self, d: Duration) -> Self {
+        self.inline_spin = d;
         self
     }
 
@@ -245,6 +256,7 @@ impl EngineBuilder {
             send_depth: self.send_depth,
             op_timeout: self.op_timeout,
             msg_slot: self.max_msg_size + crate::pure::control::HEADER_LEN,
+            inline_spin: self.inline_spin,
         }
     }
 

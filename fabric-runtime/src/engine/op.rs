@@ -87,16 +87,7 @@ impl Future for OpFuture {
             Inner::Pending(state) => match driver {
                 None => state.poll_result(cx.waker()),
                 Some(d) => {
-                    if let Poll::Ready(r) = state.poll_result(cx.waker()) {
-                        return Poll::Ready(r);
-                    }
-                    d.progress();
-                    let r = state.poll_result(cx.waker());
-                    if r.is_pending() {
-                        // Inline: be polled again at once rather than park the thread.
-                        cx.waker().wake_by_ref();
-                    }
-                    r
+                    crate::sync::inline_poll(d, cx, || state.try_take(), |cx| state.poll_result(cx.waker()))
                 }
             },
         }

@@ -39,16 +39,13 @@ impl Future for RecvFuture {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_inbox(cx) };
-        // Inline: as `OpFuture`.
-        if let Poll::Ready(r) = self.as_mut().poll_inbox(cx) {
-            return Poll::Ready(r);
+        let this = &mut *self;
+        if this.id.is_some() {
+            return crate::sync::inline_poll(&driver, cx, || None, |cx| Pin::new(this).poll_inbox(cx));
         }
-        driver.progress();
-        let r = self.as_mut().poll_inbox(cx);
-        if r.is_pending() {
-            cx.waker().wake_by_ref();
-        }
-        r
+        let shared = this.shared.clone();
+        let peek = || lock(&shared.inbox).msgs.pop_front().map(Ok);
+        crate::sync::inline_poll(&driver, cx, peek, |cx| Pin::new(&mut *this).poll_inbox(cx))
     }
 }
 

@@ -57,7 +57,8 @@ pub enum ReactorMode {
     /// reactor's pass on the caller's thread; a future still pending then wakes itself at
     /// once (`Waker::wake_by_ref`, as `tokio::task::yield_now` does) instead of waiting to be
     /// woken, so the executor thread never parks while something is awaited and no OS
-    /// wake-up sits on the latency path. It takes the awaiting thread's core: run that part
+    /// wake-up sits on the latency path (a pending future first spins, running passes, for up to
+    /// `EngineBuilder::inline_spin`, 20 µs by default, inside one `poll`). It takes the awaiting thread's core: run that part
     /// of the program on a runtime of its own (a current-thread runtime on a dedicated,
     /// pinned thread; see `docs/performance.md`). A reactor thread stays in the background:
     /// while callers drive it stands by (a timed sleep of 200 µs, no NIC access); once they
@@ -79,6 +80,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) op_timeout: Option<Duration>,
     /// Bytes of one message slot: the kind byte, then a user message or a control message.
     pub(crate) msg_slot: usize,
+    /// `Inline`: how long a pending future spins inside one `poll`.
+    pub(crate) inline_spin: Duration,
 }
 
 /// How long the reactor thread of an `Inline` engine sleeps while callers drive the NICs,
@@ -89,6 +92,7 @@ const INLINE_STANDBY: Duration = Duration::from_micros(200);
 struct Inline<D: Domain> {
     core: Arc<Mutex<Core<D>>>,
     shared: Arc<Shared>,
+    spin: Duration,
 }
 
 impl<D: Domain> Progress for Inline<D> {
@@ -101,6 +105,10 @@ impl<D: Domain> Progress for Inline<D> {
             Err(TryLockError::Poisoned(p)) => p.into_inner().turn(),
         }
     }
+
+    fn spin_budget(&self) -> Duration {
+        self.spin
+    }
 }
 
 /// A started reactor: its thread, and for an `Inline` engine the callers' progress handle.
@@ -112,8 +120,9 @@ pub(crate) struct Started {
 /// Opens the message pools, then moves the domains to a new reactor thread.
 pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Started> {
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
-    let driver = (cfg.mode == ReactorMode::Inline)
-        .then(|| Arc::new(Inline { core: core.clone(), shared: shared.clone() }) as Driver);
+    let driver = (cfg.mode == ReactorMode::Inline).then(|| {
+        Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin }) as Driver
+    });
     let thread = std::thread::Builder::new()
         .name("fabric-reactor".into())
         .spawn(move || run(core, shared, cfg))

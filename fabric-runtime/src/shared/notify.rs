@@ -137,6 +137,15 @@ impl OpState {
         }
     }
 
+    /// Takes the result if there is one, without registering a waker (a later call then
+    /// reports [`Error::Shutdown`]).
+    pub(crate) fn try_take(&self) -> Option<Result<(), Error>> {
+        let mut s = lock(&self.slot);
+        let r = s.result.take()?;
+        s.result = Some(Err(Error::Shutdown));
+        Some(r)
+    }
+
     /// The future's side: takes the result if there is one (a later call then reports
     /// [`Error::Shutdown`] rather than hang), else stores `waker` to be woken with it.
     pub(crate) fn poll_result(&self, waker: &Waker) -> Poll<Result<(), Error>> {

@@ -104,6 +104,9 @@ impl LibfabricDomain {
         let mut found = None;
         let mut first_err = None;
         for extras in Extras::PREFERENCE {
+            if extras.delivery_complete && !cfg.delivery_complete {
+                continue;
+            }
             match query.getinfo(cfg, true, extras) {
                 Ok(info) => {
                     found = Some((info, extras));

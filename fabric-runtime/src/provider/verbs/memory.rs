@@ -41,11 +41,15 @@ impl VerbsDomain {
             | sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
         let relaxed = sys::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0;
         let mr = if self.relaxed_ordering {
-            match reg_mr(&self.pd, addr, len, base | relaxed) {
+            // SAFETY: the caller of `register_memory` guarantees that addr..addr+len stays
+            // allocated until the registration is given back.
+            let first = unsafe { reg_mr(&self.pd, addr, len, base | relaxed) };
+            match first {
                 Ok(mr) => Ok(mr),
                 Err(e) => {
                     tracing::debug!(error = %e, "registration with relaxed ordering refused; retrying without");
-                    let r = reg_mr(&self.pd, addr, len, base);
+                    // SAFETY: as above.
+                    let r = unsafe { reg_mr(&self.pd, addr, len, base) };
                     if r.is_ok() {
                         self.relaxed_ordering = false;
                     }
@@ -53,7 +57,8 @@ impl VerbsDomain {
                 }
             }
         } else {
-            reg_mr(&self.pd, addr, len, base)
+            // SAFETY: as above.
+            unsafe { reg_mr(&self.pd, addr, len, base) }
         };
         Ok(self.keep_mr(mr.map_err(reg_err)?, addr))
     }

@@ -172,7 +172,9 @@ impl SlotPool {
     pub(super) fn new(pd: &Arc<Pd>, slot_size: usize, count: usize) -> Result<SlotPool, Error> {
         let buf = Buffer::zeroed(slot_size * count)?;
         let access = sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        let mr = reg_mr(pd, buf.addr(), slot_size * count, access)?;
+        // SAFETY: `buf` is owned by the pool and declared after `mr`, so it is freed only
+        // after the MR is deregistered.
+        let mr = unsafe { reg_mr(pd, buf.addr(), slot_size * count, access)? };
         Ok(SlotPool { mr, buf, slot_size, count })
     }
 
@@ -197,7 +199,13 @@ impl SlotPool {
     }
 }
 
-pub(super) fn reg_mr(pd: &Arc<Pd>, addr: u64, len: usize, access: u32) -> Result<Mr, Error> {
+/// Registers `addr..addr+len` with `pd`.
+///
+/// # Safety
+///
+/// `addr..addr+len` must be valid memory that stays allocated while the returned [`Mr`]
+/// exists (the HCA may read and write it until the MR is deregistered).
+pub(super) unsafe fn reg_mr(pd: &Arc<Pd>, addr: u64, len: usize, access: u32) -> Result<Mr, Error> {
     // SAFETY: pd is live; the caller guarantees addr..addr+len is valid memory that stays
     // allocated while the MR exists.
     let p = unsafe { sys::ibv_reg_mr_iova2(pd.as_ptr(), addr as *mut c_void, len, addr, access) };
