@@ -27,9 +27,13 @@ mod ext;
 pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};
 
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
+/// The CUDA layer (driver loaded at run time): devices, memory, streams, events, kernels
+/// (`docs/gpu.md`); [`Engine::after`] takes its events.
+pub use fabric_runtime::cuda;
 /// GPU/NIC topology from sysfs: which NICs and cores each GPU should use
 /// (`docs/topology.md`).
 pub use fabric_runtime::topology;
+pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
     Arrivals, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch,
     OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result,

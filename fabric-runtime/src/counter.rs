@@ -43,6 +43,16 @@ pub(crate) struct CounterCell {
     /// Arrivals ever seen (for metrics and `Debug`).
     arrived: AtomicU64,
     waiters: Mutex<WaitQueue>,
+    /// Where every new total of `arrived` is also written (a GPU-visible word; see
+    /// `Engine::gpu_counter`). Set at most once.
+    mirror: std::sync::OnceLock<std::sync::Arc<dyn Mirror>>,
+}
+
+/// A place outside the counter that follows its total of arrivals (monotonic: a store never
+/// lowers it), such as a word of pinned, device-mapped host memory a CUDA kernel reads.
+pub(crate) trait Mirror: Send + Sync {
+    /// The counter has now seen `total` arrivals in all.
+    fn store(&self, total: u64);
 }
 
 #[derive(Default)]
@@ -72,7 +82,17 @@ impl CounterCell {
             state: AtomicU64::new(0),
             arrived: AtomicU64::new(0),
             waiters: Mutex::new(WaitQueue::default()),
+            mirror: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Mirrors the total of arrivals into `m` from now on (and writes the current total).
+    /// Returns the mirror in place if one was set before.
+    #[cfg_attr(any(loom, not(feature = "cuda")), allow(dead_code))]
+    pub(crate) fn set_mirror(&self, m: std::sync::Arc<dyn Mirror>) -> std::sync::Arc<dyn Mirror> {
+        let m = self.mirror.get_or_init(|| m).clone();
+        m.store(self.arrived.load(Ordering::Acquire));
+        m
     }
 
     fn available(&self) -> u64 {
@@ -102,7 +122,10 @@ impl CounterCell {
 
     /// Records `k` arrivals and wakes every waiter they satisfy. Called by the reactor.
     pub(crate) fn arrive(&self, k: u64) {
-        self.arrived.fetch_add(k, Ordering::Relaxed);
+        let total = self.arrived.fetch_add(k, Ordering::AcqRel) + k;
+        if let Some(m) = self.mirror.get() {
+            m.store(total);
+        }
         let before = self.state.fetch_add(k, Ordering::AcqRel);
         if before & QUEUED == 0 {
             return;

@@ -30,6 +30,8 @@ pub(crate) mod sys;
 pub mod topology;
 
 pub use counter::{ImmCounter, WaitFor};
+#[cfg(all(feature = "cuda", not(loom)))]
+pub use engine::GpuCounter;
 #[cfg(not(loom))]
 pub use engine::{
     ControlFuture, Engine, EngineBuilder, MemoryRegion, OpBatch, OpFuture, PeerGroup, PeerId, ReactorMode,

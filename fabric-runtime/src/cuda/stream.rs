@@ -327,6 +327,11 @@ impl Event {
         Ok(Event { raw, ctx: ctx.clone() })
     }
 
+    /// The device the event belongs to.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     /// Records the event at the current end of `stream` (same device). Re-recording moves it.
     pub fn record(&self, stream: &Stream) -> Result<()> {
         let _cur = self.ctx.enter()?;

@@ -174,7 +174,7 @@ impl MemoryRegion {
             ordinal: g.ordinal,
             staged: g.path == GpuPath::Staged,
             ipc: g.ipc.map(|e| e.to_bytes().to_vec()),
-            host: self.inner.engine().gpu.host_id.clone().unwrap_or_default(),
+            host: owner_id(self.inner.engine().gpu.host_id.as_deref()),
         })
     }
 }
@@ -192,9 +192,30 @@ impl RemoteRegion {
     }
 }
 
-/// Whether a writer of this engine can open `g`'s IPC export.
+/// The `host` of a GPU descriptor: this boot's id, `#`, this process's id (empty when the
+/// kernel gives no boot id). Peers compare the boot id to know they share a host, and the
+/// process id to know they are not the exporting process itself, which CUDA IPC refuses
+/// (`cuIpcOpenMemHandle` in the exporter fails with `CUDA_ERROR_INVALID_CONTEXT`).
+fn owner_id(boot: Option<&[u8]>) -> Vec<u8> {
+    let Some(boot) = boot else { return Vec::new() };
+    let mut v = boot.to_vec();
+    v.extend_from_slice(format!("#{}", std::process::id()).as_bytes());
+    v
+}
+
+/// Whether a writer of this engine can open `g`'s IPC export: same boot, another process.
 pub(super) fn ipc_usable(shared: &crate::shared::Shared, g: &GpuRegion) -> Option<cuda::IpcExport> {
-    if !shared.gpu.ipc_enabled || g.host.is_empty() || shared.gpu.host_id.as_deref() != Some(&g.host[..]) {
+    let (boot, pid) = match g.host.iter().position(|&b| b == b'#') {
+        Some(i) => {
+            (&g.host[..i], std::str::from_utf8(&g.host[i + 1..]).ok().and_then(|p| p.parse::<u32>().ok()))
+        }
+        None => (&g.host[..], None),
+    };
+    if !shared.gpu.ipc_enabled || boot.is_empty() || shared.gpu.host_id.as_deref() != Some(boot) {
+        return None;
+    }
+    if pid == Some(std::process::id()) {
+        // Our own export: CUDA IPC cannot open it here; the region's NIC path serves.
         return None;
     }
     if !matches!(cuda::available(), Ok(n) if n > 0) {
@@ -266,10 +287,11 @@ impl Transfers<'_> {
                 then,
                 done: None,
                 keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
+                after: None,
             },
-            _ => return self.shared().submit_all(then).map_err(|_| Error::Shutdown),
+            _ => return self.hand(then),
         };
-        self.shared().submit(s).map_err(|_| Error::Shutdown)
+        self.hand(vec![s])
     }
 
     /// Staged GPU source into host or GPUDirect memory: the usual shards, posted from the
@@ -300,6 +322,7 @@ impl Transfers<'_> {
                             then: vec![s],
                             done: None,
                             keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
+                            after: None,
                         },
                         None => s,
                     }
@@ -307,7 +330,7 @@ impl Transfers<'_> {
                 _ => s,
             })
             .collect();
-        self.shared().submit_all(gated).map_err(|_| Error::Shutdown)?;
+        self.hand(gated)?;
         Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
     }
 
@@ -408,8 +431,9 @@ impl Transfers<'_> {
             then,
             done,
             keep,
+            after: None,
         };
-        self.shared().submit(s).map_err(|_| Error::Shutdown)?;
+        self.hand(vec![s])?;
         Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
     }
 

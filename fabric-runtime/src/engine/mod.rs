@@ -22,6 +22,8 @@
 mod builder;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_signal;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
@@ -50,6 +52,8 @@ use crate::sync::Driver;
 pub use crate::reactor::ReactorMode;
 pub use crate::shared::PeerId;
 pub use builder::EngineBuilder;
+#[cfg(feature = "cuda")]
+pub use gpu_signal::GpuCounter;
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion};
@@ -64,6 +68,9 @@ struct EngineInner {
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
     /// `ReactorMode::Inline`: the reactor pass that callers run (cloned into futures).
     driver: Option<Driver>,
+    /// The pinned words of `gpu_counter`s.
+    #[cfg(feature = "cuda")]
+    gpu_counters: gpu_signal::GpuCounters,
 }
 
 impl Drop for EngineInner {
@@ -138,6 +145,8 @@ impl Engine {
                 shared,
                 thread: std::sync::Mutex::new(Some(started.thread)),
                 driver: started.driver,
+                #[cfg(feature = "cuda")]
+                gpu_counters: Default::default(),
             }),
         })
     }

@@ -67,6 +67,9 @@ pub struct ScatterEntry {
 pub struct Transfers<'a> {
     pub(super) engine: &'a Engine,
     pub(super) opts: TransferOpts,
+    /// A CUDA event the transfers start after (`Engine::after`).
+    #[cfg(feature = "cuda")]
+    pub(super) after: Option<&'a Arc<crate::cuda::Event>>,
 }
 
 /// Operations of one transfer, ready to submit.
@@ -81,12 +84,22 @@ impl Engine {
     /// The transfer methods with other routing or arrival options than the engine's
     /// defaults, for example `engine.with(TransferOpts::pinned(1)).write_imm(..)`.
     pub fn with(&self, opts: TransferOpts) -> Transfers<'_> {
-        Transfers { engine: self, opts }
+        Transfers {
+            engine: self,
+            opts,
+            #[cfg(feature = "cuda")]
+            after: None,
+        }
     }
 
     /// The transfer methods with the engine's default options.
     pub(crate) fn transfers(&self) -> Transfers<'_> {
-        Transfers { engine: self, opts: self.shared().default_opts }
+        Transfers {
+            engine: self,
+            opts: self.shared().default_opts,
+            #[cfg(feature = "cuda")]
+            after: None,
+        }
     }
 
     /// The routing and arrival options the engine's transfer methods use.
@@ -231,7 +244,7 @@ impl<'a> Transfers<'a> {
             Ok(None) => return OpFuture::done(),
             Err(e) => return OpFuture::failed(e),
         };
-        match self.shared().submit_all(subs) {
+        match self.hand(subs) {
             Ok(()) => OpFuture::pending(state).driven_by(self.engine.driver()),
             Err(_) => OpFuture::failed(Error::Shutdown),
         }
@@ -268,6 +281,25 @@ impl<'a> Transfers<'a> {
                 .collect()
         };
         Ok(Some((subs, state)))
+    }
+
+    /// Hands a transfer's submissions to the reactor, behind the [`Engine::after`] event
+    /// when one is set (one gate for the whole transfer: nothing of it is posted or copied
+    /// before the event's work is done).
+    pub(super) fn hand(&self, subs: Vec<Submission>) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(ev) = self.after {
+            let gate = Submission::Gated {
+                ordinal: ev.ordinal(),
+                copies: Vec::new(),
+                then: subs,
+                done: None,
+                keep: Vec::new(),
+                after: Some(ev.clone()),
+            };
+            return self.shared().submit(gate).map_err(|_| Error::Shutdown);
+        }
+        self.shared().submit_all(subs).map_err(|_| Error::Shutdown)
     }
 
     pub(super) fn contiguous(

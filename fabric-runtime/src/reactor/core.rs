@@ -399,9 +399,13 @@ impl<D: Domain> Core<D> {
                 let _ = reply.send(self.add_peer(address));
             }
             #[cfg(feature = "cuda")]
-            Submission::Gated { ordinal, copies, then, done, keep } => {
-                self.start_gate(ordinal, &copies, staging::GateThen::Submit(then, done), keep)
-            }
+            Submission::Gated { ordinal, copies, then, done, keep, after } => self.start_gate(
+                ordinal,
+                after.as_deref(),
+                &copies,
+                staging::GateThen::Submit(then, done),
+                keep,
+            ),
             #[cfg(feature = "cuda")]
             Submission::Pull { peer, pull, keep, notify } => self.send_pull(peer, *pull, keep, notify),
         }

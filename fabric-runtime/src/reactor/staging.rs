@@ -131,8 +131,13 @@ impl<D: Domain> Core<D> {
         })
     }
 
-    fn enqueue(&mut self, ordinal: usize, copies: &[CudaCopy]) -> Result<Event> {
+    fn enqueue(&mut self, ordinal: usize, after: Option<&Event>, copies: &[CudaCopy]) -> Result<Event> {
         let stream = self.stream(ordinal)?;
+        if let Some(ev) = after {
+            // The device waits, not a thread: what follows on the stream starts once the
+            // user's work recorded in `ev` is done.
+            stream.wait(ev)?;
+        }
         for c in copies {
             // SAFETY: the engine bounds-checked every range against its region when it
             // planned the transfer; the gate keeps those regions (and IPC mappings) until
@@ -149,8 +154,15 @@ impl<D: Domain> Core<D> {
     }
 
     /// Enqueues `copies` on device `ordinal`'s stream; `then` runs once they are done.
-    pub(super) fn start_gate(&mut self, ordinal: usize, copies: &[CudaCopy], then: GateThen, keep: Keep) {
-        match self.enqueue(ordinal, copies) {
+    pub(super) fn start_gate(
+        &mut self,
+        ordinal: usize,
+        after: Option<&Event>,
+        copies: &[CudaCopy],
+        then: GateThen,
+        keep: Keep,
+    ) {
+        match self.enqueue(ordinal, after, copies) {
             Ok(event) => self.staging.gates.push(Gate { event, then, keep }),
             Err(e) => {
                 tracing::warn!(ordinal, error = %e, "staging copy failed");
@@ -422,7 +434,7 @@ impl<D: Domain> Core<D> {
                 let ordinal = g.ordinal as usize;
                 let keep: Keep = vec![p.region.clone()];
                 p.copies += 1;
-                self.start_gate(ordinal, &[copy], GateThen::PullChunk { pull: id }, keep);
+                self.start_gate(ordinal, None, &[copy], GateThen::PullChunk { pull: id }, keep);
             }
         }
         self.pump_pull(id);

@@ -74,6 +74,9 @@ pub(crate) enum Submission {
         then: Vec<Submission>,
         done: Option<Notify>,
         keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+        /// A user's CUDA event the copies (and `then`) wait for first
+        /// (`Engine::after`): the reactor's stream waits on it, never a thread.
+        after: Option<Arc<crate::cuda::Event>>,
     },
     /// A write into a peer's staged GPU region: send it a PULL and complete `notify` on its
     /// ACK. `keep` is the source, which the peer reads until then.
