@@ -47,8 +47,8 @@ use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, MemoryRegion, PageLayout, RemoteRegion};
 use fabric_examples::{
-    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError, LocationArg,
-    NicsArg, ProviderArg,
+    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError,
+    LocationArg, NicsArg, ProviderArg,
 };
 use tokio::sync::{oneshot, Semaphore};
 use tokio::task::JoinSet;
@@ -645,7 +645,9 @@ async fn prefill(cli: Cli) -> Result<(), BoxError> {
                 // Nobody tells the prefill: it finds out from the failed requests.
                 let mut children = children.lock().expect("children");
                 children.get_mut(&0).ok_or("worker 0 is gone")?.kill()?;
-                p.event(format!("worker 0 killed (SIGKILL) at request {req} with {in_flight} request(s) in flight"));
+                p.event(format!(
+                    "worker 0 killed (SIGKILL) at request {req} with {in_flight} request(s) in flight"
+                ));
                 leave = Some((0, Instant::now()));
             } else {
                 let p2 = p.clone();
@@ -691,7 +693,8 @@ async fn prefill(cli: Cli) -> Result<(), BoxError> {
             Ok(v) => {
                 let counted = p.worker(*id).map_or(0, |w| w.verified.load(Ordering::Relaxed)) as u64;
                 if v != counted {
-                    problems.push(format!("worker {id} verified {v} requests, the prefill counted {counted}"));
+                    problems
+                        .push(format!("worker {id} verified {v} requests, the prefill counted {counted}"));
                 }
             }
             Err(e) => problems.push(format!("worker {id}: {e}")),
@@ -740,14 +743,17 @@ async fn prefill(cli: Cli) -> Result<(), BoxError> {
         .collect();
     println!("kv_transfer: verified per worker: {}", per_worker.join(", "));
     if let Some((id, _)) = leave {
-        let errors: Vec<String> = rerouted.iter().flat_map(|d| d.failures.iter().map(|f| f.1.clone())).collect();
+        let errors: Vec<String> =
+            rerouted.iter().flat_map(|d| d.failures.iter().map(|f| f.1.clone())).collect();
         let mut kinds = errors;
         kinds.sort();
         kinds.dedup();
         let worst = rerouted.iter().map(|d| d.latency).max().unwrap_or_default();
         let how = if cli.kill { "was killed" } else { "left" };
         if rerouted.is_empty() {
-            println!("kv_transfer: worker {id} {how}: no request failed on it; the other workers were undisturbed");
+            println!(
+                "kv_transfer: worker {id} {how}: no request failed on it; the other workers were undisturbed"
+            );
         } else {
             println!(
                 "kv_transfer: worker {id} {how}: {} request(s) failed on it ({}), were re-routed to live workers and verified there (slowest {} ms end to end); the other workers were undisturbed",
@@ -758,7 +764,7 @@ async fn prefill(cli: Cli) -> Result<(), BoxError> {
         }
     }
     println!(
-        "kv_transfer: latency (announce to verified ack, requests not re-routed) p50 {:.2} ms  p99 {:.2} ms; {} MiB in {secs:.2} s: {:.2} GB/s",
+        "kv_transfer: latency (announce to verified ack, requests not re-routed) p50 {:.2} ms  p99 {:.2} ms; {} MiB in {secs:.2} s (the whole run, the join's start-up included): {:.2} GB/s",
         p50 / 1e3,
         p99 / 1e3,
         bytes >> 20,
@@ -768,7 +774,13 @@ async fn prefill(cli: Cli) -> Result<(), BoxError> {
         for e in &problems {
             eprintln!("kv_transfer: {e}");
         }
-        return Err(format!("{} problem(s), {} of {} requests verified", problems.len(), done.len(), cli.requests).into());
+        return Err(format!(
+            "{} problem(s), {} of {} requests verified",
+            problems.len(),
+            done.len(),
+            cli.requests
+        )
+        .into());
     }
     println!(
         "kv_transfer: ok: {} of {} requests verified byte for byte; worker {joiner} joined, worker 0 {}; {} re-routed",

@@ -43,8 +43,8 @@ use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, MemoryRegion, RemoteRegion};
 use fabric_examples::{
-    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError, LocationArg,
-    NicsArg, ProviderArg,
+    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError,
+    LocationArg, NicsArg, ProviderArg,
 };
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
@@ -207,10 +207,14 @@ async fn worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
     store.put(&format!("worker/{id}/desc"), buffers.descriptor().to_bytes()).await?;
     // What the trainer's write_arrivals promises, computed from this side's knowledge.
     let opts = engine.transfer_opts();
-    let arrivals = tensors.iter().map(|t| opts.write_arrivals(t.len as u64, engine.nics())).sum::<Result<u64, _>>()?;
+    let arrivals =
+        tensors.iter().map(|t| opts.write_arrivals(t.len as u64, engine.nics())).sum::<Result<u64, _>>()?;
     let promised = String::from_utf8(store.get(&format!("worker/{id}/arrivals")).await?)?;
     if promised != arrivals.to_string() {
-        return Err(format!("worker {id}: the trainer promises {promised} arrivals per version, {arrivals} expected").into());
+        return Err(format!(
+            "worker {id}: the trainer promises {promised} arrivals per version, {arrivals} expected"
+        )
+        .into());
     }
     let mut serving: Option<usize> = None;
     let mut buf = vec![0u8; tensors.iter().map(|t| t.len).max().unwrap_or(0)];
@@ -238,7 +242,9 @@ async fn worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
                 buffers.read_at((base + tensor.offset) as u64, &mut first)?;
                 buffers.read_at((base + tensor.offset + tensor.len - 8) as u64, &mut last)?;
                 let seed = tensor_seed(old, t);
-                if first != word(seed, 0).to_le_bytes() || last != word(seed, tensor.len / 8 - 1).to_le_bytes() {
+                if first != word(seed, 0).to_le_bytes()
+                    || last != word(seed, tensor.len / 8 - 1).to_le_bytes()
+                {
                     verdict = format!("bad: served version {old} changed under it (tensor {t})");
                 }
             }
@@ -324,14 +330,19 @@ async fn trainer(cli: Cli) -> Result<(), BoxError> {
     for id in 0..cli.workers {
         let dst = engine.remote_region(&store.get(&format!("worker/{id}/desc")).await?).await?;
         // What each version produces at the worker, which it computes on its own too.
-        let arrivals = tensors.iter().map(|t| engine.write_arrivals(&dst, t.len as u64)).sum::<Result<u64, _>>()?;
+        let arrivals =
+            tensors.iter().map(|t| engine.write_arrivals(&dst, t.len as u64)).sum::<Result<u64, _>>()?;
         store.put(&format!("worker/{id}/arrivals"), arrivals.to_string().into_bytes()).await?;
         let (tx, rx) = watch::channel(0);
         ack_tx.push(tx);
         peers.push(Arc::new(Peer { dst, acked: rx }));
     }
     let timing = Arc::new(Mutex::new(vec![
-        Timing { writes: vec![Duration::ZERO; cli.workers], acks: vec![None; cli.workers], pushed: None };
+        Timing {
+            writes: vec![Duration::ZERO; cli.workers],
+            acks: vec![None; cli.workers],
+            pushed: None
+        };
         cli.versions + 1
     ]));
     let bad = Arc::new(AtomicBool::new(false));
@@ -343,7 +354,9 @@ async fn trainer(cli: Cli) -> Result<(), BoxError> {
                 let words: Vec<&str> = text.splitn(4, ' ').collect();
                 let (w, v) = match (words.first(), words.get(1), words.get(2)) {
                     (Some(&"ack"), Some(w), Some(v)) => match (w.parse::<usize>(), v.parse::<usize>()) {
-                        (Ok(w), Ok(v)) if w < ack_tx.len() && v < timing.lock().expect("timing").len() => (w, v),
+                        (Ok(w), Ok(v)) if w < ack_tx.len() && v < timing.lock().expect("timing").len() => {
+                            (w, v)
+                        }
                         _ => continue,
                     },
                     _ => continue,
@@ -390,7 +403,8 @@ async fn trainer(cli: Cli) -> Result<(), BoxError> {
             .iter()
             .enumerate()
             .map(|(w, peer)| {
-                let (engine, peer, tensors, timing) = (engine.clone(), peer.clone(), tensors.clone(), timing.clone());
+                let (engine, peer, tensors, timing) =
+                    (engine.clone(), peer.clone(), tensors.clone(), timing.clone());
                 let (src, window) = (staging[v % 2].clone(), cli.window);
                 async move {
                     let mut acked = peer.acked.clone();
@@ -434,7 +448,8 @@ async fn trainer(cli: Cli) -> Result<(), BoxError> {
     let mut update_all = Vec::new();
     for (v, t) in timing.iter().enumerate().skip(1) {
         let pushed = t.pushed.ok_or("a version was never pushed")?;
-        let last = t.acks.iter().map(|a| a.ok_or("a missing acknowledgement")).collect::<Result<Vec<_>, _>>()?;
+        let last =
+            t.acks.iter().map(|a| a.ok_or("a missing acknowledgement")).collect::<Result<Vec<_>, _>>()?;
         let all = last.iter().max().map_or(Duration::ZERO, |a| a.duration_since(pushed));
         update_all.push(all);
         let writes: Vec<String> =
@@ -490,7 +505,14 @@ async fn push(
         if in_flight.len() == window {
             in_flight.next().await.expect("non-empty")?;
         }
-        in_flight.push(engine.write_imm(src, t.offset as u64, dst, base + t.offset as u64, t.len as u64, imm));
+        in_flight.push(engine.write_imm(
+            src,
+            t.offset as u64,
+            dst,
+            base + t.offset as u64,
+            t.len as u64,
+            imm,
+        ));
     }
     while let Some(done) = in_flight.next().await {
         done?;

@@ -97,10 +97,10 @@ fn moe_every_token_checked_in_every_mode() {
 #[test]
 fn kv_transfer_worker_joins_and_leaves_cleanly() {
     let Some(p) = provider("kv_transfer_worker_joins_and_leaves_cleanly") else { return };
-    let args = [
-        "--requests", "40", "--layers", "2", "--block-kib", "16", "--max-blocks", "8", "--inflight", "4",
-    ];
-    let ok = "kv_transfer: ok: 40 of 40 requests verified byte for byte; worker 2 joined, worker 0 left cleanly";
+    let args =
+        ["--requests", "40", "--layers", "2", "--block-kib", "16", "--max-blocks", "8", "--inflight", "4"];
+    let ok =
+        "kv_transfer: ok: 40 of 40 requests verified byte for byte; worker 2 joined, worker 0 left cleanly";
     run("kv_transfer", "kv_transfer", &p, &args, &[ok]);
 }
 
@@ -115,10 +115,22 @@ fn kv_transfer_worker_killed_requests_rerouted() {
         return;
     }
     let args = [
-        "--requests", "40", "--layers", "2", "--block-kib", "16", "--max-blocks", "8", "--inflight", "4",
-        "--kill", "--deadline-ms", "2000",
+        "--requests",
+        "40",
+        "--layers",
+        "2",
+        "--block-kib",
+        "16",
+        "--max-blocks",
+        "8",
+        "--inflight",
+        "4",
+        "--kill",
+        "--deadline-ms",
+        "2000",
     ];
-    let ok = "kv_transfer: ok: 40 of 40 requests verified byte for byte; worker 2 joined, worker 0 was killed";
+    let ok =
+        "kv_transfer: ok: 40 of 40 requests verified byte for byte; worker 2 joined, worker 0 was killed";
     run(test, "kv_transfer", &p, &args, &[ok, "worker 0 killed (SIGKILL)"]);
 }
 
