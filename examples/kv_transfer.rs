@@ -750,13 +750,16 @@ async fn prefill(cli: Cli) -> Result<(), BoxError> {
         kinds.dedup();
         let worst = rerouted.iter().map(|d| d.latency).max().unwrap_or_default();
         let how = if cli.kill { "was killed" } else { "left" };
+        let others = if problems.is_empty() {
+            "the other workers were undisturbed"
+        } else {
+            "but see the problems below"
+        };
         if rerouted.is_empty() {
-            println!(
-                "kv_transfer: worker {id} {how}: no request failed on it; the other workers were undisturbed"
-            );
+            println!("kv_transfer: worker {id} {how}: no request failed on it; {others}");
         } else {
             println!(
-                "kv_transfer: worker {id} {how}: {} request(s) failed on it ({}), were re-routed to live workers and verified there (slowest {} ms end to end); the other workers were undisturbed",
+                "kv_transfer: worker {id} {how}: {} request(s) failed on it ({}), were re-routed to live workers and verified there (slowest {} ms end to end); {others}",
                 rerouted.len(),
                 kinds.join("; "),
                 worst.as_millis()
