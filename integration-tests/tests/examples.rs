@@ -2,16 +2,15 @@
 //! them: each must exit 0 and print its success line, which it prints only after checking
 //! every byte and count.
 //!
-//! The binaries are the ones `cargo test --workspace --all-targets` builds next to this test
-//! (`target/<profile>/examples/NAME`). Where they were not built (`cargo test -p
-//! integration-tests`), or where the suite runs on another provider than tcp or shm (verbs in
-//! the rxe VM, where these multi-process runs would take minutes), the tests say SKIPPED on
-//! stderr and pass. The runs take turns (one lock): each starts several processes, and the
+//! The binaries are built by the test itself (`cargo build --example`, through `$CARGO`, for
+//! the test's own profile; a no-op when they are up to date). Where the suite runs on another
+//! provider than tcp or shm (verbs in the rxe VM, where these multi-process runs would take
+//! minutes), the tests say SKIPPED on stderr and pass. The runs take turns (one lock): each starts several processes, and the
 //! machine may have two cores.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use integration_tests::{primary, skipped};
@@ -21,12 +20,43 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// Longest one run may take before it counts as hung.
 const RUN_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// `target/<profile>/examples/NAME`, found from this test's own path
-/// (`target/<profile>/deps/examples-<hash>`).
-fn example(name: &str) -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let path = exe.parent()?.parent()?.join("examples").join(name);
-    path.exists().then_some(path)
+/// `target/<profile>/examples/NAME`, built (or found up to date) by `cargo build --example`
+/// for the profile this test was built with; `target/<profile>` is found from this test's
+/// own path (`target/<profile>/deps/examples-<hash>`). `cargo test --all-targets` builds the
+/// examples only as test harnesses, so the runnable binaries are built here, once.
+fn example(name: &str) -> Result<PathBuf, String> {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let profile_dir =
+            exe.parent().and_then(|d| d.parent()).ok_or("no target/<profile> above the test")?;
+        let profile = profile_dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let cargo = std::env::var("CARGO").map_err(|_| "CARGO is not set (not run by cargo test)")?;
+        let mut build = Command::new(cargo);
+        build.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+        build.args(["build", "--quiet", "-p", "fabric-examples"]);
+        for e in ["moe", "kv_transfer", "rl_weights"] {
+            build.args(["--example", e]);
+        }
+        match profile {
+            "debug" => {}
+            "release" => {
+                build.arg("--release");
+            }
+            other => return Err(format!("unknown profile directory {other:?}")),
+        }
+        let status = build.status().map_err(|e| format!("cargo build: {e}"))?;
+        if !status.success() {
+            return Err(format!("cargo build of the examples: {status}"));
+        }
+        Ok(profile_dir.join("examples"))
+    });
+    let path = dir.clone()?.join(name);
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(format!("{} is missing after cargo build", path.display()))
+    }
 }
 
 /// The provider to run on, or `None` (and a SKIPPED line) if the suite's is not tcp or shm.
@@ -43,14 +73,8 @@ fn provider(test: &str) -> Option<String> {
 /// Runs example `name` with `args` on `provider` and checks that it exited 0 within
 /// [`RUN_TIMEOUT`] and that its output has every string of `expect`.
 fn run(test: &str, name: &str, provider: &str, args: &[&str], expect: &[&str]) {
-    let Some(bin) = example(name) else {
-        skipped(
-            test,
-            &format!("examples/{name} was not built (cargo test --workspace --all-targets builds it)"),
-        );
-        return;
-    };
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let bin = example(name).unwrap_or_else(|e| panic!("{test}: {e}"));
     let mut child = Command::new(&bin)
         .args(args)
         .args(["--provider", provider])
