@@ -398,15 +398,20 @@ impl Prefill {
     async fn request(&self, req: u32) -> Result<Done, BoxError> {
         let n = self.cli.request_blocks(req);
         let src_table = self.src_free.lock().expect("free").take(n).ok_or("prefill cache full")?;
-        // "Prefill": compute this request's KV into its blocks, every layer.
-        let mut buf = vec![0u8; self.cli.block()];
-        for layer in 0..self.cli.layers {
-            for (j, &b) in src_table.iter().enumerate() {
-                fill_block(&mut buf, block_seed(req, layer, j));
-                let page = (layer * self.cli.blocks() + b as usize) * self.cli.block();
-                self.src.write_at(page as u64, &buf)?;
+        // "Prefill": compute this request's KV into its blocks, every layer (CPU work: off the
+        // runtime, so acknowledgements and other requests keep moving).
+        let (src, table, cli) = (self.src.clone(), src_table.clone(), self.cli.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), fabric_async::Error> {
+            let mut buf = vec![0u8; cli.block()];
+            for layer in 0..cli.layers {
+                for (j, &b) in table.iter().enumerate() {
+                    fill_block(&mut buf, block_seed(req, layer, j));
+                    src.write_at(((layer * cli.blocks() + b as usize) * cli.block()) as u64, &buf)?;
+                }
             }
-        }
+            Ok(())
+        })
+        .await??;
         let start = Instant::now();
         let mut failures = Vec::new();
         while failures.len() < ATTEMPTS {
