@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use fabric_async::bootstrap::{all_gather, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
-use fabric_examples::{positive, wait_arrivals, BoxError, ProviderArg};
+use fabric_examples::{percentiles, positive, wait_arrivals, BoxError, ProviderArg};
 
 const IMM_DISPATCH: u32 = 21;
 const IMM_COMBINE: u32 = 22;
@@ -458,11 +458,4 @@ fn step_spin(me: &Rank, step: usize) -> Result<Duration, BoxError> {
     }
     verify(me, step, &per_dest)?;
     Ok(took)
-}
-
-/// p50 and p99 in µs.
-fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
-    v.sort();
-    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e6;
-    (at(0.5), at(0.99))
 }

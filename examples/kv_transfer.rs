@@ -1,0 +1,801 @@
+//! Prefill/decode disaggregation: a prefill process writes each request's KV-cache blocks
+//! into a decode worker's paged cache, while decode workers join and leave.
+//!
+//! ```text
+//! cargo run --release --example kv_transfer -- [--decoders 2] [--requests 120] [--layers 8]
+//!                  [--block-kib 64] [--max-blocks 16] [--inflight 8] [--deadline-ms 3000]
+//!                  [--kill] [--provider tcp|shm|verbs] [--nics N] [--location host|cuda]
+//! ```
+//!
+//! Both sides hold a **paged KV cache**: `layers x blocks` blocks of `block-kib` KiB, block
+//! `b` of layer `l` at page `l * blocks + b` (as a paged-attention server lays it out). A
+//! request holds 1..=`max-blocks` blocks, taken from a free list, so its block table is a
+//! scattering of non-contiguous block ids on both sides. Per request the prefill process
+//!
+//! 1. "computes" the request's KV into its own blocks (content derived from the request id,
+//!    the layer and the block's position in the request),
+//! 2. takes free blocks in the chosen decode worker's cache, announces the request to it with
+//!    a two-sided message (request id, immediate, arrival count, block table),
+//! 3. writes every layer's blocks with **one `write_paged`** carrying the request's own
+//!    immediate: one completion signal per request, whose arrival count is
+//!    `engine.paged_arrivals(..)` (one per page; the worker computes the same number itself),
+//! 4. waits, with a deadline, for the worker's acknowledgement: the worker awaited the
+//!    immediate's counter (with a deadline too) and checked every byte of every block.
+//!
+//! **Membership changes mid-run.** After a quarter of the requests a new decode worker is
+//! started; it meets the prefill through the `TcpStore` (rendezvous), the prefill adds it as
+//! a new peer from its new descriptor and routes to it. Halfway, worker 0 leaves: cleanly
+//! (it is told to stop, drains what it was given, says goodbye and exits), or with `--kill`
+//! by SIGKILL, with requests in flight. The prefill then learns of the death the way it would
+//! in production: the requests routed to the dead worker fail with a typed error
+//! (`PeerUnreachable` once the engine's `op_timeout` passes, or the request deadline), the
+//! worker is taken out of the routing table and those requests are re-routed to live
+//! workers. Nothing waits without a deadline, and the run fails if any request is not
+//! verified in the end or if a worker other than the one that left ever failed a request.
+//!
+//! Prints the request latency (p50/p99), GB/s, and what the joins and leaves did to the
+//! requests in flight.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::Child;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
+use fabric_async::{Engine, MemoryRegion, PageLayout, RemoteRegion};
+use fabric_examples::{
+    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError,
+    LocationArg, NicsArg, ProviderArg,
+};
+use tokio::sync::{oneshot, Semaphore};
+use tokio::task::JoinSet;
+
+/// Request `r` carries immediate `IMM_BASE + r`: one completion signal per request.
+const IMM_BASE: u32 = 0x4b56_0000;
+/// Attempts per request (the first, then re-routes) before it counts as failed.
+const ATTEMPTS: usize = 3;
+/// Rendezvous and process start-up deadline.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Prefill/decode disaggregation: one prefill process writes each request's paged KV-cache
+/// blocks (one write_paged, one immediate per request) to --decoders decode processes, which
+/// check every byte; mid-run a decode worker joins and one leaves (--kill: SIGKILL). Prints
+/// request latency p50/p99, GB/s, and what happened to the requests in flight.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "kv_transfer", args_override_self = true)]
+struct Cli {
+    #[command(flatten)]
+    provider: ProviderArg,
+    #[command(flatten)]
+    nics: NicsArg,
+    #[command(flatten)]
+    location: LocationArg,
+    /// Decode worker processes at the start (one more joins after a quarter of the requests,
+    /// worker 0 leaves halfway).
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = positive)]
+    decoders: usize,
+    /// Requests the prefill process sends in all.
+    #[arg(long, value_name = "N", default_value_t = 120, value_parser = positive)]
+    requests: usize,
+    /// Transformer layers: a request writes its blocks in every layer.
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = positive)]
+    layers: usize,
+    /// KiB of one block in one layer (tokens per block x KV heads x head dim x 2 (K and V) x
+    /// bytes per value; 16 x 8 x 128 x 2 x 2 B = 64 KiB).
+    #[arg(long, value_name = "KiB", default_value_t = 64, value_parser = positive)]
+    block_kib: usize,
+    /// Most blocks per request; each request draws its length from 1..=this.
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = positive)]
+    max_blocks: usize,
+    /// Requests in flight at once, over all decode workers (each cache holds this many
+    /// requests of --max-blocks blocks).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = positive)]
+    inflight: usize,
+    /// Deadline of one attempt of a request (announce, write, verify, acknowledge), in ms; also
+    /// every engine's op_timeout, after which an operation on a dead peer fails with
+    /// PeerUnreachable (the library's default is 30 s).
+    #[arg(long, value_name = "MS", default_value_t = 3000, value_parser = positive)]
+    deadline_ms: usize,
+    /// Worker 0 leaves by SIGKILL (requests in flight) instead of a clean shutdown.
+    #[arg(long)]
+    kill: bool,
+    /// Internal: run as a decode worker for the prefill whose TcpStore is at ADDR.
+    #[arg(long, value_name = "ADDR", hide = true)]
+    decode_of: Option<String>,
+    /// Internal: this decode worker's id.
+    #[arg(long, hide = true, default_value_t = 0)]
+    id: usize,
+}
+
+impl Cli {
+    fn deadline(&self) -> Duration {
+        Duration::from_millis(self.deadline_ms as u64)
+    }
+    fn block(&self) -> usize {
+        self.block_kib << 10
+    }
+    /// Blocks per layer in each cache: room for every request in flight at its longest.
+    fn blocks(&self) -> usize {
+        self.inflight * self.max_blocks
+    }
+    fn cache_bytes(&self) -> usize {
+        self.layers * self.blocks() * self.block()
+    }
+    fn engine(&self) -> Result<Engine, BoxError> {
+        Ok(engine_builder(&self.provider.name, self.nics.n).op_timeout(Some(self.deadline())).build()?)
+    }
+    /// The pages (layer-major) of a request whose block table is `table`.
+    fn pages(&self, table: &[u32]) -> Vec<u32> {
+        let blocks = self.blocks() as u32;
+        (0..self.layers as u32).flat_map(|l| table.iter().map(move |b| l * blocks + b)).collect()
+    }
+    /// Blocks of request `req` (its prompt length), 1..=max_blocks.
+    fn request_blocks(&self, req: u32) -> usize {
+        1 + (mix(req as u64 ^ 0xb10c) % self.max_blocks as u64) as usize
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let result = match cli.decode_of.clone() {
+        Some(addr) => decode_worker(cli, addr).await,
+        None => prefill(cli).await,
+    };
+    if let Err(e) = result {
+        eprintln!("kv_transfer failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// KV content: what the prefill computes and the decode worker checks.
+
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Word `w` of the block at position `j` of request `req`'s table in `layer`.
+fn kv_word(seed: u64, w: usize) -> u64 {
+    (seed ^ w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+fn block_seed(req: u32, layer: usize, j: usize) -> u64 {
+    mix((req as u64) << 32 | (layer as u64) << 16 | j as u64)
+}
+
+fn fill_block(buf: &mut [u8], seed: u64) {
+    for (w, b) in buf.chunks_exact_mut(8).enumerate() {
+        b.copy_from_slice(&kv_word(seed, w).to_le_bytes());
+    }
+}
+
+fn block_ok(buf: &[u8], seed: u64) -> bool {
+    buf.chunks_exact(8).enumerate().all(|(w, b)| b == kv_word(seed, w).to_le_bytes())
+}
+
+/// A cache's free blocks, handed out in a shuffled order so block tables are non-contiguous.
+struct FreeBlocks(Vec<u32>);
+
+impl FreeBlocks {
+    fn new(n: usize, seed: u64) -> FreeBlocks {
+        let mut v: Vec<u32> = (0..n as u32).collect();
+        for i in (1..v.len()).rev() {
+            v.swap(i, (mix(seed ^ i as u64) % (i as u64 + 1)) as usize);
+        }
+        FreeBlocks(v)
+    }
+    fn take(&mut self, n: usize) -> Option<Vec<u32>> {
+        (self.0.len() >= n).then(|| self.0.split_off(self.0.len() - n))
+    }
+    fn give(&mut self, blocks: Vec<u32>) {
+        self.0.extend(blocks);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decode worker.
+
+async fn decode_worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
+    exit_with_parent("kv_transfer decode worker");
+    let id = cli.id;
+    let store = TcpStore::connect(store_addr.parse()?).await?.with_timeout(SETUP_TIMEOUT);
+    let engine = cli.engine()?;
+    let kv = engine.alloc_in(cli.cache_bytes(), cli.location.memory()).await?;
+    let prefill = engine.add_peer(&store.get("prefill/addr").await?).await?;
+    store.put(&format!("decode/{id}/desc"), kv.descriptor().to_bytes()).await?;
+    let cli = Arc::new(cli);
+    let verified = Arc::new(AtomicU64::new(0));
+    let mut tasks = JoinSet::new();
+    loop {
+        let (_, msg) = engine.recv().await?;
+        let text = String::from_utf8_lossy(&msg).to_string();
+        let mut words = text.split_whitespace();
+        match words.next() {
+            Some("req") => {
+                let req: u32 = words.next().ok_or("req without id")?.parse()?;
+                let imm: u32 = words.next().ok_or("req without imm")?.parse()?;
+                let arrivals: u64 = words.next().ok_or("req without arrivals")?.parse()?;
+                let table = words
+                    .next()
+                    .ok_or("req without blocks")?
+                    .split(',')
+                    .map(str::parse)
+                    .collect::<Result<Vec<u32>, _>>()?;
+                let (engine, kv, cli, verified) = (engine.clone(), kv.clone(), cli.clone(), verified.clone());
+                tasks.spawn(async move {
+                    let verdict = match serve(&engine, &kv, &cli, req, imm, arrivals, &table).await {
+                        Ok(()) => {
+                            verified.fetch_add(1, Ordering::Relaxed);
+                            "ok".to_string()
+                        }
+                        Err(e) => format!("bad {e}"),
+                    };
+                    engine.send(prefill, format!("ack {} {req} {verdict}", cli.id).as_bytes()).await
+                });
+            }
+            Some("stop") => break,
+            other => return Err(format!("decode {id}: unexpected message {other:?}").into()),
+        }
+        while let Some(done) = tasks.try_join_next() {
+            done??;
+        }
+    }
+    // A clean leave: finish every request already announced, then say goodbye.
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let bye = format!("bye {id} {}", verified.load(Ordering::Relaxed));
+    engine.send(prefill, bye.as_bytes()).await?;
+    Ok(())
+}
+
+/// One request at a decode worker: wait (with a deadline) for its one completion signal,
+/// then check every byte of every block of every layer.
+async fn serve(
+    engine: &Engine,
+    kv: &MemoryRegion,
+    cli: &Cli,
+    req: u32,
+    imm: u32,
+    announced: u64,
+    table: &[u32],
+) -> Result<(), BoxError> {
+    // The same arrival count, computed here from what this side knows.
+    let expected = engine.transfer_opts().paged_arrivals(table.len() * cli.layers, engine.nics())?;
+    if expected != announced {
+        return Err(format!("request {req}: {announced} arrivals announced, {expected} expected").into());
+    }
+    wait_arrivals(&engine.imm_counter(imm), expected, cli.deadline()).await?;
+    let mut buf = vec![0u8; cli.block()];
+    for layer in 0..cli.layers {
+        for (j, &b) in table.iter().enumerate() {
+            let page = (layer * cli.blocks() + b as usize) * cli.block();
+            kv.read_at(page as u64, &mut buf)?;
+            if !block_ok(&buf, block_seed(req, layer, j)) {
+                return Err(format!("request {req}: layer {layer} block {b} differs").into());
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Prefill.
+
+/// Why one attempt of a request failed.
+#[derive(Debug)]
+enum KvError {
+    /// The announcement or the paged write failed (PeerUnreachable after op_timeout, ...).
+    Transfer(fabric_async::Error),
+    /// Not done within the deadline; `stage` says what it was waiting for.
+    Deadline { after: Duration, stage: &'static str },
+    /// The worker said goodbye without acknowledging the request.
+    WorkerLeft,
+    /// The worker checked the blocks and found them wrong (or never saw them arrive).
+    Rejected(String),
+    /// No live worker to route to, or no room in its cache.
+    NoCapacity(String),
+}
+
+impl std::fmt::Display for KvError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KvError::Transfer(e) => write!(f, "transfer failed: {e}"),
+            KvError::Deadline { after, stage } => {
+                write!(f, "deadline of {} ms passed while {stage}", after.as_millis())
+            }
+            KvError::WorkerLeft => write!(f, "the worker left before acknowledging"),
+            KvError::Rejected(why) => write!(f, "the worker rejected it: {why}"),
+            KvError::NoCapacity(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum State {
+    Live,
+    /// Told to stop; gets no new requests.
+    Leaving,
+    Left,
+    /// Failed a request; out of the routing table.
+    Dead(String),
+}
+
+/// A decode worker as the prefill sees it.
+struct Worker {
+    id: usize,
+    kv: RemoteRegion,
+    free: Mutex<FreeBlocks>,
+    state: Mutex<State>,
+    in_flight: AtomicUsize,
+    verified: AtomicUsize,
+}
+
+impl Worker {
+    fn state(&self) -> State {
+        self.state.lock().expect("state").clone()
+    }
+}
+
+type AckTx = oneshot::Sender<Result<(), String>>;
+
+struct Prefill {
+    cli: Cli,
+    engine: Engine,
+    src: MemoryRegion,
+    src_free: Mutex<FreeBlocks>,
+    workers: Mutex<Vec<Arc<Worker>>>,
+    next: AtomicUsize,
+    /// Pending acknowledgements: request -> (worker, waiter).
+    acks: Mutex<HashMap<u32, (usize, AckTx)>>,
+    byes: Mutex<HashMap<usize, oneshot::Sender<u64>>>,
+    events: Mutex<Vec<String>>,
+}
+
+/// What became of one request.
+struct Done {
+    latency: Duration,
+    bytes: usize,
+    /// The failed attempts before the one that worked: (worker, error).
+    failures: Vec<(usize, String)>,
+}
+
+impl Prefill {
+    fn event(&self, e: String) {
+        println!("kv_transfer: {e}");
+        self.events.lock().expect("events").push(e);
+    }
+
+    /// The next live worker, round-robin.
+    fn pick(&self) -> Option<Arc<Worker>> {
+        let workers = self.workers.lock().expect("workers");
+        let live: Vec<_> = workers.iter().filter(|w| w.state() == State::Live).collect();
+        (!live.is_empty()).then(|| live[self.next.fetch_add(1, Ordering::Relaxed) % live.len()].clone())
+    }
+
+    fn worker(&self, id: usize) -> Option<Arc<Worker>> {
+        self.workers.lock().expect("workers").iter().find(|w| w.id == id).cloned()
+    }
+
+    /// Takes a live worker that failed a request out of the routing table (once). A worker
+    /// that was told to leave is out of it already: its failures are expected.
+    fn mark_dead(&self, w: &Worker, req: u32, e: &KvError) {
+        let mut s = w.state.lock().expect("state");
+        if *s == State::Live {
+            *s = State::Dead(e.to_string());
+            drop(s);
+            self.event(format!("worker {} out of the routing table: request {req}: {e}", w.id));
+        }
+    }
+
+    /// One request, re-routed to another live worker when an attempt fails.
+    async fn request(&self, req: u32) -> Result<Done, BoxError> {
+        let n = self.cli.request_blocks(req);
+        let src_table = self.src_free.lock().expect("free").take(n).ok_or("prefill cache full")?;
+        // "Prefill": compute this request's KV into its blocks, every layer (CPU work: off the
+        // runtime, so acknowledgements and other requests keep moving).
+        let (src, table, cli) = (self.src.clone(), src_table.clone(), self.cli.clone());
+        tokio::task::spawn_blocking(move || -> Result<(), fabric_async::Error> {
+            let mut buf = vec![0u8; cli.block()];
+            for layer in 0..cli.layers {
+                for (j, &b) in table.iter().enumerate() {
+                    fill_block(&mut buf, block_seed(req, layer, j));
+                    src.write_at(((layer * cli.blocks() + b as usize) * cli.block()) as u64, &buf)?;
+                }
+            }
+            Ok(())
+        })
+        .await??;
+        let start = Instant::now();
+        let mut failures = Vec::new();
+        while failures.len() < ATTEMPTS {
+            let Some(w) = self.pick() else {
+                failures.push((usize::MAX, "no live decode worker".to_string()));
+                break;
+            };
+            match self.attempt(&w, req, &src_table).await {
+                Ok(()) => {
+                    w.verified.fetch_add(1, Ordering::Relaxed);
+                    self.src_free.lock().expect("free").give(src_table);
+                    let bytes = n * self.cli.layers * self.cli.block();
+                    return Ok(Done { latency: start.elapsed(), bytes, failures });
+                }
+                Err(KvError::Rejected(why)) => {
+                    return Err(format!("request {req}: worker {} rejected it: {why}", w.id).into())
+                }
+                Err(e) => {
+                    self.mark_dead(&w, req, &e);
+                    failures.push((w.id, e.to_string()));
+                }
+            }
+        }
+        Err(format!("request {req}: failed {} times: {failures:?}", failures.len()).into())
+    }
+
+    /// Announce, write every layer's blocks with one write_paged, await the acknowledgement;
+    /// all within the deadline.
+    async fn attempt(&self, w: &Worker, req: u32, src_table: &[u32]) -> Result<(), KvError> {
+        let dst_table = w.free.lock().expect("free").take(src_table.len()).ok_or_else(|| {
+            KvError::NoCapacity(format!("worker {}: no {} free blocks", w.id, src_table.len()))
+        })?;
+        let (src_pages, dst_pages) = (self.cli.pages(src_table), self.cli.pages(&dst_table));
+        let imm = IMM_BASE + req;
+        let arrivals = self.engine.paged_arrivals(&w.kv, dst_pages.len()).map_err(KvError::Transfer)?;
+        let blocks: Vec<String> = dst_table.iter().map(u32::to_string).collect();
+        let announce = format!("req {req} {imm} {arrivals} {}", blocks.join(","));
+        let (tx, rx) = oneshot::channel();
+        self.acks.lock().expect("acks").insert(req, (w.id, tx));
+        let layout = PageLayout::packed(self.cli.block() as u64);
+        w.in_flight.fetch_add(1, Ordering::Relaxed);
+        let deadline = self.cli.deadline();
+        let stage = Mutex::new("announcing the request");
+        let set = |s| *stage.lock().expect("stage") = s;
+        let outcome = tokio::time::timeout(deadline, async {
+            self.engine.send(w.kv.peer(), announce.as_bytes()).await.map_err(KvError::Transfer)?;
+            set("writing the blocks");
+            self.engine
+                .write_paged(&self.src, &w.kv, &layout, &src_pages, &dst_pages, Some(imm))
+                .await
+                .map_err(KvError::Transfer)?;
+            set("awaiting the acknowledgement");
+            rx.await.map_err(|_| KvError::WorkerLeft)?.map_err(KvError::Rejected)
+        })
+        .await
+        .unwrap_or_else(|_| Err(KvError::Deadline { after: deadline, stage: *stage.lock().expect("stage") }));
+        w.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.acks.lock().expect("acks").remove(&req);
+        if outcome.is_ok() {
+            // The worker is done with these blocks (a paged-attention server frees them when
+            // the sequence finishes; here, once checked).
+            w.free.lock().expect("free").give(dst_table);
+        }
+        outcome
+    }
+
+    /// Acknowledgements and goodbyes from the decode workers.
+    async fn receive(&self) {
+        while let Ok((_, msg)) = self.engine.recv().await {
+            let text = String::from_utf8_lossy(&msg).to_string();
+            let words: Vec<&str> = text.splitn(4, ' ').collect();
+            let num = |i: usize| words.get(i).and_then(|s| s.parse::<u64>().ok());
+            match (words.first().copied(), num(1), num(2)) {
+                (Some("ack"), Some(w), Some(req)) => {
+                    let mut acks = self.acks.lock().expect("acks");
+                    // A late ack from a worker the request has left behind is ignored.
+                    if acks.get(&(req as u32)).is_some_and(|(id, _)| *id == w as usize) {
+                        let (_, tx) = acks.remove(&(req as u32)).expect("present");
+                        let verdict = match words.get(3) {
+                            Some(&"ok") => Ok(()),
+                            other => Err(other.unwrap_or(&"?").trim_start_matches("bad ").to_string()),
+                        };
+                        let _ = tx.send(verdict);
+                    }
+                }
+                (Some("bye"), Some(w), Some(verified)) => {
+                    let w = w as usize;
+                    // Requests it never acknowledged fail now (and are re-routed), not at
+                    // their deadline.
+                    self.acks.lock().expect("acks").retain(|_, (id, _)| *id != w);
+                    if let Some(tx) = self.byes.lock().expect("byes").remove(&w) {
+                        let _ = tx.send(verified);
+                    }
+                }
+                _ => eprintln!("kv_transfer: unexpected message {text:?}"),
+            }
+        }
+    }
+
+    /// Starts decode worker `id` and adds it to the routing table once it has met us
+    /// through the store: a new process, a new peer, a new descriptor.
+    async fn start_worker(
+        &self,
+        id: usize,
+        store: &TcpStore,
+        addr: SocketAddr,
+        children: &Mutex<HashMap<usize, Child>>,
+    ) -> Result<(), BoxError> {
+        let c = &self.cli;
+        let child = spawn_self([
+            "--decode-of".to_string(),
+            addr.to_string(),
+            "--id".into(),
+            id.to_string(),
+            "--provider".into(),
+            c.provider.name.clone(),
+            "--nics".into(),
+            c.nics.n.to_string(),
+            "--location".into(),
+            c.location.name().into(),
+            "--layers".into(),
+            c.layers.to_string(),
+            "--block-kib".into(),
+            c.block_kib.to_string(),
+            "--max-blocks".into(),
+            c.max_blocks.to_string(),
+            "--inflight".into(),
+            c.inflight.to_string(),
+            "--deadline-ms".into(),
+            c.deadline_ms.to_string(),
+        ])?;
+        children.lock().expect("children").insert(id, child);
+        let desc = store.get(&format!("decode/{id}/desc")).await?;
+        let kv = self.engine.remote_region(&desc).await?;
+        let blocks = self.cli.blocks();
+        self.workers.lock().expect("workers").push(Arc::new(Worker {
+            id,
+            kv,
+            free: Mutex::new(FreeBlocks::new(blocks, 0xdec0de ^ id as u64)),
+            state: Mutex::new(State::Live),
+            in_flight: AtomicUsize::new(0),
+            verified: AtomicUsize::new(0),
+        }));
+        Ok(())
+    }
+
+    /// Tells worker `id` to stop and waits for its goodbye; returns what it verified.
+    async fn stop_worker(&self, id: usize) -> Result<u64, BoxError> {
+        let w = self.worker(id).ok_or("no such worker")?;
+        *w.state.lock().expect("state") = State::Leaving;
+        let (tx, rx) = oneshot::channel();
+        self.byes.lock().expect("byes").insert(id, tx);
+        let bye = async {
+            self.engine.send(w.kv.peer(), b"stop").await?;
+            Ok::<_, BoxError>(rx.await?)
+        };
+        let verified = tokio::time::timeout(SETUP_TIMEOUT, bye)
+            .await
+            .map_err(|_| format!("worker {id} did not say goodbye"))??;
+        *w.state.lock().expect("state") = State::Left;
+        Ok(verified)
+    }
+}
+
+async fn prefill(cli: Cli) -> Result<(), BoxError> {
+    let engine = cli.engine()?;
+    cli.location.exit_if_unavailable(&engine).await;
+    let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
+    let addr = server.local_addr();
+    let store = TcpStore::connect(addr).await?.with_timeout(SETUP_TIMEOUT);
+    store.put("prefill/addr", engine.address()).await?;
+    let src = engine.alloc_in(cli.cache_bytes(), cli.location.memory()).await?;
+    println!(
+        "kv_transfer: prefill + {} decode workers on {} ({} NIC(s)), {} requests of 1..={} blocks x {} layers x {} KiB, {} in flight, deadline {} ms",
+        cli.decoders,
+        engine.transport(),
+        engine.nics(),
+        cli.requests,
+        cli.max_blocks,
+        cli.layers,
+        cli.block_kib,
+        cli.inflight,
+        cli.deadline_ms
+    );
+    let p = Arc::new(Prefill {
+        src_free: Mutex::new(FreeBlocks::new(cli.blocks(), 0x5eed)),
+        cli: cli.clone(),
+        engine,
+        src,
+        workers: Mutex::new(Vec::new()),
+        next: AtomicUsize::new(0),
+        acks: Mutex::new(HashMap::new()),
+        byes: Mutex::new(HashMap::new()),
+        events: Mutex::new(Vec::new()),
+    });
+    let children = Arc::new(Mutex::new(HashMap::new()));
+    for id in 0..cli.decoders {
+        p.start_worker(id, &store, addr, &children).await?;
+    }
+    let receiver = tokio::spawn({
+        let p = p.clone();
+        async move { p.receive().await }
+    });
+
+    // The join starts at a quarter; it must be done by three eighths, so that the joiner is
+    // in the routing table with requests in flight when worker 0 leaves at half.
+    let (join_at, joined_by, leave_at) = (cli.requests / 4, cli.requests * 3 / 8, cli.requests / 2);
+    let joiner = cli.decoders;
+    let mut joining = None;
+    let permits = Arc::new(Semaphore::new(cli.inflight));
+    let mut requests = JoinSet::new();
+    let start = Instant::now();
+    let mut leave: Option<(usize, Instant)> = None;
+    for req in 0..cli.requests as u32 {
+        if req as usize == join_at {
+            // A new decode worker joins while requests keep flowing to the others.
+            let (p, store, children) = (p.clone(), TcpStore::connect(addr).await?, children.clone());
+            joining = Some(tokio::spawn(async move {
+                let t = Instant::now();
+                p.start_worker(joiner, &store, addr, &children).await?;
+                p.event(format!(
+                    "worker {joiner} joined at request {req}: new process, rendezvous through the store, new peer and descriptor in {} ms",
+                    t.elapsed().as_millis()
+                ));
+                Ok::<_, BoxError>(())
+            }));
+        }
+        if req as usize == joined_by {
+            if let Some(j) = joining.take() {
+                j.await??;
+            }
+        }
+        if req as usize == leave_at {
+            let in_flight = p.worker(0).map_or(0, |w| w.in_flight.load(Ordering::Relaxed));
+            if cli.kill {
+                // Nobody tells the prefill: it finds out from the failed requests.
+                let mut children = children.lock().expect("children");
+                children.get_mut(&0).ok_or("worker 0 is gone")?.kill()?;
+                p.event(format!(
+                    "worker 0 killed (SIGKILL) at request {req} with {in_flight} request(s) in flight"
+                ));
+                leave = Some((0, Instant::now()));
+            } else {
+                let p2 = p.clone();
+                tokio::spawn(async move {
+                    let t = Instant::now();
+                    match p2.stop_worker(0).await {
+                        Ok(v) => p2.event(format!(
+                            "worker 0 left cleanly at request {req}: {in_flight} request(s) in flight drained, {v} verified in all, goodbye after {} ms",
+                            t.elapsed().as_millis()
+                        )),
+                        Err(e) => p2.event(format!("worker 0 failed to leave: {e}")),
+                    }
+                });
+                leave = Some((0, Instant::now()));
+            }
+        }
+        let permit = permits.clone().acquire_owned().await?;
+        let p = p.clone();
+        requests.spawn(async move {
+            let r = p.request(req).await;
+            drop(permit);
+            (req, r)
+        });
+    }
+    let mut done = Vec::new();
+    let mut failed = Vec::new();
+    while let Some(r) = requests.join_next().await {
+        match r? {
+            (_, Ok(d)) => done.push(d),
+            (req, Err(e)) => failed.push(format!("request {req}: {e}")),
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+
+    // Stop the workers still in the routing table; check every process's exit.
+    let live: Vec<usize> = {
+        let w = p.workers.lock().expect("workers");
+        w.iter().filter(|w| w.state() == State::Live).map(|w| w.id).collect()
+    };
+    let mut problems = failed.clone();
+    for id in &live {
+        match p.stop_worker(*id).await {
+            Ok(v) => {
+                let counted = p.worker(*id).map_or(0, |w| w.verified.load(Ordering::Relaxed)) as u64;
+                if v != counted {
+                    problems
+                        .push(format!("worker {id} verified {v} requests, the prefill counted {counted}"));
+                }
+            }
+            Err(e) => problems.push(format!("worker {id}: {e}")),
+        }
+    }
+    let children: Vec<(usize, Child)> = children.lock().expect("children").drain().collect();
+    for (id, mut child) in children {
+        // Every worker was told to stop (or killed): a few seconds are plenty.
+        let status = wait_child(&mut child, Duration::from_secs(10)).await?;
+        let killed = cli.kill && id == 0;
+        if !killed && !status.success() {
+            problems.push(format!("worker {id} exited with {status}"));
+        }
+    }
+    p.engine.shutdown();
+    receiver.abort();
+
+    // What happened to the requests, and the checks that make the run fail.
+    let workers = p.workers.lock().expect("workers").clone();
+    for w in &workers {
+        if let State::Dead(why) = w.state() {
+            if !(cli.kill && w.id == 0) {
+                problems.push(format!("worker {} failed a request although it never left: {why}", w.id));
+            }
+        }
+    }
+    if workers.iter().find(|w| w.id == joiner).is_none_or(|w| w.verified.load(Ordering::Relaxed) == 0) {
+        problems.push(format!("the worker that joined (worker {joiner}) verified no request"));
+    }
+    let rerouted: Vec<&Done> = done.iter().filter(|d| !d.failures.is_empty()).collect();
+    let clean: Vec<Duration> = done.iter().filter(|d| d.failures.is_empty()).map(|d| d.latency).collect();
+    let (p50, p99) = percentiles(clean);
+    let bytes: usize = done.iter().map(|d| d.bytes).sum();
+    let per_worker: Vec<String> = workers
+        .iter()
+        .map(|w| {
+            let state = match (w.id, w.state()) {
+                (0, _) if cli.kill => "killed mid-run, taken out of the routing table",
+                (_, State::Dead(_)) => "failed, taken out of the routing table",
+                (0, _) => "left mid-run",
+                (id, _) if id == joiner => "joined mid-run",
+                _ => "from start to end",
+            };
+            format!("worker {}: {} ({state})", w.id, w.verified.load(Ordering::Relaxed))
+        })
+        .collect();
+    println!("kv_transfer: verified per worker: {}", per_worker.join(", "));
+    if let Some((id, _)) = leave {
+        let errors: Vec<String> =
+            rerouted.iter().flat_map(|d| d.failures.iter().map(|f| f.1.clone())).collect();
+        let mut kinds = errors;
+        kinds.sort();
+        kinds.dedup();
+        let worst = rerouted.iter().map(|d| d.latency).max().unwrap_or_default();
+        let how = if cli.kill { "was killed" } else { "left" };
+        let others = if problems.is_empty() {
+            "the other workers were undisturbed"
+        } else {
+            "but see the problems below"
+        };
+        if rerouted.is_empty() {
+            println!("kv_transfer: worker {id} {how}: no request failed on it; {others}");
+        } else {
+            println!(
+                "kv_transfer: worker {id} {how}: {} request(s) failed on it ({}), were re-routed to live workers and verified there (slowest {} ms end to end); {others}",
+                rerouted.len(),
+                kinds.join("; "),
+                worst.as_millis()
+            );
+        }
+    }
+    println!(
+        "kv_transfer: latency (announce to verified ack, requests not re-routed) p50 {:.2} ms  p99 {:.2} ms; {} MiB in {secs:.2} s (the whole run, the join's start-up included): {:.2} GB/s",
+        p50 / 1e3,
+        p99 / 1e3,
+        bytes >> 20,
+        bytes as f64 / secs / 1e9
+    );
+    if !problems.is_empty() {
+        for e in &problems {
+            eprintln!("kv_transfer: {e}");
+        }
+        return Err(format!(
+            "{} problem(s), {} of {} requests verified",
+            problems.len(),
+            done.len(),
+            cli.requests
+        )
+        .into());
+    }
+    println!(
+        "kv_transfer: ok: {} of {} requests verified byte for byte; worker {joiner} joined, worker 0 {}; {} re-routed",
+        done.len(),
+        cli.requests,
+        if cli.kill { "was killed" } else { "left cleanly" },
+        rerouted.len()
+    );
+    Ok(())
+}
