@@ -77,7 +77,7 @@ struct Cli {
     /// The bw sweep's sizes, comma-separated (4096, 4K, 4KiB, 1M, 64MiB, 1G).
     ///
     /// Default 4 KiB..64 MiB by factors of 4 (--quick: 4K,64K,1M,4M; verbs: 4 KiB..1 MiB,
-    /// --quick 4K,64K,1M).
+    /// --quick 4K,64K,1M; --location cuda: 1M..256M, --quick 4M,64M,256M).
     #[arg(long, global = true, value_name = "4K,64K,1M,..", value_parser = sizes)]
     sizes: Option<Sizes>,
     /// Operations per bw point, round trips per lat case (and the most per wake case),
@@ -135,7 +135,8 @@ pub enum Test {
     /// Sizes 4 KiB..64 MiB by factors of 4 (verbs: 4 KiB..1 MiB), median of 3 bursts of about
     /// 1 GiB each, timed until every local completion and the receiver's ack. Baselines: the
     /// raw loop (same sizes and window), iperf3 -l 1M on tcp, ib_write_bw on verbs. Writes
-    /// the PNG plot (--plot).
+    /// the PNG plot (--plot). With --location cuda, then GPU->GPU rows (staged and CUDA IPC)
+    /// beside their copy ceilings measured in the same run (docs/gpu.md).
     Bw,
     /// write_imm ping-pong round trip p50/p99 (8 B, 256 B, 4 KiB).
     ///
