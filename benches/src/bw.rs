@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use fabric_async::ReactorMode;
 
+use crate::gpu::{self, Location};
 use crate::measure::{gbps, human, median};
 use crate::perftest;
 use crate::report::{Report, Row};
@@ -19,6 +20,9 @@ use crate::{on_verbs, Opts};
 fn bw_sizes(o: &Opts) -> Vec<usize> {
     if let Some(s) = &o.sizes {
         return s.clone();
+    }
+    if matches!(o.location, Location::Cuda(_)) {
+        return gpu::sizes(o.quick);
     }
     match (on_verbs(o), o.quick) {
         (false, true) => vec![4 << 10, 64 << 10, 1 << 20, 4 << 20],
@@ -149,6 +153,13 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         }
     }
     ctx.barrier("bw-end").await?;
+    if let Location::Cuda(ords) = ctx.o.location {
+        // The host sweep's engine rows are the staged rows' host-memory ceiling.
+        let host: Vec<f64> =
+            e.iter().map(|v| if v.is_empty() { f64::NAN } else { median(v.clone()) }).collect();
+        let o = ctx.o.clone();
+        gpu::run(ctx, rep, ords, &sizes, &host, |size| bw_ops(&o, size)).await?;
+    }
     Ok(())
 }
 

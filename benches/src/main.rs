@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
 //!     [--domains N] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
-//!     [--mode event|adaptive|busypoll|inline]
+//!     [--mode event|adaptive|busypoll|inline] [--location host|cuda|cuda:N,M]
 //! ```
 //!
 //! `--help` (and `fabric-bench TEST --help`) explains every option; the options go before or
@@ -24,6 +24,7 @@
 //! `progress.rs` (the progress display). This file parses the command line and dispatches.
 
 mod bw;
+mod gpu;
 mod lat;
 mod measure;
 mod perftest;
@@ -76,7 +77,7 @@ struct Cli {
     /// The bw sweep's sizes, comma-separated (4096, 4K, 4KiB, 1M, 64MiB, 1G).
     ///
     /// Default 4 KiB..64 MiB by factors of 4 (--quick: 4K,64K,1M,4M; verbs: 4 KiB..1 MiB,
-    /// --quick 4K,64K,1M).
+    /// --quick 4K,64K,1M; --location cuda: 1M..256M, --quick 4M,64M,256M).
     #[arg(long, global = true, value_name = "4K,64K,1M,..", value_parser = sizes)]
     sizes: Option<Sizes>,
     /// Operations per bw point, round trips per lat case (and the most per wake case),
@@ -106,6 +107,21 @@ struct Cli {
     /// The engine's reactor mode in bw and rate (lat and wake choose their own).
     #[arg(long, global = true, value_name = "MODE", value_enum, default_value_t = Mode::Event)]
     mode: Mode,
+    /// Where bw's engine regions live: host, cuda, cuda:N or cuda:N,M.
+    ///
+    /// cuda: after the host sweep (engine vs the raw loop, as with host), the same sizes
+    /// between GPU regions, sender on cuda:0 and receiver on cuda:1 when two GPUs exist,
+    /// else both on cuda:0 (cuda:N,M: sender on N, receiver on M). Two engine rows per size:
+    /// staged (cuda_ipc off: D2H into a pinned shadow, the transport, a pull and H2D at the
+    /// receiver), against the slowest of its ceilings: pinned D2H on the sender's GPU,
+    /// pinned H2D on the receiver's, and the host->host engine row at that size; and CUDA
+    /// IPC (a peer copy, then an imm-only write), against the peer copy cuda:N->cuda:M
+    /// (cuMemcpyDtoD when N = M). The copy ceilings are measured in the same run with
+    /// cuda::Stream and listed as gpu-ceiling rows. Default sizes 1M..256M by factors of 4
+    /// (--quick: 4M,64M,256M). Without a CUDA driver the GPU rows say "skipped: no CUDA
+    /// driver"; FABRIC_REQUIRE_CUDA=1 makes that an error.
+    #[arg(long, global = true, value_name = "LOC", default_value = "host", value_parser = gpu::parse_location)]
+    location: gpu::Location,
     /// Internal: run as the peer of the leader whose TcpStore is at ADDR.
     #[arg(long, global = true, hide = true, value_name = "ADDR")]
     peer_of: Option<String>,
@@ -119,7 +135,8 @@ pub enum Test {
     /// Sizes 4 KiB..64 MiB by factors of 4 (verbs: 4 KiB..1 MiB), median of 3 bursts of about
     /// 1 GiB each, timed until every local completion and the receiver's ack. Baselines: the
     /// raw loop (same sizes and window), iperf3 -l 1M on tcp, ib_write_bw on verbs. Writes
-    /// the PNG plot (--plot).
+    /// the PNG plot (--plot). With --location cuda, then GPU->GPU rows (staged and CUDA IPC)
+    /// beside their copy ceilings measured in the same run (docs/gpu.md).
     Bw,
     /// write_imm ping-pong round trip p50/p99 (8 B, 256 B, 4 KiB).
     ///
@@ -204,6 +221,8 @@ pub struct Opts {
     pub peer_of: Option<String>,
     /// NICs (domains) per engine: `EngineBuilder::domains`. The raw baselines use one.
     pub domains: usize,
+    /// `--location`: host, or GPU regions in bw.
+    pub location: gpu::Location,
 }
 
 impl Opts {
@@ -232,6 +251,7 @@ impl From<Cli> for Opts {
             mode: c.mode.into(),
             peer_of: c.peer_of,
             domains: c.domains,
+            location: c.location,
         }
     }
 }
@@ -331,6 +351,12 @@ mod tests {
         assert_eq!((o.window, o.domains, o.quick), (16, 1, false));
         assert_eq!(o.mode, ReactorMode::Event);
         assert!(o.sizes.is_none() && o.iters.is_none() && o.json.is_none() && o.plot.is_none());
+        assert_eq!(o.location, gpu::Location::Host);
+        assert_eq!(
+            opts(&["bw", "--location", "cuda:0,1"]).unwrap().location,
+            gpu::Location::Cuda(Some((0, 1)))
+        );
+        assert_eq!(opts(&["bw", "--location", "cuda"]).unwrap().location, gpu::Location::Cuda(None));
         assert_eq!(opts(&["bw", "--provider", "verbs"]).unwrap().window, 128);
         assert_eq!(opts(&["bw", "--provider", "verbs:rxe0", "--window", "8"]).unwrap().window, 8);
     }
@@ -379,6 +405,7 @@ mod tests {
             &["bw", "--domains", "0"],
             &["bw", "--mode", "spin"],
             &["bw", "--bogus"],
+            &["bw", "--location", "cuda:x"],
         ] {
             assert!(opts(args).is_err(), "{args:?} was accepted");
         }

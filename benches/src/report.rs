@@ -17,11 +17,21 @@ pub struct Row {
     unit: &'static str,
     engine: f64,
     baseline: Option<(String, f64)>,
+    /// Further ceilings measured beside the row (JSON `ceilings_<unit>`: name → value).
+    ceilings: Vec<(&'static str, f64)>,
 }
 
 impl Row {
     pub fn new(test: &str, case: &str, unit: &'static str, engine: f64) -> Row {
-        Row { test: test.into(), case: case.into(), size: None, unit, engine, baseline: None }
+        Row {
+            test: test.into(),
+            case: case.into(),
+            size: None,
+            unit,
+            engine,
+            baseline: None,
+            ceilings: Vec::new(),
+        }
     }
 
     pub fn size(mut self, size: usize) -> Row {
@@ -31,6 +41,12 @@ impl Row {
 
     pub fn baseline(mut self, name: &str, v: f64) -> Row {
         self.baseline = Some((name.into(), v));
+        self
+    }
+
+    /// A further ceiling of this row (the baseline is the one its ratio is against).
+    pub fn ceiling(mut self, name: &'static str, v: f64) -> Row {
+        self.ceilings.push((name, v));
         self
     }
 
@@ -165,6 +181,11 @@ impl Report {
                     m.insert("baseline".into(), json!(n));
                     m.insert(format!("baseline_{}", r.unit), num(*v));
                     m.insert("ratio".into(), r.ratio().map_or(Value::Null, |x| json!(x)));
+                }
+                if !r.ceilings.is_empty() {
+                    let c: Map<String, Value> =
+                        r.ceilings.iter().map(|(n, v)| (n.to_string(), num(*v))).collect();
+                    m.insert(format!("ceilings_{}", r.unit), Value::Object(c));
                 }
                 Value::Object(m)
             })

@@ -1,6 +1,8 @@
 //! GPU memory end to end: staged transfers (host→GPU, GPU→host, GPU→GPU) over every
-//! provider, CUDA IPC between two processes on one GPU, 8 writer tasks into GPU memory, and
-//! a staged transfer dropped mid-flight.
+//! provider, CUDA IPC between two processes on one GPU, GPU0 → GPU1 staged and through CUDA
+//! IPC where two GPUs exist (else `skipped: needs 2 CUDA devices ...`; `FABRIC_REQUIRE_GPUS=2`
+//! makes that a failure), 8 writer tasks into GPU memory, and a staged transfer dropped
+//! mid-flight.
 //!
 //! The second process is this test binary, re-run as `gpu_child` with `FABRIC_GPU_CHILD`
 //! set (as `fabric-runtime/tests/cuda.rs` does), so nothing but this one binary has to be
@@ -55,11 +57,37 @@ fn builder(provider: &str) -> fabric_async::EngineBuilder {
     }
 }
 
-fn loc_name(l: MemoryLocation) -> &'static str {
-    if l == MemoryLocation::Host {
-        "host"
-    } else {
-        "gpu"
+const GPU1: MemoryLocation = MemoryLocation::Cuda { ordinal: 1 };
+
+/// Whether two GPUs are usable (after [`gpu`]); prints the skip line when not.
+/// `FABRIC_REQUIRE_GPUS=2` makes fewer than two a failure.
+fn two_gpus(test: &str) -> bool {
+    if !gpu(test) {
+        return false;
+    }
+    let n = cuda::available().unwrap_or(0);
+    if n >= 2 {
+        return true;
+    }
+    if std::env::var("FABRIC_REQUIRE_GPUS").is_ok_and(|v| v.parse::<usize>().is_ok_and(|w| w >= 2)) {
+        panic!("{test}: FABRIC_REQUIRE_GPUS=2 but the driver sees {n} CUDA device(s)");
+    }
+    let _ = writeln!(std::io::stderr(), "skipped: needs 2 CUDA devices, the driver sees {n}: {test}");
+    false
+}
+
+/// `host`, or `gpu:N` (the child's spec).
+fn loc_name(l: MemoryLocation) -> String {
+    match l {
+        MemoryLocation::Cuda { ordinal } => format!("gpu:{ordinal}"),
+        _ => "host".into(),
+    }
+}
+
+fn loc_parse(s: &str) -> MemoryLocation {
+    match s.strip_prefix("gpu:") {
+        Some(n) => MemoryLocation::Cuda { ordinal: n.parse().expect("ordinal") },
+        None => MemoryLocation::Host,
     }
 }
 
@@ -128,7 +156,7 @@ async fn gpu_child() {
     let store = TcpStore::connect(addr.parse().unwrap()).await.expect("store");
     let r = async {
         let engine = builder(provider).build()?;
-        let loc = if loc == "gpu" { GPU } else { MemoryLocation::Host };
+        let loc = loc_parse(loc);
         let size: usize = size.parse().unwrap();
         let region = engine.alloc_in(size, loc).await?;
         region.write_at(0, &vec![0xEE; size])?;
@@ -349,6 +377,33 @@ async fn gpu_to_gpu_cuda_ipc() {
     one_transfer("host_to_gpu_cuda_ipc", "tcp", MemoryLocation::Host, GPU, true).await;
 }
 
+/// GPU0 → GPU1 staged over every provider: a region on ordinal 0 in this process, on
+/// ordinal 1 in the child (D2H on GPU0, the transport, pull, H2D on GPU1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gpus_staged() {
+    if std::env::var_os(CHILD_ENV).is_some() || !two_gpus("two_gpus_staged") {
+        return;
+    }
+    for p in providers() {
+        one_transfer("two_gpus_staged", &p, GPU, GPU1, false).await;
+    }
+    // And back: GPU1 → GPU0.
+    one_transfer("two_gpus_staged_back", "tcp", GPU1, GPU, false).await;
+}
+
+/// GPU0 → GPU1 through CUDA IPC between two processes: the writer's copy engine writes
+/// GPU1's memory through the IPC mapping (a peer copy over NVLink where there is one), then
+/// the imm over tcp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gpus_cuda_ipc() {
+    if std::env::var_os(CHILD_ENV).is_some() || !two_gpus("two_gpus_cuda_ipc") {
+        return;
+    }
+    one_transfer("two_gpus_cuda_ipc", "tcp", GPU, GPU1, true).await;
+    one_transfer("two_gpus_cuda_ipc_back", "tcp", GPU1, GPU, true).await;
+    one_transfer("host_to_gpu1_cuda_ipc", "tcp", MemoryLocation::Host, GPU1, true).await;
+}
+
 /// 8 tasks, 16 staged writes each into distinct 64 KiB ranges of one GPU region, one
 /// immediate: exactly 128 arrivals, every byte in place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -496,4 +551,36 @@ async fn gpu_throughput_report() {
     }
     let ipc = throughput("tcp", GPU, GPU, true, len, iters).await;
     println!("| tcp | GPU -> GPU CUDA IPC (same GPU, imm over tcp) | {ipc:.1} GB/s |");
+    if cuda::available().unwrap_or(0) < 2 {
+        let _ = writeln!(std::io::stderr(), "skipped: needs 2 CUDA devices: the GPU0 -> GPU1 rows");
+        return;
+    }
+    // GPU0 → GPU1: the peer copy (ceiling of CUDA IPC), then the engine's paths.
+    let ctx1 = cuda::context(1).unwrap();
+    if ctx.can_access_peer(&ctx1).unwrap() {
+        ctx.enable_peer_access(&ctx1).unwrap();
+        ctx1.enable_peer_access(&ctx).unwrap();
+    }
+    let dev1 = std::sync::Arc::new(cuda::DeviceBuffer::new(&ctx1, len).unwrap());
+    let peer_bw = || {
+        let start = Instant::now();
+        for _ in 0..iters {
+            stream.copy_d2d(&dev1, 0, &dev, 0, len).unwrap();
+        }
+        stream.synchronize().unwrap();
+        (len as u64 * iters) as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let _ = peer_bw();
+    let peer = peer_bw();
+    println!("| ceiling | peer copy GPU0 -> GPU1 | {peer:.1} GB/s |");
+    let gpu1 = MemoryLocation::Cuda { ordinal: 1 };
+    let ipc2 = throughput("tcp", GPU, gpu1, true, len, iters).await;
+    println!(
+        "| tcp | GPU0 -> GPU1 CUDA IPC (imm over tcp) | {ipc2:.1} GB/s ({:.2}x peer copy) |",
+        ipc2 / peer
+    );
+    for p in providers() {
+        let bw = throughput(&p, GPU, gpu1, false, len, iters).await;
+        println!("| {p} | GPU0 -> GPU1 staged | {bw:.2} GB/s |");
+    }
 }
