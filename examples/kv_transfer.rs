@@ -16,7 +16,8 @@
 //!    the layer and the block's position in the request),
 //! 2. takes free blocks in the chosen decode worker's cache, announces the request to it with
 //!    a two-sided message (request id, immediate, arrival count, block table),
-//! 3. writes every layer's blocks with **one `write_paged`** carrying the request's own
+//! 3. writes every layer's blocks with **one `write_paged`** (with `--location cuda`: one
+//!    `write_imm` per block, since `write_paged` does not stage GPU memory yet) carrying the request's own
 //!    immediate: one completion signal per request, whose arrival count is
 //!    `engine.paged_arrivals(..)` (one per page; the worker computes the same number itself),
 //! 4. waits, with a deadline, for the worker's acknowledgement: the worker awaited the
@@ -267,7 +268,12 @@ async fn serve(
     table: &[u32],
 ) -> Result<(), BoxError> {
     // The same arrival count, computed here from what this side knows.
-    let expected = engine.transfer_opts().paged_arrivals(table.len() * cli.layers, engine.nics())?;
+    let expected = if kv.gpu_path().is_some() {
+        // One write_imm per block into GPU memory (see `attempt`).
+        (table.len() * cli.layers) as u64
+    } else {
+        engine.transfer_opts().paged_arrivals(table.len() * cli.layers, engine.nics())?
+    };
     if expected != announced {
         return Err(format!("request {req}: {announced} arrivals announced, {expected} expected").into());
     }
@@ -446,7 +452,14 @@ impl Prefill {
         })?;
         let (src_pages, dst_pages) = (self.cli.pages(src_table), self.cli.pages(&dst_table));
         let imm = IMM_BASE + req;
-        let arrivals = self.engine.paged_arrivals(&w.kv, dst_pages.len()).map_err(KvError::Transfer)?;
+        // `write_paged` does not stage GPU memory yet: into a GPU cache (staged or CUDA IPC)
+        // each block is one write_imm, one arrival each.
+        let gpu = w.kv.gpu_path().is_some();
+        let arrivals = if gpu {
+            dst_pages.len() as u64
+        } else {
+            self.engine.paged_arrivals(&w.kv, dst_pages.len()).map_err(KvError::Transfer)?
+        };
         let blocks: Vec<String> = dst_table.iter().map(u32::to_string).collect();
         let announce = format!("req {req} {imm} {arrivals} {}", blocks.join(","));
         let (tx, rx) = oneshot::channel();
@@ -459,10 +472,18 @@ impl Prefill {
         let outcome = tokio::time::timeout(deadline, async {
             self.engine.send(w.kv.peer(), announce.as_bytes()).await.map_err(KvError::Transfer)?;
             set("writing the blocks");
-            self.engine
-                .write_paged(&self.src, &w.kv, &layout, &src_pages, &dst_pages, Some(imm))
-                .await
-                .map_err(KvError::Transfer)?;
+            if gpu {
+                let page = layout.page_len;
+                let writes = src_pages.iter().zip(&dst_pages).map(|(s, d)| {
+                    self.engine.write_imm(&self.src, *s as u64 * page, &w.kv, *d as u64 * page, page, imm)
+                });
+                futures::future::try_join_all(writes).await.map_err(KvError::Transfer)?;
+            } else {
+                self.engine
+                    .write_paged(&self.src, &w.kv, &layout, &src_pages, &dst_pages, Some(imm))
+                    .await
+                    .map_err(KvError::Transfer)?;
+            }
             set("awaiting the acknowledgement");
             rx.await.map_err(|_| KvError::WorkerLeft)?.map_err(KvError::Rejected)
         })
