@@ -20,6 +20,7 @@
 //! never panics, bounds every length, and anything that is not exactly one valid encoding
 //! is [`Error::Malformed`].
 
+use super::reader::Reader;
 use crate::error::Error;
 
 /// The first byte of every two-sided message.
@@ -211,54 +212,12 @@ fn decode<T>(
     if MsgKind::of(bytes) != Some(kind) {
         return Err(malformed(format!("kind byte {:?}, expected {}", bytes.first(), kind as u8)));
     }
-    let mut r = Reader { bytes, pos: HEADER_LEN };
+    let mut r = Reader::new(bytes, HEADER_LEN);
     let v = body(&mut r).map_err(malformed)?;
     if r.pos != bytes.len() {
         return Err(malformed(format!("{} trailing byte(s)", bytes.len() - r.pos)));
     }
     Ok(v)
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8], String> {
-        let left = self.bytes.len() - self.pos;
-        if n > left {
-            return Err(format!(
-                "truncated: the {field} at offset {} needs {n} byte(s), {left} left",
-                self.pos
-            ));
-        }
-        let out = &self.bytes[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(out)
-    }
-
-    fn array<const N: usize>(&mut self, field: &str) -> Result<[u8; N], String> {
-        let mut out = [0u8; N];
-        out.copy_from_slice(self.take(N, field)?);
-        Ok(out)
-    }
-
-    fn u8(&mut self, field: &str) -> Result<u8, String> {
-        self.array::<1>(field).map(|[b]| b)
-    }
-
-    fn u16(&mut self, field: &str) -> Result<u16, String> {
-        self.array(field).map(u16::from_le_bytes)
-    }
-
-    fn u32(&mut self, field: &str) -> Result<u32, String> {
-        self.array(field).map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self, field: &str) -> Result<u64, String> {
-        self.array(field).map(u64::from_le_bytes)
-    }
 }
 
 #[cfg(test)]

@@ -52,6 +52,7 @@
 //! address is at most [`MAX_ADDRESS_LEN`] bytes. The encoding is canonical: if `from_bytes`
 //! accepts some bytes, `to_bytes` of the result gives back exactly those bytes.
 
+use super::reader::Reader;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
@@ -354,7 +355,7 @@ fn decode<T>(
     bytes: &[u8],
     body: impl FnOnce(&mut Reader<'_>) -> Result<T, String>,
 ) -> Result<T, Error> {
-    let mut r = Reader { bytes, pos: 0 };
+    let mut r = Reader::new(bytes, 0);
     let value = body(&mut r).map_err(|reason| Error::Malformed { what, reason })?;
     let left = bytes.len() - r.pos;
     if left != 0 {
@@ -367,43 +368,7 @@ fn decode<T>(
 }
 
 /// A bounds-checked cursor. Every method returns a reason string on failure.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, field: &str) -> Result<&'a [u8], String> {
-        let left = self.bytes.len() - self.pos;
-        if n > left {
-            return Err(format!(
-                "truncated: the {field} at offset {} needs {n} byte(s), only {left} left",
-                self.pos
-            ));
-        }
-        let out = &self.bytes[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(out)
-    }
-
-    fn array<const N: usize>(&mut self, field: &str) -> Result<[u8; N], String> {
-        let mut out = [0u8; N];
-        out.copy_from_slice(self.take(N, field)?);
-        Ok(out)
-    }
-
-    fn u16(&mut self, field: &str) -> Result<u16, String> {
-        self.array(field).map(u16::from_le_bytes)
-    }
-
-    fn u32(&mut self, field: &str) -> Result<u32, String> {
-        self.array(field).map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self, field: &str) -> Result<u64, String> {
-        self.array(field).map(u64::from_le_bytes)
-    }
-
+impl Reader<'_> {
     /// Magic and version. `other` is the magic of the other kind of value, for a better message
     /// when the two are mixed up.
     fn header(

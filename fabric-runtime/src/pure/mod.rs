@@ -13,6 +13,7 @@
 
 pub mod control;
 pub mod descriptor;
+mod reader;
 pub mod route;
 #[doc(hidden)]
 pub mod slab;
