@@ -26,6 +26,10 @@
 //!   themselves and never park the thread;
 //! - `event`: `ReactorMode::Event`: the same futures on the main runtime, woken by the reactor.
 //!
+//! With `--nics N` each peer's writes are pinned to one NIC (peers spread over the NICs), so
+//! every write is one arrival. With `--location cuda` every buffer is GPU memory (staged or
+//! CUDA IPC, `docs/gpu.md`); the spin path is skipped there (it does not stage GPU memory).
+//!
 //! Rank 0 starts the other ranks (copies of this program); they meet through a `TcpStore` on
 //! 127.0.0.1. Any wrong byte, missing arrival or failed write makes the run exit non-zero.
 
@@ -35,8 +39,10 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use fabric_async::bootstrap::{all_gather, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
-use fabric_examples::{percentiles, positive, wait_arrivals, BoxError, ProviderArg};
+use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion, TransferOpts};
+use fabric_examples::{
+    engine_builder, percentiles, positive, wait_arrivals, BoxError, LocationArg, NicsArg, ProviderArg,
+};
 
 const IMM_DISPATCH: u32 = 21;
 const IMM_COMBINE: u32 = 22;
@@ -51,6 +57,10 @@ const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 struct Cli {
     #[command(flatten)]
     provider: ProviderArg,
+    #[command(flatten)]
+    nics: NicsArg,
+    #[command(flatten)]
+    location: LocationArg,
     /// Ranks (processes), each holding experts for the others' tokens.
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = positive)]
     ranks: usize,
@@ -131,6 +141,12 @@ async fn run(cli: Cli) -> Result<(), BoxError> {
     }
     let mut failed = false;
     for mode in cli.modes.clone() {
+        if mode == Mode::Spin && cli.location.memory() != fabric_async::MemoryLocation::Host {
+            if cli.rank == 0 {
+                println!("moe: spin   skipped: the synchronous path does not stage GPU memory yet");
+            }
+            continue;
+        }
         let times = match run_mode(&cli, &store, mode).await {
             Ok(t) => t,
             Err(e) => {
@@ -166,6 +182,7 @@ fn spawn_rank(cli: &Cli, rank: usize, store: std::net::SocketAddr) -> Result<Chi
         .args(["--steps", &cli.steps.to_string(), "--tokens", &cli.tokens.to_string()])
         .args(["--hidden", &cli.hidden.to_string(), "--topk", &cli.topk.to_string()])
         .args(["--modes", &modes.join(",")])
+        .args(["--nics", &cli.nics.n.to_string(), "--location", cli.location.name()])
         .stdin(Stdio::null())
         .spawn()?)
 }
@@ -192,6 +209,12 @@ struct Rank {
 }
 
 impl Rank {
+    /// The transfer methods for peer `r`: pinned to one NIC (peers spread over the NICs), so
+    /// every write is one arrival whatever its size and `--nics`.
+    fn route(&self, r: usize) -> fabric_async::Transfers<'_> {
+        self.engine.with(TransferOpts::pinned(r % self.engine.nics()))
+    }
+
     /// Bytes of one destination's block: a header and at most every token once.
     fn block(&self) -> usize {
         HEADER + self.tokens * self.hidden
@@ -200,10 +223,14 @@ impl Rank {
 
 async fn run_mode(cli: &Cli, store: &TcpStore, mode: Mode) -> Result<Vec<Duration>, BoxError> {
     let (rank, ranks) = (cli.rank, cli.ranks);
-    let engine = Engine::builder().provider(cli.provider.name.as_str()).mode(mode.reactor()).build()?;
+    let engine = engine_builder(&cli.provider.name, cli.nics.n).mode(mode.reactor()).build()?;
+    cli.location.exit_if_unavailable(&engine).await;
     let block = HEADER + cli.tokens * cli.hidden;
-    let (send, recv) = (engine.alloc(block * ranks).await?, engine.alloc(block * ranks).await?);
-    let (xform, back) = (engine.alloc(block * ranks).await?, engine.alloc(block * ranks).await?);
+    let loc = cli.location.memory();
+    let (send, recv) =
+        (engine.alloc_in(block * ranks, loc).await?, engine.alloc_in(block * ranks, loc).await?);
+    let (xform, back) =
+        (engine.alloc_in(block * ranks, loc).await?, engine.alloc_in(block * ranks, loc).await?);
     let tag = format!("{mode:?}");
     let mut mine = recv.descriptor().to_bytes();
     let split = mine.len() as u32;
@@ -388,7 +415,7 @@ async fn step_async(me: &Rank, step: usize) -> Result<Duration, BoxError> {
         if let Some(dst) = &me.peer_recv[d] {
             let len = (HEADER + toks.len() * me.hidden) as u64;
             let (off, slot) = ((d * me.block()) as u64, (me.rank * me.block()) as u64);
-            writes.push(me.engine.write_imm(&me.send, off, dst, slot, len, IMM_DISPATCH));
+            writes.push(me.route(d).write_imm(&me.send, off, dst, slot, len, IMM_DISPATCH));
         }
     }
     let others = (me.ranks - 1) as u64;
@@ -398,8 +425,8 @@ async fn step_async(me: &Rank, step: usize) -> Result<Duration, BoxError> {
         if let Some(dst) = &me.peer_back[s] {
             let (off, slot) = ((s * me.block()) as u64, (me.rank * me.block()) as u64);
             writes.push(match n {
-                0 => me.engine.imm(dst, IMM_COMBINE),
-                n => me.engine.write_imm(&me.xform, off, dst, slot, (n * me.hidden) as u64, IMM_COMBINE),
+                0 => me.route(s).imm(dst, IMM_COMBINE),
+                n => me.route(s).write_imm(&me.xform, off, dst, slot, (n * me.hidden) as u64, IMM_COMBINE),
             });
         }
     }

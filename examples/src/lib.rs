@@ -95,7 +95,8 @@ pub enum Location {
 /// The `--location` option (`#[command(flatten)]` it).
 #[derive(clap::Args, Clone, Debug)]
 pub struct LocationArg {
-    /// Where the transfer buffers live: host memory, or CUDA device 0 (GPUDirect RDMA). Where
+    /// Where the transfer buffers live: host memory, or CUDA device 0 (GPUDirect where the
+    /// NICs can, else staged through pinned memory, or CUDA IPC on one host; docs/gpu.md). Where
     /// GPU memory cannot be registered, the example says `skipped: --location cuda: <why>`
     /// and exits 0.
     #[arg(long = "location", value_enum, default_value_t = Location::Host)]
