@@ -272,6 +272,27 @@ impl Transfers<'_> {
         ))
     }
 
+    /// `then` behind the D2H copy of `src`'s range into its shadow, or `Err(then)` when there
+    /// is nothing to copy (a host or GPUDirect source, or zero bytes).
+    fn behind_d2h(
+        src: &MemoryRegion,
+        src_off: u64,
+        len: u64,
+        then: Vec<Submission>,
+    ) -> std::result::Result<Submission, Vec<Submission>> {
+        match Self::d2h(src, src_off, len) {
+            Some((ordinal, copy)) if len > 0 => Ok(Submission::Gated {
+                ordinal,
+                copies: vec![copy],
+                then,
+                done: None,
+                keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
+                after: None,
+            }),
+            _ => Err(then),
+        }
+    }
+
     /// Submits `then` behind the D2H copy of a staged source, or directly.
     fn after_source_copy(
         &self,
@@ -280,18 +301,10 @@ impl Transfers<'_> {
         len: u64,
         then: Vec<Submission>,
     ) -> Result<()> {
-        let s = match Self::d2h(src, src_off, len) {
-            Some((ordinal, copy)) if len > 0 => Submission::Gated {
-                ordinal,
-                copies: vec![copy],
-                then,
-                done: None,
-                keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
-                after: None,
-            },
-            _ => return self.hand(then),
-        };
-        self.hand(vec![s])
+        match Self::behind_d2h(src, src_off, len, then) {
+            Ok(gate) => self.hand(vec![gate]),
+            Err(then) => self.hand(then),
+        }
     }
 
     /// Staged GPU source into host or GPUDirect memory: the usual shards, posted from the
@@ -313,19 +326,10 @@ impl Transfers<'_> {
         let gated = subs
             .into_iter()
             .map(|s| match &s {
+                // An imm-only shard (len 0, no local address) has nothing to copy.
                 Submission::Op { req, .. } if req.len > 0 => {
-                    let off = req.local_addr - shadow;
-                    match Self::d2h(src, off, req.len as u64) {
-                        Some((ordinal, copy)) => Submission::Gated {
-                            ordinal,
-                            copies: vec![copy],
-                            then: vec![s],
-                            done: None,
-                            keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
-                            after: None,
-                        },
-                        None => s,
-                    }
+                    let (off, len) = (req.local_addr - shadow, req.len as u64);
+                    Self::behind_d2h(src, off, len, vec![s]).unwrap_or_else(|mut s| s.remove(0))
                 }
                 _ => s,
             })

@@ -676,21 +676,7 @@ mod tests {
         }
     }
 
-    /// xorshift64: deterministic, dependency-free.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            let mut x = self.0;
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            self.0 = x;
-            x
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
+    use super::super::test_rng::Rng;
 
     /// Decodes `input` both ways; whatever is accepted must re-encode to the same bytes.
     fn check_input(input: &[u8]) -> usize {

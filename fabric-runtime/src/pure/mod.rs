@@ -18,4 +18,6 @@ pub mod route;
 #[doc(hidden)]
 pub mod slab;
 pub mod staging;
+#[cfg(test)]
+mod test_rng;
 pub mod verbs_wire;
