@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, MemoryRegion, ReactorMode, RemoteRegion};
+use fabric_async::{Engine, EngineBuilder, MemoryRegion, ReactorMode, RemoteRegion};
 
 use crate::progress::Progress;
 use crate::raw::Raw;
@@ -180,7 +180,12 @@ pub struct Side {
 }
 
 pub async fn engine_side(ctx: &mut Ctx, mode: ReactorMode, len: usize) -> Res<Side> {
-    let engine = builder(&ctx.o).mode(mode).build()?;
+    engine_side_with(ctx, builder(&ctx.o).mode(mode), len).await
+}
+
+/// [`engine_side`] with an engine of these settings.
+pub async fn engine_side_with(ctx: &mut Ctx, b: EngineBuilder, len: usize) -> Res<Side> {
+    let engine = b.build()?;
     let region = engine.alloc(len).await?;
     fill(&region)?;
     let theirs = ctx.swap("engine", region.descriptor().to_bytes()).await?;

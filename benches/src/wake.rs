@@ -11,7 +11,9 @@ use crate::lat::{engine_ping, engine_pong, lat_iters};
 use crate::measure::{cpu_time, percentiles};
 use crate::on_verbs;
 use crate::report::{Report, Row};
-use crate::session::{engine_side, mode_name, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG};
+use crate::session::{
+    builder, engine_side_with, mode_name, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG,
+};
 
 /// The synchronous path: post_write_imm into an OpBatch, spin_wait on the counter.
 fn spin_ping(s: &Side, size: usize, iters: usize, lead: bool) -> Res<Vec<Duration>> {
@@ -71,6 +73,10 @@ fn thread_handoff(iters: usize) -> Vec<Duration> {
 #[derive(Clone, Copy)]
 enum WakeCase {
     Mode(ReactorMode),
+    /// Event mode with `EngineBuilder::direct_post(false)`: every post wakes the reactor.
+    EventNoDirect,
+    /// Event mode with a `CompletionWatch` on the awaiting runtime.
+    EventWatch,
     /// post_write_imm + spin_wait on the caller's thread, reactor in this mode.
     Spin(ReactorMode),
 }
@@ -93,8 +99,10 @@ async fn run_wake(ctx: &Ctx, case: WakeCase, side: &Arc<Side>, size: usize, n: u
             })
             .await??
         }
-        WakeCase::Mode(_) if ctx.lead => engine_ping(side, size, n).await?,
-        WakeCase::Mode(_) => {
+        WakeCase::Mode(_) | WakeCase::EventNoDirect | WakeCase::EventWatch if ctx.lead => {
+            engine_ping(side, size, n).await?
+        }
+        WakeCase::Mode(_) | WakeCase::EventNoDirect | WakeCase::EventWatch => {
             engine_pong(side, size, n).await?;
             Vec::new()
         }
@@ -132,6 +140,8 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     }
     let cases = [
         WakeCase::Mode(ReactorMode::Event),
+        WakeCase::EventNoDirect,
+        WakeCase::EventWatch,
         WakeCase::Mode(ReactorMode::Adaptive { spin: Duration::from_micros(200) }),
         WakeCase::Mode(ReactorMode::BusyPoll),
         WakeCase::Mode(ReactorMode::Inline),
@@ -143,10 +153,26 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     for (c, case) in cases.into_iter().enumerate() {
         let (name, mode) = match case {
             WakeCase::Mode(m) => (mode_name(m).to_string(), m),
+            WakeCase::EventNoDirect => ("Event, no direct post".to_string(), ReactorMode::Event),
+            WakeCase::EventWatch => ("Event + CompletionWatch".to_string(), ReactorMode::Event),
             WakeCase::Spin(m) => (format!("spin path ({})", mode_name(m)), m),
         };
         ctx.progress("wake", c as f64 / ncases, &format!("{name}: probe"));
-        let side = Arc::new(engine_side(ctx, mode, 1 << 20).await?);
+        let direct = !matches!(case, WakeCase::EventNoDirect);
+        let side =
+            Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(mode).direct_post(direct), 1 << 20).await?);
+        // Providers without a wait fd (shm) have nothing to watch: the row says so.
+        let _watch = match case {
+            WakeCase::EventWatch => match fabric_async::CompletionWatch::spawn(&side.engine) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    ctx.note(&format!("wake: {name} skipped: {e}"));
+                    ctx.barrier("wake-end").await?;
+                    continue;
+                }
+            },
+            _ => None,
+        };
         // Some cases are pathological on 2 cores (four spinning threads): a short probe sets
         // how many round trips fit in about 3 s (verbs in the VM: 1.5 s, quick 0.5 s), so the
         // run stays bounded in time.

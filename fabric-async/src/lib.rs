@@ -23,6 +23,7 @@
 
 pub mod bootstrap;
 mod ext;
+mod watch;
 
 pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};
 
@@ -35,7 +36,8 @@ pub use fabric_runtime::cuda;
 pub use fabric_runtime::topology;
 pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
-    Arrivals, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch,
-    OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result,
-    Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
+    Arrivals, CompletionWakeups, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation,
+    MemoryRegion, OpBatch, OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture,
+    RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
 };
+pub use watch::CompletionWatch;

@@ -35,6 +35,19 @@ pub(crate) trait Progress: Send + Sync {
     fn spin_budget(&self) -> std::time::Duration;
 }
 
+/// Posts a submission on the caller's thread while an `Event`-mode reactor thread sleeps
+/// (`EngineBuilder::direct_post`), instead of waking that thread to post it.
+pub(crate) trait DirectPost: Send + Sync {
+    /// Runs one pass of the reactor here if no other thread is in one. Returns true when
+    /// the queued work was handled and the sleeping reactor thread need not be woken; false
+    /// when the caller must wake it (the core was busy, or what was posted needs a timed
+    /// pass sooner than the sleep ends).
+    fn post_now(&self) -> bool;
+
+    /// Every domain's completion wait fd (each domain has one, or there is no poster).
+    fn wait_fds(&self) -> Vec<std::os::fd::RawFd>;
+}
+
 /// The `poll` of an inline future. `peek` looks for the result without registering the
 /// waker; `register` is the future's ordinary poll (which does). Passes of the reactor run on
 /// this thread, with a `peek` after each, for up to the driver's spin budget; only then is

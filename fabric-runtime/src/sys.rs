@@ -52,6 +52,16 @@ impl EventFd {
     }
 }
 
+/// A new descriptor (close-on-exec) for the open file that `fd` names, owned by the caller:
+/// it stays valid, and names the same file, after the owner of `fd` closes its own.
+pub(crate) fn dup_fd(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC takes an integer argument only; on a closed or invalid `fd`
+    // it fails with EBADF, which is returned.
+    let new = syscall!(fcntl(fd, libc::F_DUPFD_CLOEXEC, 0))?;
+    // SAFETY: `new` was just returned by fcntl and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
 /// Sleeps until one of `fds` is readable or `timeout` passes (`None`: no timeout). Returns
 /// the number of readable fds; their `revents` are set.
 pub(crate) fn wait(fds: &mut [libc::pollfd], timeout: Option<Duration>) -> io::Result<usize> {

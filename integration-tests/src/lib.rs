@@ -126,9 +126,20 @@ impl Peer {
 
     /// Kills the process now (to test a dead peer).
     pub fn kill(&mut self) {
+        // A stopped process still dies of SIGKILL; continuing it first is harmless.
+        self.signal("CONT");
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+
+    /// Sends `signal` (a name such as `STOP` or `CONT`) with kill(1): a stopped peer keeps
+    /// its connections open and answers nothing, like a hung process.
+    pub fn signal(&self, signal: &str) {
+        if let Some(c) = self.child.as_ref() {
+            let ok = Command::new("kill").arg(format!("-{signal}")).arg(c.id().to_string()).status();
+            assert!(ok.is_ok_and(|s| s.success()), "kill -{signal} {}", c.id());
         }
     }
 

@@ -28,6 +28,7 @@ pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
 mod transfer;
+mod wakeups;
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -58,6 +59,7 @@ pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
+pub use wakeups::CompletionWakeups;
 
 /// The smallest message slot: room for the engine's control messages (a PULL names one
 /// source per NIC and the sender's address).
@@ -68,6 +70,10 @@ struct EngineInner {
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
     /// `ReactorMode::Inline`: the reactor pass that callers run (cloned into futures).
     driver: Option<Driver>,
+    /// A reactor pass for other threads (direct posting, `completion_wakeups`), where
+    /// every NIC has a wait fd; `Shared` holds it weakly.
+    direct: Option<Arc<dyn crate::sync::DirectPost>>,
+    mode: ReactorMode,
     /// The pinned words of `gpu_counter`s.
     #[cfg(feature = "cuda")]
     gpu_counters: gpu_signal::GpuCounters,
@@ -139,12 +145,15 @@ impl Engine {
         let shared = Arc::new(shared);
         let mut rcfg = cfg.reactor_config();
         rcfg.msg_slot = msg_slot;
+        let rcfg_mode = rcfg.mode;
         let started = reactor::spawn(domains, shared.clone(), rcfg)?;
         Ok(Engine {
             inner: Arc::new(EngineInner {
                 shared,
                 thread: std::sync::Mutex::new(Some(started.thread)),
                 driver: started.driver,
+                direct: started.direct,
+                mode: rcfg_mode,
                 #[cfg(feature = "cuda")]
                 gpu_counters: Default::default(),
             }),

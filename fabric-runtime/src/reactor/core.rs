@@ -29,6 +29,10 @@ use crate::sync::lock;
 #[cfg(feature = "cuda")]
 #[path = "staging.rs"]
 mod staging;
+// Preparing an `Event`-mode sleep, waking from it, and whether a sleep still covers what a
+// caller posted directly (a child module: it works on `Core`'s fields).
+#[path = "sleep.rs"]
+mod sleep;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -105,6 +109,8 @@ pub(crate) struct Core<D: Domain> {
     pub(crate) pollfds: Vec<libc::pollfd>,
     /// When operation deadlines are checked next.
     next_deadline_check: Instant,
+    /// While the reactor thread sleeps: the latest it wakes (`None`: no timeout).
+    armed_until: Option<Instant>,
     /// Shutdown was requested: the reactor thread must run [`Core::close`]; passes do
     /// nothing more.
     pub(crate) closing: bool,
@@ -151,6 +157,7 @@ impl<D: Domain> Core<D> {
             unflushed: false,
             pollfds: Vec::with_capacity(1 + n),
             next_deadline_check: Instant::now(),
+            armed_until: None,
             closing: false,
             closed: false,
             #[cfg(feature = "cuda")]
@@ -174,6 +181,11 @@ impl<D: Domain> Core<D> {
     /// Whether some domain has no wait fd (shm, EFA): it cannot wake a sleeper.
     pub(crate) fn has_fdless_domain(&self) -> bool {
         self.domains.iter().any(|d| d.wait_fd().is_none())
+    }
+
+    /// The wait fds of the domains that have one.
+    pub(crate) fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.domains.iter().filter_map(|d| d.wait_fd()).collect()
     }
 
     /// One pass: check deadlines (at most every `DEADLINE_TICK`), take the submission
@@ -215,82 +227,6 @@ impl<D: Domain> Core<D> {
             busy |= self.poll_staging();
         }
         busy | self.poll_domains()
-    }
-
-    /// Before an `Event`-mode sleep: arms every domain and fills `pollfds` (the eventfd,
-    /// then each domain's wait fd) and returns the timeout (`None`: none), or returns
-    /// `Err(())` when the reactor must not sleep (completions pending, submissions queued,
-    /// shutdown). On `Ok`, the queue says the reactor sleeps: submitters write the eventfd.
-    #[allow(clippy::result_unit_err)]
-    pub(crate) fn prepare_sleep(
-        &mut self,
-        idle_interval: Duration,
-    ) -> std::result::Result<Option<Duration>, ()> {
-        let mut fds = std::mem::take(&mut self.pollfds);
-        fds.clear();
-        fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
-        let mut timeout: Option<Duration> = None;
-        for d in self.domains.iter_mut() {
-            if let Some(t) = d.timer() {
-                timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
-            }
-            match d.wait_fd() {
-                Some(fd) => {
-                    if !d.arm() {
-                        self.pollfds = fds;
-                        return Err(()); // completions pending: poll again
-                    }
-                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
-                }
-                None => timeout = Some(timeout.map_or(idle_interval, |cur| cur.min(idle_interval))),
-            }
-        }
-        self.pollfds = fds;
-        if self.has_pending() {
-            // Posts are waiting for queue space; completions will wake us, but stay safe
-            // against a provider that frees space without one.
-            let t = Duration::from_micros(100);
-            timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
-        }
-        #[cfg(feature = "cuda")]
-        if self.staging.has_gates() {
-            // CUDA events wake nobody: poll them soon.
-            let t = Duration::from_micros(20);
-            timeout = Some(timeout.map_or(t, |cur| cur.min(t)));
-        } else if self.cfg.op_timeout.is_some() && self.staging.awaits_acks() {
-            // A peer that never ACKs must still time out.
-            timeout = Some(timeout.map_or(DEADLINE_TICK, |t| t.min(DEADLINE_TICK)));
-        }
-        if self.cfg.op_timeout.is_some() && !self.slab.is_empty() {
-            // Wake up to check deadlines even if the peer never answers.
-            timeout = Some(timeout.map_or(DEADLINE_TICK, |t| t.min(DEADLINE_TICK)));
-        }
-        let mut q = lock(&self.shared.queue);
-        if !q.items.is_empty() || q.state != QueueState::Open {
-            return Err(());
-        }
-        q.sleeping = true;
-        Ok(timeout)
-    }
-
-    /// After the sleep that [`Core::prepare_sleep`] prepared (`fds` is its `pollfds`, with
-    /// `revents` set): the queue no longer says the reactor sleeps; the eventfd is drained and
-    /// each domain that woke us acknowledged.
-    pub(crate) fn after_sleep(&mut self, fds: Vec<libc::pollfd>) {
-        lock(&self.shared.queue).sleeping = false;
-        if fds[0].revents != 0 {
-            self.shared.wake.drain();
-        }
-        let mut i = 1;
-        for d in self.domains.iter_mut() {
-            if d.wait_fd().is_some() {
-                if fds[i].revents != 0 {
-                    d.ack_wakeup();
-                }
-                i += 1;
-            }
-        }
-        self.pollfds = fds;
     }
 }
 

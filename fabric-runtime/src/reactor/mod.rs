@@ -27,7 +27,7 @@ use self::core::{Core, EVENT_NO_FD_SPIN};
 use crate::error::{Error, Result};
 use crate::provider::Domain;
 use crate::shared::Shared;
-use crate::sync::{lock, Driver, Progress};
+use crate::sync::{lock, DirectPost, Driver, Progress};
 use crate::sys;
 
 /// How the reactor thread waits for work. Chosen when the engine is built.
@@ -41,6 +41,11 @@ pub enum ReactorMode {
     /// poll for it to progress, is not paced by timer sleeps), then polls at an interval that
     /// backs off from 50 µs to `EngineBuilder::idle_poll_interval` (1 ms by default), so an
     /// arrival on an idle engine is seen within that interval.
+    ///
+    /// An operation started while the reactor sleeps is posted on the starting thread
+    /// (`EngineBuilder::direct_post`) rather than by waking the reactor, on providers with a
+    /// wait fd. `fabric_async::CompletionWatch` lets the awaiting runtime's own thread wake on
+    /// completions too (one OS wake-up fewer per completion; `docs/performance.md`).
     #[default]
     Event,
     /// Spin for `spin` after the last activity, then behave like `Event`.
@@ -82,6 +87,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) msg_slot: usize,
     /// `Inline`: how long a pending future spins inside one `poll`.
     pub(crate) inline_spin: Duration,
+    /// Post on the submitter's thread while the reactor thread sleeps.
+    pub(crate) direct_post: bool,
 }
 
 /// How long the reactor thread of an `Inline` engine sleeps while callers drive the NICs,
@@ -111,10 +118,36 @@ impl<D: Domain> Progress for Inline<D> {
     }
 }
 
-/// A started reactor: its thread, and for an `Inline` engine the callers' progress handle.
+/// Direct posting (`EngineBuilder::direct_post`): a submitter that finds the reactor
+/// thread asleep runs a pass itself (`reactor/sleep.rs` shows the handshake).
+struct Direct<D: Domain> {
+    core: Arc<Mutex<Core<D>>>,
+}
+
+impl<D: Domain> DirectPost for Direct<D> {
+    fn post_now(&self) -> bool {
+        let mut c = match self.core.try_lock() {
+            Ok(c) => c,
+            Err(TryLockError::WouldBlock) => return false,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        };
+        c.turn();
+        // Shutdown seen in this pass: only the reactor thread may close the domains.
+        !c.closing && c.sleep_covers_posts()
+    }
+
+    fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
+        lock(&self.core).wait_fds()
+    }
+}
+
+/// A started reactor: its thread, for an `Inline` engine the callers' progress handle, and
+/// the direct poster where every domain has a wait fd (kept alive here: `Shared` holds it
+/// weakly; [`Engine::completion_wakeups`](crate::Engine::completion_wakeups) uses it too).
 pub(crate) struct Started {
     pub(crate) thread: JoinHandle<()>,
     pub(crate) driver: Option<Driver>,
+    pub(crate) direct: Option<Arc<dyn DirectPost>>,
 }
 
 /// Opens the message pools, then moves the domains to a new reactor thread.
@@ -122,6 +155,14 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
     let driver = (cfg.mode == ReactorMode::Inline).then(|| {
         Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin }) as Driver
+    });
+    // A pass on a caller's thread needs every domain to wake a sleeping reactor by itself.
+    let direct = (!lock(&core).has_fdless_domain()).then(|| {
+        let d = Arc::new(Direct { core: core.clone() }) as Arc<dyn DirectPost>;
+        if cfg.direct_post {
+            let _ = shared.direct.set(Arc::downgrade(&d));
+        }
+        d
     });
     let thread = std::thread::Builder::new()
         .name("fabric-reactor".into())
@@ -131,7 +172,7 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
             errno: e.raw_os_error().unwrap_or(0),
             message: e.to_string(),
         })?;
-    Ok(Started { thread, driver })
+    Ok(Started { thread, driver, direct })
 }
 
 /// The reactor thread's loop: passes, and waiting between them as the mode says.

@@ -24,7 +24,7 @@ pub(crate) mod queue;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::task::Waker;
 
 use bytes::Bytes;
@@ -34,7 +34,7 @@ use crate::error::Result;
 use crate::provider::Registration;
 use crate::pure::descriptor::EngineAddress;
 use crate::pure::route::TransferOpts;
-use crate::sync::lock;
+use crate::sync::{lock, DirectPost};
 use crate::sys::EventFd;
 
 use memory::Backing;
@@ -113,6 +113,12 @@ pub(crate) struct Shared {
     pub(crate) inline_polls: AtomicU64,
     /// Shutdown was requested.
     closing: AtomicBool,
+    /// Posting on the submitter's thread while the reactor sleeps (`reactor::Direct`),
+    /// when the engine allows it and every domain has a wait fd. Weak: the poster holds the
+    /// core, which holds this.
+    pub(crate) direct: OnceLock<Weak<dyn DirectPost>>,
+    /// Submissions posted on the submitter's thread so far (`Engine::direct_posts`).
+    pub(crate) direct_posts: AtomicU64,
     /// GPU regions, CUDA IPC mappings and staging settings.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: gpu::GpuShared,
@@ -149,6 +155,8 @@ impl Shared {
             delivery_complete,
             inline_polls: AtomicU64::new(0),
             closing: AtomicBool::new(false),
+            direct: OnceLock::new(),
+            direct_posts: AtomicU64::new(0),
             #[cfg(feature = "cuda")]
             gpu: gpu::GpuShared::default(),
         })
@@ -161,13 +169,9 @@ impl Shared {
         if q.state != QueueState::Open {
             return Err(s);
         }
+        let direct = s.iter().all(|s| matches!(s, Submission::Op { .. } | Submission::Send { .. }));
         q.items.append(&mut s);
-        let wake = std::mem::take(&mut q.sleeping);
-        self.has_items.store(true, Ordering::Release);
-        drop(q);
-        if wake {
-            self.wake.notify();
-        }
+        self.queued(q, direct);
         Ok(())
     }
 
@@ -182,18 +186,39 @@ impl Shared {
 
     /// Hands `s` to the reactor. Gives it back if the engine is shutting down.
     pub(crate) fn submit(&self, s: Submission) -> std::result::Result<(), Submission> {
+        let direct = matches!(s, Submission::Op { .. } | Submission::Send { .. });
         let mut q = lock(&self.queue);
         if q.state != QueueState::Open {
             return Err(s);
         }
         q.items.push(s);
-        let wake = std::mem::take(&mut q.sleeping);
-        self.has_items.store(true, Ordering::Release);
-        drop(q);
-        if wake {
-            self.wake.notify();
-        }
+        self.queued(q, direct);
         Ok(())
+    }
+
+    /// After submissions were pushed (the queue lock `q` still held): if the reactor thread
+    /// sleeps, post them from this thread when allowed and possible (`direct`, operations
+    /// only: a registration's page pinning stays off the caller's thread), else wake it.
+    fn queued(&self, mut q: MutexGuard<'_, Queue>, direct: bool) {
+        self.has_items.store(true, Ordering::Release);
+        if !q.sleeping {
+            return;
+        }
+        if direct {
+            if let Some(poster) = self.direct.get().and_then(Weak::upgrade) {
+                // The reactor stays marked asleep: the next submitter may post directly too.
+                drop(q);
+                if poster.post_now() {
+                    self.direct_posts.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.wake.notify();
+                }
+                return;
+            }
+        }
+        q.sleeping = false;
+        drop(q);
+        self.wake.notify();
     }
 
     /// Whether shutdown was requested.

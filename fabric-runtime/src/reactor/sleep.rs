@@ -1,0 +1,137 @@
+//! How an `Event`-mode reactor goes to sleep and wakes up, and what a caller that posted
+//! directly while it slept must check (`reactor/mod.rs`, `Direct`).
+//!
+//! ```text
+//!  reactor thread:  pass found nothing ─► prepare_sleep: arm every domain, timeout,
+//!                   queue.sleeping = true ─► ppoll(eventfd, wait fds) ─► after_sleep
+//!  a submitter meanwhile:  push ─► sleeping? ─► try_lock the core ─► one pass here
+//!                          (posted at once; no wake-up of the reactor on the path)
+//!                          ─► does the sleep still cover what is now in flight? if not,
+//!                          or the core was busy: write the eventfd, as before
+//! ```
+//!
+//! A child module of `core`, so it works on [`Core`]'s fields.
+
+use std::time::{Duration, Instant};
+
+use super::{Core, DEADLINE_TICK};
+use crate::provider::Domain;
+use crate::shared::queue::QueueState;
+use crate::sync::lock;
+
+/// The longest a sleeping reactor may leave an operation's deadline unchecked: a sleep with
+/// nothing in flight still ends within this, so an operation posted directly during it is
+/// failed at most this late (an eighth of `op_timeout`, between 100 ms and 1 s; 1 s at the
+/// default 30 s). One wake-up a second costs nothing measurable on an idle engine.
+fn deadline_slack(op_timeout: Duration) -> Duration {
+    (op_timeout / 8).clamp(DEADLINE_TICK, Duration::from_secs(1))
+}
+
+fn min_timeout(cur: Option<Duration>, t: Duration) -> Option<Duration> {
+    Some(cur.map_or(t, |c| c.min(t)))
+}
+
+impl<D: Domain> Core<D> {
+    /// Before an `Event`-mode sleep: arms every domain and fills `pollfds` (the eventfd,
+    /// then each domain's wait fd) and returns the timeout (`None`: none), or returns
+    /// `Err(())` when the reactor must not sleep (completions pending, submissions queued,
+    /// shutdown). On `Ok`, the queue says the reactor sleeps: submitters post directly or
+    /// write the eventfd.
+    #[allow(clippy::result_unit_err)]
+    pub(crate) fn prepare_sleep(
+        &mut self,
+        idle_interval: Duration,
+    ) -> std::result::Result<Option<Duration>, ()> {
+        let mut fds = std::mem::take(&mut self.pollfds);
+        fds.clear();
+        fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
+        let mut timeout: Option<Duration> = None;
+        for d in self.domains.iter_mut() {
+            if let Some(t) = d.timer() {
+                timeout = min_timeout(timeout, t);
+            }
+            match d.wait_fd() {
+                Some(fd) => {
+                    if !d.arm() {
+                        self.pollfds = fds;
+                        return Err(()); // completions pending: poll again
+                    }
+                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                }
+                None => timeout = min_timeout(timeout, idle_interval),
+            }
+        }
+        self.pollfds = fds;
+        if self.has_pending() {
+            // Posts are waiting for queue space; completions will wake us, but stay safe
+            // against a provider that frees space without one.
+            timeout = min_timeout(timeout, Duration::from_micros(100));
+        }
+        #[cfg(feature = "cuda")]
+        if self.staging.has_gates() {
+            // CUDA events wake nobody: poll them soon.
+            timeout = min_timeout(timeout, Duration::from_micros(20));
+        } else if self.cfg.op_timeout.is_some() && self.staging.awaits_acks() {
+            // A peer that never ACKs must still time out.
+            timeout = min_timeout(timeout, DEADLINE_TICK);
+        }
+        if let Some(limit) = self.cfg.op_timeout {
+            // Wake up to check deadlines even if the peer never answers; with nothing in
+            // flight, late enough to cost nothing, early enough for an operation that a
+            // caller posts directly while we sleep.
+            let t = if self.slab.is_empty() { deadline_slack(limit) } else { DEADLINE_TICK };
+            timeout = min_timeout(timeout, t);
+        }
+        let mut q = lock(&self.shared.queue);
+        if !q.items.is_empty() || q.state != QueueState::Open {
+            return Err(());
+        }
+        q.sleeping = true;
+        self.armed_until = timeout.map(|t| Instant::now() + t);
+        Ok(timeout)
+    }
+
+    /// After the sleep that [`Core::prepare_sleep`] prepared (`fds` is its `pollfds`, with
+    /// `revents` set): the queue no longer says the reactor sleeps; the eventfd is drained and
+    /// each domain that woke us acknowledged.
+    pub(crate) fn after_sleep(&mut self, fds: Vec<libc::pollfd>) {
+        lock(&self.shared.queue).sleeping = false;
+        self.armed_until = None;
+        if fds[0].revents != 0 {
+            self.shared.wake.drain();
+        }
+        let mut i = 1;
+        for d in self.domains.iter_mut() {
+            if d.wait_fd().is_some() {
+                if fds[i].revents != 0 {
+                    d.ack_wakeup();
+                }
+                i += 1;
+            }
+        }
+        self.pollfds = fds;
+    }
+
+    /// After a caller's pass while the reactor thread sleeps (a direct post): whether that
+    /// sleep, prepared before the caller's operations existed, still covers them. It does
+    /// when their completions will wake it through the wait fds (every domain has one,
+    /// which is when direct posting is on) and it ends in time to check their deadlines.
+    /// It does not when a post is waiting for queue space, a CUDA copy is waiting for its
+    /// event, or a backend timer runs: those need a timed pass soon, so the caller wakes
+    /// the reactor.
+    pub(crate) fn sleep_covers_posts(&self) -> bool {
+        if self.has_pending() || self.domains.iter().any(|d| d.timer().is_some()) {
+            return false;
+        }
+        #[cfg(feature = "cuda")]
+        if self.staging.active() {
+            return false;
+        }
+        match self.cfg.op_timeout {
+            Some(limit) if !self.slab.is_empty() || self.staging_waits() => {
+                self.armed_until.is_some_and(|at| at <= Instant::now() + deadline_slack(limit))
+            }
+            _ => true,
+        }
+    }
+}

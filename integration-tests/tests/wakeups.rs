@@ -1,0 +1,128 @@
+//! The wake-up paths of an `Event`-mode engine: direct posting (an operation submitted
+//! while the reactor thread sleeps is posted on the submitter's thread) and
+//! `CompletionWatch` (tokio's I/O driver wakes on the completion fds and runs the pass).
+//! Real bytes through libfabric tcp and shm on loopback.
+
+use std::time::{Duration, Instant};
+
+use fabric_async::bootstrap::Rendezvous;
+use fabric_async::{CompletionWatch, Engine, Error, ReactorMode};
+use integration_tests::{get, store, Peer};
+
+const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), f).await.expect("answered within 30 s")
+}
+
+/// `n` verified 8-byte round trips between two engines of this builder, on this runtime.
+/// Returns both engines (for their diagnostics).
+async fn ping_pong(builder: impl Fn() -> fabric_async::EngineBuilder, n: u64) -> (Engine, Engine) {
+    let (a, b) = (builder().build().unwrap(), builder().build().unwrap());
+    let (ra, rb) = (a.alloc(4096).await.unwrap(), b.alloc(4096).await.unwrap());
+    let to_b = a.remote_region(&rb.descriptor().to_bytes()).await.unwrap();
+    let to_a = b.remote_region(&ra.descriptor().to_bytes()).await.unwrap();
+    let pong = tokio::spawn({
+        let b = b.clone();
+        async move {
+            let c = b.imm_counter(1);
+            let mut got = [0u8; 8];
+            for i in 0..n {
+                c.wait_for(1).await.unwrap();
+                rb.read_at(8, &mut got).unwrap();
+                assert_eq!(u64::from_le_bytes(got), i, "round trip {i} landed before its immediate");
+                rb.write_at(0, &got).unwrap();
+                b.write_imm(&rb, 0, &to_a, 8, 8, 2).await.unwrap();
+            }
+        }
+    });
+    let c = a.imm_counter(2);
+    let mut got = [0u8; 8];
+    for i in 0..n {
+        ra.write_at(0, &i.to_le_bytes()).unwrap();
+        a.write_imm(&ra, 0, &to_b, 8, 8, 1).await.unwrap();
+        bounded(c.wait_for(1)).await.unwrap();
+        ra.read_at(8, &mut got).unwrap();
+        assert_eq!(u64::from_le_bytes(got), i, "the echo of round trip {i}");
+    }
+    bounded(pong).await.unwrap();
+    assert_eq!(c.available(), 0, "one arrival per round trip");
+    (a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_post_on_tcp_posts_from_the_caller() {
+    let (a, b) = ping_pong(|| Engine::builder().provider("tcp").mode(ReactorMode::Event), 300).await;
+    // Between hops both reactors sleep: a write started then is posted by its task.
+    assert!(a.direct_posts() + b.direct_posts() > 0, "no operation was posted directly");
+    let (a, b) =
+        ping_pong(|| Engine::builder().provider("tcp").mode(ReactorMode::Event).direct_post(false), 100)
+            .await;
+    assert_eq!(a.direct_posts() + b.direct_posts(), 0, "direct_post(false) is off");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_never_posts_directly() {
+    // shm has no completion wait fd: only the reactor thread's poll window moves a
+    // transfer, so it is woken instead.
+    let (a, b) = ping_pong(|| Engine::builder().provider("shm").mode(ReactorMode::Event), 100).await;
+    assert_eq!(a.direct_posts() + b.direct_posts(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_post_to_a_hung_peer_still_times_out() {
+    // The reactor sleeps with nothing in flight; the write posted directly during that sleep
+    // must still fail at its deadline (the sleep ends within an eighth of op_timeout).
+    let (_server, store, addr) = store().await;
+    let peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096"]);
+    let a = Engine::builder().provider("tcp").op_timeout(Some(Duration::from_secs(1))).build().unwrap();
+    let src = a.alloc(4096).await.unwrap();
+    let dst = a.remote_region(&get(&store, "target/desc").await).await.unwrap();
+    bounded(a.write(&src, 0, &dst, 0, 64)).await.expect("the peer answers while it runs");
+    peer.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(300)).await; // the reactor goes to sleep
+    let before = a.direct_posts();
+    let t = Instant::now();
+    let e = bounded(a.write_imm(&src, 0, &dst, 0, 64, 1)).await.unwrap_err();
+    let took = t.elapsed();
+    assert!(matches!(e, Error::PeerUnreachable { .. }), "{e}");
+    assert!(a.direct_posts() > before, "the write was posted directly");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(6), "failed after {took:?}");
+    drop(peer); // continued, then killed
+    let _ = store.put("target/exit", vec![]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_watch_runs_passes_on_tcp() {
+    let a = Engine::builder().provider("tcp").build().unwrap();
+    let b = Engine::builder().provider("tcp").build().unwrap();
+    let (wa, wb) = (CompletionWatch::spawn(&a).unwrap(), CompletionWatch::spawn(&b).unwrap());
+    let (ra, rb) = (a.alloc(1 << 20).await.unwrap(), b.alloc(1 << 20).await.unwrap());
+    let to_b = a.remote_region(&rb.descriptor().to_bytes()).await.unwrap();
+    let pattern: Vec<u8> = (0..1 << 20).map(|i| (i * 7 % 251) as u8).collect();
+    ra.write_at(0, &pattern).unwrap();
+    let c = b.imm_counter(9);
+    for round in 0..50u64 {
+        let len = 1 + (round as usize * 20_011) % (1 << 20);
+        a.write_imm(&ra, 0, &to_b, 0, len as u64, 9).await.unwrap();
+        bounded(c.wait_for(1)).await.unwrap();
+        let mut got = vec![0u8; len];
+        rb.read_at(0, &mut got).unwrap();
+        assert!(got == pattern[..len], "round {round}: {len} bytes");
+    }
+    assert!(wa.passes() + wb.passes() > 0, "the watch never ran a pass");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_watch_refuses_what_it_cannot_watch() {
+    let shm = Engine::builder().provider("shm").build().unwrap();
+    let e = CompletionWatch::spawn(&shm).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported(m) if m.contains("wait fd")), "{e}");
+    let busy = Engine::builder().provider("tcp").mode(ReactorMode::BusyPoll).build().unwrap();
+    let e = CompletionWatch::spawn(&busy).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported(m) if m.contains("BusyPoll")), "{e}");
+    // Outside a runtime.
+    let tcp = Engine::builder().provider("tcp").build().unwrap();
+    let e = std::thread::spawn(move || CompletionWatch::spawn(&tcp).map(|_| ())).join().unwrap().unwrap_err();
+    assert!(matches!(&e, Error::Unsupported(m) if m.contains("tokio runtime")), "{e}");
+}
