@@ -8,9 +8,9 @@
 //!            ─► waker ─► task queued on this same worker ─► polled right after
 //! ```
 //!
-//! The reactor thread still sleeps on the same fds and wakes too (whichever thread gets the
-//! reactor's lock first runs the pass; the other finds nothing to do), so work nobody awaits
-//! moves as before: the watch only takes an OS wake-up off the awaiting task's path.
+//! While the watch exists the reactor thread leaves the wait fds to it and wakes only for
+//! submissions and every 20 ms (a fallback for a runtime that is not running), so exactly
+//! one thread wakes per completion and nobody contends for the reactor's lock.
 
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -28,10 +28,16 @@ use crate::{Engine, Error};
 /// For an `Event`-mode engine whose transfers are awaited by tasks of one runtime (an
 /// orchestrator awaiting KV-cache transfers, a ping-pong), this removes one of the two OS
 /// wake-ups between a completion and the awaiting task; `docs/performance.md` has the
-/// figures. It costs nothing while idle (the tasks sleep in tokio's epoll), a little CPU per
-/// completion (the reactor thread wakes as well), and needs a NIC with a completion wait fd
-/// (tcp, verbs): [`CompletionWatch::spawn`] returns `Error::Unsupported` on shm or EFA, and
-/// on a `BusyPoll` engine, which needs no help.
+/// figures. While idle it costs next to nothing (the tasks sleep in tokio's epoll; the
+/// reactor thread's fallback pass runs 50 times a second). It needs a NIC with a completion
+/// wait fd (tcp, verbs): [`CompletionWatch::spawn`] returns `Error::Unsupported` on shm or
+/// EFA, and on a `BusyPoll` engine, which needs no help.
+///
+/// **The runtime must be running** while the watch exists: a multi-thread runtime, or a
+/// current-thread runtime inside `block_on`. Completions are seen by its tasks; if no
+/// thread of the runtime runs (a current-thread runtime between `block_on` calls, or every
+/// worker blocked), they wait for the reactor thread's fallback pass, up to 20 ms. Drop the
+/// watch before leaving the runtime idle.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), fabric_async::Error> {
@@ -92,9 +98,8 @@ impl CompletionWatch {
                     let Ok(mut ready) = afd.readable().await else { return };
                     // Cleared before the pass: an event during it raises readiness again.
                     ready.clear_ready();
-                    if w.run_pass() {
-                        passes.fetch_add(1, Ordering::Relaxed);
-                    }
+                    let n = w.run_passes(64);
+                    passes.fetch_add(n as u64, Ordering::Relaxed);
                 }
             }));
         }

@@ -44,6 +44,10 @@ pub(crate) trait DirectPost: Send + Sync {
     /// pass sooner than the sleep ends).
     fn post_now(&self) -> bool;
 
+    /// A watcher's turn after a wait fd woke it (`Core::watch_pass`): `None` if another
+    /// thread is in a pass, else the number of passes run (at most `max`).
+    fn watch_pass(&self, max: usize) -> Option<usize>;
+
     /// Every domain's completion wait fd (each domain has one, or there is no poster).
     fn wait_fds(&self) -> Vec<std::os::fd::RawFd>;
 }

@@ -14,15 +14,25 @@ use crate::sys;
 /// An engine's completion wait fds (duplicates, owned by this value: they stay valid after
 /// the engine shuts down) and a handle to run its reactor's pass.
 ///
-/// Made by [`Engine::completion_wakeups`]. Whoever watches the fds calls
-/// [`CompletionWakeups::run_pass`] when one becomes readable; the pass completes the
-/// futures and counters it finds done, and wakes their tasks from the watching thread.
-/// The reactor thread keeps sleeping on the same fds, so work nobody watches still moves:
-/// the watcher only shortens the path (one OS wake-up instead of two: the reactor thread's,
-/// then the awaiting task's).
+/// Made by [`Engine::completion_wakeups`]. **While one exists, its holder is the engine's
+/// sleeper**: the reactor thread stops sleeping on the wait fds (it would only wake beside
+/// the holder and contend for the reactor's lock) and, besides submissions, runs a pass
+/// only every 20 ms as a fallback. The holder must watch [`CompletionWakeups::fds`] for
+/// readability and call [`CompletionWakeups::run_passes`] each time, from a thread that is
+/// running, or completions wait for that fallback. Dropping it gives the fds back to the
+/// reactor thread. `fabric_async::CompletionWatch` is this for tokio; the point is that the
+/// thread the NIC wakes is the one whose task awaits (one OS wake-up per completion instead
+/// of two: the reactor thread's, then the awaiting task's).
 pub struct CompletionWakeups {
     fds: Vec<OwnedFd>,
     pass: Arc<dyn DirectPost>,
+    shared: Arc<crate::shared::Shared>,
+}
+
+impl Drop for CompletionWakeups {
+    fn drop(&mut self) {
+        self.shared.watchers.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 impl fmt::Debug for CompletionWakeups {
@@ -39,11 +49,12 @@ impl CompletionWakeups {
         self.fds.iter().map(|f| f.as_fd())
     }
 
-    /// Runs one reactor pass on this thread if no other thread is running one (never
-    /// waits for it). Returns false when it did not run (the reactor thread or another
-    /// caller is in a pass, and completes what there is) or once the engine has shut down.
-    pub fn run_pass(&self) -> bool {
-        self.pass.post_now()
+    /// What to run when a wait fd is readable: acknowledges the wake-up, runs passes until
+    /// one finds nothing to do (at most `max`), and arms the NICs for the next one, if no
+    /// other thread is in a pass (that thread then completes what there is). Returns the
+    /// number of passes run.
+    pub fn run_passes(&self, max: usize) -> usize {
+        self.pass.watch_pass(max).unwrap_or(0)
     }
 }
 
@@ -80,6 +91,7 @@ impl Engine {
                 message: e.to_string(),
             },
         )?;
-        Ok(CompletionWakeups { fds, pass })
+        self.inner.shared.watchers.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Ok(CompletionWakeups { fds, pass, shared: self.inner.shared.clone() })
     }
 }

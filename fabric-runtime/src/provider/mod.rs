@@ -214,7 +214,9 @@ pub trait Domain: Send + 'static {
     /// pending and the caller must poll instead of sleeping.
     fn arm(&mut self) -> bool;
 
-    /// Called once after `wait_fd` was seen readable, before polling.
+    /// Called after `wait_fd` was seen readable, before polling; also by a watcher
+    /// (`Engine::completion_wakeups`) that cannot tell which fd woke it, so it must return
+    /// at once when nothing is pending.
     fn ack_wakeup(&mut self);
 
     /// The longest a sleeping caller may wait before calling [`Domain::poll`] again even if

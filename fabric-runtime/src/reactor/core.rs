@@ -111,6 +111,9 @@ pub(crate) struct Core<D: Domain> {
     next_deadline_check: Instant,
     /// While the reactor thread sleeps: the latest it wakes (`None`: no timeout).
     armed_until: Option<Instant>,
+    /// The reactor thread's fallback sleep while a watcher has the wait fds (`sleep.rs`).
+    watch_fallback: Duration,
+
     /// Shutdown was requested: the reactor thread must run [`Core::close`]; passes do
     /// nothing more.
     pub(crate) closing: bool,
@@ -158,6 +161,7 @@ impl<D: Domain> Core<D> {
             pollfds: Vec::with_capacity(1 + n),
             next_deadline_check: Instant::now(),
             armed_until: None,
+            watch_fallback: sleep::WATCH_FALLBACK,
             closing: false,
             closed: false,
             #[cfg(feature = "cuda")]
@@ -226,7 +230,11 @@ impl<D: Domain> Core<D> {
         if self.staging.active() {
             busy |= self.poll_staging();
         }
-        busy | self.poll_domains()
+        busy |= self.poll_domains();
+        if busy {
+            self.watch_fallback = sleep::WATCH_FALLBACK;
+        }
+        busy
     }
 }
 

@@ -136,6 +136,15 @@ impl<D: Domain> DirectPost for Direct<D> {
         !c.closing && c.sleep_covers_posts()
     }
 
+    fn watch_pass(&self, max: usize) -> Option<usize> {
+        let mut c = match self.core.try_lock() {
+            Ok(c) => c,
+            Err(TryLockError::WouldBlock) => return None,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        };
+        Some(c.watch_pass(max))
+    }
+
     fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
         lock(&self.core).wait_fds()
     }

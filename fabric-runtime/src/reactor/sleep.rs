@@ -27,6 +27,13 @@ fn deadline_slack(op_timeout: Duration) -> Duration {
     (op_timeout / 8).clamp(DEADLINE_TICK, Duration::from_secs(1))
 }
 
+/// How soon a reactor thread whose wait fds a watcher (`CompletionWakeups`) sleeps on runs
+/// a pass anyway, the fallback for a watcher whose runtime is not running: 20 ms after
+/// activity, doubling on every sleep that follows an idle pass up to 1 s, so an idle
+/// engine wakes about once a second.
+pub(super) const WATCH_FALLBACK: Duration = Duration::from_millis(20);
+const WATCH_FALLBACK_MAX: Duration = Duration::from_secs(1);
+
 fn min_timeout(cur: Option<Duration>, t: Duration) -> Option<Duration> {
     Some(cur.map_or(t, |c| c.min(t)))
 }
@@ -46,6 +53,9 @@ impl<D: Domain> Core<D> {
         fds.clear();
         fds.push(libc::pollfd { fd: self.shared.wake.raw(), events: libc::POLLIN, revents: 0 });
         let mut timeout: Option<Duration> = None;
+        // A watcher sleeps on the wait fds instead (and runs the passes, `watch_pass`): this
+        // thread would only wake beside it and contend for the lock.
+        let watched = self.shared.watchers.load(std::sync::atomic::Ordering::Acquire) > 0;
         for d in self.domains.iter_mut() {
             if let Some(t) = d.timer() {
                 timeout = min_timeout(timeout, t);
@@ -56,7 +66,11 @@ impl<D: Domain> Core<D> {
                         self.pollfds = fds;
                         return Err(()); // completions pending: poll again
                     }
-                    fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                    if watched {
+                        timeout = min_timeout(timeout, self.watch_fallback);
+                    } else {
+                        fds.push(libc::pollfd { fd, events: libc::POLLIN, revents: 0 });
+                    }
                 }
                 None => timeout = min_timeout(timeout, idle_interval),
             }
@@ -87,6 +101,10 @@ impl<D: Domain> Core<D> {
             return Err(());
         }
         q.sleeping = true;
+        drop(q);
+        if watched {
+            self.watch_fallback = (self.watch_fallback * 2).min(WATCH_FALLBACK_MAX);
+        }
         self.armed_until = timeout.map(|t| Instant::now() + t);
         Ok(timeout)
     }
@@ -102,7 +120,8 @@ impl<D: Domain> Core<D> {
         }
         let mut i = 1;
         for d in self.domains.iter_mut() {
-            if d.wait_fd().is_some() {
+            // Watched: the set held the eventfd only.
+            if d.wait_fd().is_some() && i < fds.len() {
                 if fds[i].revents != 0 {
                     d.ack_wakeup();
                 }
@@ -110,6 +129,30 @@ impl<D: Domain> Core<D> {
             }
         }
         self.pollfds = fds;
+    }
+
+    /// What a watcher (`CompletionWakeups`) runs when a wait fd woke it, in place of the
+    /// reactor thread's wake-pass-sleep cycle, which leaves the wait fds to it
+    /// (`prepare_sleep`): acknowledge each domain's wake-up (a verbs completion event), run
+    /// passes until one finds nothing, then arm every domain so that the next completion
+    /// wakes the watcher again (a domain with completions already waiting refuses to arm:
+    /// another pass). At most `max` passes; returns how many ran.
+    pub(crate) fn watch_pass(&mut self, max: usize) -> usize {
+        // Non-blocking where nothing is pending (a verbs channel read that finds no event).
+        for d in self.domains.iter_mut().filter(|d| d.wait_fd().is_some()) {
+            d.ack_wakeup();
+        }
+        let mut n = 0;
+        while n < max {
+            n += 1;
+            if self.turn() {
+                continue;
+            }
+            if self.closing || self.domains.iter_mut().filter(|d| d.wait_fd().is_some()).all(|d| d.arm()) {
+                break;
+            }
+        }
+        n
     }
 
     /// After a caller's pass while the reactor thread sleeps (a direct post): whether that

@@ -119,6 +119,8 @@ pub(crate) struct Shared {
     pub(crate) direct: OnceLock<Weak<dyn DirectPost>>,
     /// Submissions posted on the submitter's thread so far (`Engine::direct_posts`).
     pub(crate) direct_posts: AtomicU64,
+    /// Live `CompletionWakeups` handles (a watcher runs passes when the wait fds wake).
+    pub(crate) watchers: AtomicUsize,
     /// GPU regions, CUDA IPC mappings and staging settings.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: gpu::GpuShared,
@@ -157,6 +159,7 @@ impl Shared {
             closing: AtomicBool::new(false),
             direct: OnceLock::new(),
             direct_posts: AtomicU64::new(0),
+            watchers: AtomicUsize::new(0),
             #[cfg(feature = "cuda")]
             gpu: gpu::GpuShared::default(),
         })
