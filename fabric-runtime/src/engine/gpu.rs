@@ -1,13 +1,14 @@
 //! GPU memory in the engine: regions in CUDA memory (allocated by the engine or owned by the
 //! user), the path each takes (GPUDirect, staged, CUDA IPC), the blocking copies of
-//! `read_at`/`write_at`, and the transfers whose bytes cross a staging shadow or an IPC
-//! mapping. The reactor's half is `reactor/staging.rs`; the protocol is in `docs/gpu.md`.
+//! `read_at`/`write_at`, the staging pool, and the writes whose bytes cross bounce slots or
+//! an IPC mapping (paged writes, scatters and reads: `staged.rs`). The reactor's half is `reactor/staging.rs`; the protocol is in `docs/gpu.md`.
 //!
 //! ```text
 //!  source            destination (its descriptor)     what happens
 //!  host / GPUDirect  host / GPUDirect                 RDMA write (as for host memory)
-//!  staged GPU        host / GPUDirect                 D2H into the shadow (gate), RDMA write
-//!  any               staged GPU                       [D2H,] PULL ─► peer reads, H2D, counts, ACK
+//!  staged GPU        host / GPUDirect                 per chunk: slot, D2H (gate), RDMA write
+//!  host / GPUDirect  staged GPU                       PULL ─► owner reads into its slots, H2D
+//!  staged GPU        staged GPU                       per chunk: slot, D2H, PULL of the slot
 //!  any               GPU on this host (IPC)           copy engine into the IPC mapping, imm-only write
 //! ```
 
@@ -16,17 +17,17 @@ use std::sync::Arc;
 
 use super::op::OpFuture;
 use super::region::{MemoryRegion, RemoteRegion};
+use super::staged::piece_src;
 use super::transfer::Transfers;
 use super::Engine;
 use crate::cuda::{self, DeviceBuffer, MemoryKind, PinnedHostBuffer, Stream};
 use crate::error::{Error, Result};
 use crate::provider::MemoryLocation;
-use crate::pure::control::{Pull, PullSource};
 use crate::pure::descriptor::GpuRegion;
 use crate::pure::staging::GpuPath;
 use crate::shared::memory::{Backing, GpuMemory, RegionShared};
 use crate::shared::notify::{Notify, OpState};
-use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Submission};
+use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Piece, PieceDst, PieceSrc, Submission};
 
 impl Engine {
     /// `alloc_in(len, Cuda { ordinal })`: a new zeroed device allocation, registered.
@@ -41,8 +42,11 @@ impl Engine {
 
     /// Registers `len` bytes of CUDA device memory at `ptr` on device `ordinal`, owned by
     /// the caller (a `cudaMalloc` range, a PyTorch tensor's `data_ptr()`), with every NIC:
-    /// GPUDirect where every NIC can register GPU memory, else staged through a pinned host
-    /// shadow of `len` bytes ([`MemoryRegion::gpu_path`] says which).
+    /// GPUDirect where every NIC can register GPU memory, else staged through the engine's
+    /// pool of pinned bounce slots ([`EngineBuilder::staging_pool`]; no host memory of
+    /// `len` bytes) ([`MemoryRegion::gpu_path`] says which).
+    ///
+    /// [`EngineBuilder::staging_pool`]: crate::EngineBuilder::staging_pool
     ///
     /// Errors: [`Error::NotDeviceMemory`] if the range is not device memory of `ordinal`
     /// inside one allocation (checked with `cuda::pointer_info`); [`Error::Unsupported`]
@@ -106,10 +110,12 @@ impl Engine {
         let (regs, backing, path) = match direct {
             Ok((regs, backing)) => (regs, backing, GpuPath::GpuDirect),
             Err(Error::Unsupported(why)) | Err(Error::RegisterMemory { message: why, .. }) => {
-                tracing::debug!(ordinal, len, %why, "a NIC cannot register GPU memory: staging through pinned host memory");
-                let shadow = PinnedHostBuffer::new(&ctx, len)?;
-                let (regs, backing) =
-                    self.register_raw(Backing::pinned(shadow), MemoryLocation::Host).await?;
+                tracing::debug!(ordinal, len, %why, "a NIC cannot register GPU memory: staging through the pinned pool");
+                self.staging_pool(&ctx).await?;
+                // A small host anchor gives the region its keys (imm-only writes land there);
+                // its bytes travel through the engine's staging pool, never a shadow.
+                let anchor = Backing::zeroed(STAGED_ANCHOR, STAGED_ANCHOR)?;
+                let (regs, backing) = self.register_raw(anchor, MemoryLocation::Host).await?;
                 (regs, backing, GpuPath::Staged)
             }
             Err(e) => return Err(e),
@@ -123,12 +129,38 @@ impl Engine {
         .map_err(|e| tracing::debug!(error = %e, "no CUDA IPC export for a GPU region"))
         .ok();
         let key = regs.first().map(|r| r.remote_key);
-        let gpu = GpuMemory { ordinal, ptr, ctx, path, _owned: owned, ipc };
+        let gpu = GpuMemory { ordinal, ptr, len, ctx, path, _owned: owned, ipc };
         let inner = Arc::new(RegionShared::new_gpu(backing, regs, location, self.shared().clone(), gpu));
         if let (GpuPath::Staged, Some(key)) = (path, key) {
             self.shared().gpu.track_staged(key, &inner);
         }
         Ok(MemoryRegion { inner })
+    }
+}
+
+/// Host bytes a staged GPU region registers: its keys (and where imm-only writes land).
+const STAGED_ANCHOR: usize = 4096;
+
+impl Engine {
+    /// Allocates and registers the engine's pool of pinned bounce slots
+    /// (`EngineBuilder::staging_pool`), once: the first staged GPU region does it. The
+    /// memory is portable pinned memory, so one pool serves every device.
+    async fn staging_pool(&self, ctx: &Arc<cuda::Context>) -> Result<()> {
+        let g = &self.shared().gpu;
+        let mut ready = g.pool_init.lock().await;
+        if *ready {
+            return Ok(());
+        }
+        let bytes = g.chunk * u64::from(g.slots);
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::Config(format!("a staging pool of {bytes} bytes does not fit in memory")))?;
+        let buf = PinnedHostBuffer::new(ctx, len)?;
+        let (regs, backing) = self.register_raw(Backing::pinned(buf), MemoryLocation::Host).await?;
+        let region = RegionShared::new(backing, regs, MemoryLocation::Host, self.shared().clone());
+        *crate::sync::lock(&g.pool) = Some(Arc::new(region));
+        *ready = true;
+        tracing::debug!(slots = g.slots, chunk = g.chunk, "allocated the staging pool");
+        Ok(())
     }
 }
 
@@ -227,7 +259,7 @@ pub(super) fn ipc_usable(shared: &crate::shared::Shared, g: &GpuRegion) -> Optio
 type Keep = Vec<Arc<dyn Any + Send + Sync>>;
 
 impl Transfers<'_> {
-    /// A write whose bytes cross a staging shadow or an IPC mapping, or `None` when it is a
+    /// A write whose bytes cross bounce slots or an IPC mapping, or `None` when it is a
     /// plain RDMA write (both ends host or GPUDirect). Ranges are checked here.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gpu_write(
@@ -258,57 +290,8 @@ impl Transfers<'_> {
         Some(r.unwrap_or_else(OpFuture::failed))
     }
 
-    /// The D2H copy of a staged source's range into its shadow (same offsets).
-    fn d2h(src: &MemoryRegion, src_off: u64, len: u64) -> Option<(usize, CudaCopy)> {
-        let g = src.inner.staged()?;
-        Some((
-            g.ordinal as usize,
-            CudaCopy {
-                dir: CopyDir::DeviceToHost,
-                dst: src.inner.backing().addr() + src_off,
-                src: g.ptr + src_off,
-                len: len as usize,
-            },
-        ))
-    }
-
-    /// `then` behind the D2H copy of `src`'s range into its shadow, or `Err(then)` when there
-    /// is nothing to copy (a host or GPUDirect source, or zero bytes).
-    fn behind_d2h(
-        src: &MemoryRegion,
-        src_off: u64,
-        len: u64,
-        then: Vec<Submission>,
-    ) -> std::result::Result<Submission, Vec<Submission>> {
-        match Self::d2h(src, src_off, len) {
-            Some((ordinal, copy)) if len > 0 => Ok(Submission::Gated {
-                ordinal,
-                copies: vec![copy],
-                then,
-                done: None,
-                keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
-                after: None,
-            }),
-            _ => Err(then),
-        }
-    }
-
-    /// Submits `then` behind the D2H copy of a staged source, or directly.
-    fn after_source_copy(
-        &self,
-        src: &MemoryRegion,
-        src_off: u64,
-        len: u64,
-        then: Vec<Submission>,
-    ) -> Result<()> {
-        match Self::behind_d2h(src, src_off, len, then) {
-            Ok(gate) => self.hand(vec![gate]),
-            Err(then) => self.hand(then),
-        }
-    }
-
-    /// Staged GPU source into host or GPUDirect memory: the usual shards, posted from the
-    /// shadow once the D2H copy is done.
+    /// Staged GPU source into host or GPUDirect memory: the usual shards (and arrivals),
+    /// each moved through bounce slots chunk by chunk by the reactor.
     fn staged_source_write(
         &self,
         src: &MemoryRegion,
@@ -318,27 +301,13 @@ impl Transfers<'_> {
         len: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
-        let plan = self.contiguous(Some((src, src_off)), dst, dst_off, len, imm, OpKind::Write)?;
-        let Some((subs, state)) = self.prepare(plan)? else { return Ok(OpFuture::done()) };
-        // One gate per shard: shard k is posted once its own D2H copy is done, while the
-        // copy engine moves shard k+1 (the copies run in order on the device's stream).
-        let shadow = src.inner.backing().addr();
-        let gated = subs
-            .into_iter()
-            .map(|s| match &s {
-                // An imm-only shard (len 0, no local address) has nothing to copy.
-                Submission::Op { req, .. } if req.len > 0 => {
-                    let (off, len) = (req.local_addr - shadow, req.len as u64);
-                    Self::behind_d2h(src, off, len, vec![s]).unwrap_or_else(|mut s| s.remove(0))
-                }
-                _ => s,
-            })
-            .collect();
-        self.hand(gated)?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
+        // Without a local region the shards' local addresses are offsets in the transfer.
+        let plan = self.contiguous(None, dst, dst_off, len, imm, OpKind::Write)?;
+        let dev = src.inner.staged().map_or(0, |g| g.ptr) + src_off;
+        self.staged_writes(src, plan, |off| PieceSrc::Device(dev + off))
     }
 
-    /// Into a staged GPU region: the peer pulls (see `pure::control`).
+    /// Into a staged GPU region: the owner pulls (see `pure::control`), chunk by chunk.
     fn pull_write(
         &self,
         src: &MemoryRegion,
@@ -348,33 +317,9 @@ impl Transfers<'_> {
         len: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
-        let key0 =
-            dst.desc.domains.first().ok_or_else(|| Error::Config("a descriptor without NICs".into()))?;
-        let sources = src
-            .inner
-            .regs
-            .iter()
-            .map(|r| PullSource { addr: r.remote_base.wrapping_add(src_off), key: r.remote_key })
-            .collect();
-        let pull = Pull {
-            op: 0,
-            dst_key: key0.key,
-            dst_base: key0.base,
-            dst_off,
-            len,
-            imm,
-            sources,
-            sender: self.shared().address.to_bytes(),
-        };
-        let state = Arc::new(OpState::default());
-        let s = Submission::Pull {
-            peer: dst.peer,
-            pull: Box::new(pull),
-            keep: src.inner.clone(),
-            notify: Notify::Future(state.clone()),
-        };
-        self.after_source_copy(src, src_off, len, vec![s])?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
+        let pull = self.pull_template(dst, dst_off, len, imm)?;
+        let piece = Piece { src: piece_src(src, src_off), len, dst: PieceDst::Pull { peer: dst.peer, pull } };
+        self.run_job(src, vec![piece], Vec::new())
     }
 
     /// Into a GPU region of a process on this host: the copy engine writes its IPC mapping;
@@ -441,8 +386,8 @@ impl Transfers<'_> {
         Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
     }
 
-    /// Refuses shapes that do not stage yet (paged writes, scatter, reads, the synchronous
-    /// path) when either end is staged GPU memory or an IPC destination.
+    /// Refuses the synchronous path (`post_write_imm`) with bytes when either end is staged
+    /// GPU memory or an IPC destination: it posts one operation, with no copy.
     pub(super) fn refuse_staged(
         &self,
         what: &str,
@@ -454,7 +399,7 @@ impl Transfers<'_> {
             remote.is_some_and(|r| matches!(r.gpu_path(), Some(GpuPath::Staged | GpuPath::Ipc)));
         if local_staged || remote_staged {
             return Err(Error::Unsupported(format!(
-                "{what} with a staged GPU region or a CUDA IPC destination (use write / write_imm)"
+                "{what} with a staged GPU region or a CUDA IPC destination: the synchronous path posts one NIC operation and cannot copy (use write_imm)"
             )));
         }
         Ok(())

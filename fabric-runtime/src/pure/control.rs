@@ -7,10 +7,10 @@
 //!
 //! ```text
 //!  sender                                   receiver (owns the staged GPU region)
-//!   │ [D2H copy of a GPU source into its shadow]
+//!   │ [per chunk of a GPU source: D2H copy into a bounce slot; one PULL per slot]
 //!   │── PULL { op, sources per NIC, len, dst, imm, sender address } ──►│
-//!   │                                       │ RDMA read source ─► shadow (chunk k)
-//!   │                                       │ H2D copy shadow ─► GPU  (chunk k, overlaps read k+1)
+//!   │                                       │ RDMA read source ─► slot (chunk k)
+//!   │                                       │ H2D copy slot ─► GPU  (chunk k, overlaps read k+1)
 //!   │                                       │ all copies done: count imm
 //!   │◄────────────── ACK { op, status } ────│
 //!   │ future completes

@@ -29,6 +29,12 @@ use crate::sync::lock;
 #[cfg(feature = "cuda")]
 #[path = "staging.rs"]
 mod staging;
+#[cfg(feature = "cuda")]
+#[path = "staging_pull.rs"]
+mod staging_pull;
+#[cfg(feature = "cuda")]
+#[path = "staging_send.rs"]
+mod staging_send;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -407,7 +413,11 @@ impl<D: Domain> Core<D> {
                 keep,
             ),
             #[cfg(feature = "cuda")]
-            Submission::Pull { peer, pull, keep, notify } => self.send_pull(peer, *pull, keep, notify),
+            Submission::Staged(job) => self.start_job(*job),
+            #[cfg(feature = "cuda")]
+            Submission::ReadStaged { peer, region, dst_off, len, sources, notify } => {
+                self.start_read(peer, region, dst_off, len, sources, notify)
+            }
         }
     }
 
