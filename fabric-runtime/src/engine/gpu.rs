@@ -37,7 +37,7 @@ impl Engine {
         }
         let ctx = cuda::context(ordinal as usize)?;
         let buf = Arc::new(DeviceBuffer::new(&ctx, len)?);
-        self.register_device(buf.device_ptr(), len, ordinal, ctx, Some(buf)).await
+        self.register_device(buf.device_ptr(), len, ordinal, Some(ctx), Some(buf), None).await
     }
 
     /// Registers `len` bytes of CUDA device memory at `ptr` on device `ordinal`, owned by
@@ -81,7 +81,7 @@ impl Engine {
             None => return Err(bad("the driver does not know its allocation".into())),
         }
         let ctx = cuda::context(ordinal as usize)?;
-        self.register_device(ptr, len, ordinal, ctx, None).await
+        self.register_device(ptr, len, ordinal, Some(ctx), None, None).await
     }
 
     /// The path GPU memory of device `ordinal` takes on this engine's NICs: the path of its
@@ -97,21 +97,27 @@ impl Engine {
         Ok(self.alloc_cuda(4096, ordinal).await?.inner.gpu.as_ref().map_or(GpuPath::Staged, |g| g.path))
     }
 
+    /// Registers device memory (`ctx` its device's context), or, with `host` (feature
+    /// `gpu-emulation`, no context), host memory standing in for it, always staged.
     async fn register_device(
         &self,
         ptr: u64,
         len: usize,
         ordinal: u32,
-        ctx: Arc<cuda::Context>,
+        ctx: Option<Arc<cuda::Context>>,
         owned: Option<Arc<DeviceBuffer>>,
+        host: Option<Backing>,
     ) -> Result<MemoryRegion> {
         let location = MemoryLocation::Cuda { ordinal };
-        let direct = self.register_raw(Backing::device(ptr, len, owned.clone()), location).await;
+        let direct = match &ctx {
+            Some(_) => self.register_raw(Backing::device(ptr, len, owned.clone()), location).await,
+            None => Err(Error::Unsupported("emulated device memory is always staged".into())),
+        };
         let (regs, backing, path) = match direct {
             Ok((regs, backing)) => (regs, backing, GpuPath::GpuDirect),
             Err(Error::Unsupported(why)) | Err(Error::RegisterMemory { message: why, .. }) => {
                 tracing::debug!(ordinal, len, %why, "a NIC cannot register GPU memory: staging through the pinned pool");
-                self.staging_pool(&ctx).await?;
+                self.staging_pool(ctx.as_ref()).await?;
                 // A small host anchor gives the region its keys (imm-only writes land there);
                 // its bytes travel through the engine's staging pool, never a shadow.
                 let anchor = Backing::zeroed(STAGED_ANCHOR, STAGED_ANCHOR)?;
@@ -122,19 +128,35 @@ impl Engine {
         };
         tracing::debug!(ordinal, len, path = %path, "registered a GPU region");
         crate::sync::lock(&self.shared().gpu.paths).entry(ordinal).or_insert(path);
-        let ipc = match &owned {
-            Some(b) => b.ipc_export(0, len),
-            None => cuda::ipc_export(ptr, len),
+        let ipc = match (&owned, &ctx) {
+            (_, None) => Err(Error::Unsupported("emulated device memory".into())),
+            (Some(b), _) => b.ipc_export(0, len),
+            (None, _) => cuda::ipc_export(ptr, len),
         }
         .map_err(|e| tracing::debug!(error = %e, "no CUDA IPC export for a GPU region"))
         .ok();
         let key = regs.first().map(|r| r.remote_key);
-        let gpu = GpuMemory { ordinal, ptr, len, ctx, path, _owned: owned, ipc };
+        let gpu = GpuMemory { ordinal, ptr, len, ctx, path, _owned: owned, ipc, _host: host };
         let inner = Arc::new(RegionShared::new_gpu(backing, regs, location, self.shared().clone(), gpu));
         if let (GpuPath::Staged, Some(key)) = (path, key) {
             self.shared().gpu.track_staged(key, &inner);
         }
         Ok(MemoryRegion { inner })
+    }
+}
+
+#[cfg(feature = "gpu-emulation")]
+impl Engine {
+    /// Not API (feature `gpu-emulation`, for tests on machines without a GPU): a region
+    /// whose "device memory" is `len` zeroed bytes of host memory, registered as a staged
+    /// GPU region (location `Cuda { ordinal: EMULATED_ORDINAL }`, `GpuPath::Staged`):
+    /// every transfer into or out of it takes the staging pool and the pull protocol, with
+    /// its copies done by `memcpy` on the reactor thread instead of a CUDA stream.
+    #[doc(hidden)]
+    pub async fn alloc_emulated_staged(&self, len: usize) -> Result<MemoryRegion> {
+        let host = Backing::zeroed(len, 4096)?;
+        let ptr = host.addr();
+        self.register_device(ptr, len, cuda::EMULATED_ORDINAL, None, None, Some(host)).await
     }
 }
 
@@ -145,7 +167,8 @@ impl Engine {
     /// Allocates and registers the engine's pool of pinned bounce slots
     /// (`EngineBuilder::staging_pool`), once: the first staged GPU region does it. The
     /// memory is portable pinned memory, so one pool serves every device.
-    async fn staging_pool(&self, ctx: &Arc<cuda::Context>) -> Result<()> {
+    /// Without a context (emulated device memory) the pool is plain host memory.
+    async fn staging_pool(&self, ctx: Option<&Arc<cuda::Context>>) -> Result<()> {
         let g = &self.shared().gpu;
         let mut ready = g.pool_init.lock().await;
         if *ready {
@@ -154,8 +177,11 @@ impl Engine {
         let bytes = g.chunk * u64::from(g.slots);
         let len = usize::try_from(bytes)
             .map_err(|_| Error::Config(format!("a staging pool of {bytes} bytes does not fit in memory")))?;
-        let buf = PinnedHostBuffer::new(ctx, len)?;
-        let (regs, backing) = self.register_raw(Backing::pinned(buf), MemoryLocation::Host).await?;
+        let backing = match ctx {
+            Some(ctx) => Backing::pinned(PinnedHostBuffer::new(ctx, len)?),
+            None => Backing::zeroed(len, 4096)?,
+        };
+        let (regs, backing) = self.register_raw(backing, MemoryLocation::Host).await?;
         let region = RegionShared::new(backing, regs, MemoryLocation::Host, self.shared().clone());
         *crate::sync::lock(&g.pool) = Some(Arc::new(region));
         *ready = true;
@@ -175,8 +201,17 @@ pub(super) fn copy_blocking(
     if len == 0 {
         return Ok(());
     }
-    let stream = Stream::new(&g.ctx)?;
     let dev = g.ptr + device_off;
+    let Some(ctx) = &g.ctx else {
+        let (dst, src) = match dir {
+            CopyDir::HostToDevice => (dev, host as u64),
+            _ => (host as u64, dev),
+        };
+        // SAFETY: as below; emulated device memory is host memory of the region's length.
+        unsafe { cuda::emulated_copy(dst, src, len) };
+        return Ok(());
+    };
+    let stream = Stream::new(ctx)?;
     // SAFETY: the caller bounds-checked `device_off..+len` against the region and passes a
     // host buffer of `len` bytes; the stream is synchronized before either goes away.
     unsafe {

@@ -65,7 +65,8 @@ pub(super) enum GateThen {
 }
 
 struct Gate {
-    event: Event,
+    /// `None`: copies already done (emulated device memory, `cuda::is_emulated`).
+    event: Option<Event>,
     then: GateThen,
     /// The memory the copies touch, until the event is ready.
     keep: Keep,
@@ -203,7 +204,20 @@ impl<D: Domain> Core<D> {
         self.staging.pool.as_mut().ok_or_else(|| Error::Unsupported("no staging pool".into()))
     }
 
-    fn enqueue(&mut self, ordinal: usize, after: Option<&Event>, copies: &[CudaCopy]) -> Result<Event> {
+    fn enqueue(
+        &mut self,
+        ordinal: usize,
+        after: Option<&Event>,
+        copies: &[CudaCopy],
+    ) -> Result<Option<Event>> {
+        if cuda::is_emulated(ordinal) && after.is_none() {
+            for c in copies {
+                // SAFETY: as below; emulated device memory is host memory that the gate's
+                // `keep` (or the region's operation) holds, and the copy is done here.
+                unsafe { cuda::emulated_copy(c.dst, c.src, c.len) };
+            }
+            return Ok(None);
+        }
         let stream = self.stream(ordinal)?;
         if let Some(ev) = after {
             // The device waits, not a thread: what follows on the stream starts once the
@@ -223,7 +237,7 @@ impl<D: Domain> Core<D> {
                 }
             }
         }
-        stream.record()
+        stream.record().map(Some)
     }
 
     /// Enqueues `copies` on device `ordinal`'s stream; `then` runs once they are done.
@@ -286,7 +300,11 @@ impl<D: Domain> Core<D> {
         }
         let mut i = 0;
         while i < self.staging.gates.len() {
-            let r = match self.staging.gates[i].event.query() {
+            let status = match &self.staging.gates[i].event {
+                Some(ev) => ev.query(),
+                None => Ok(EventStatus::Ready),
+            };
+            let r = match status {
                 Ok(EventStatus::NotReady) => {
                     i += 1;
                     continue;

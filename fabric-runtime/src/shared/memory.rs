@@ -121,13 +121,17 @@ pub(crate) struct GpuMemory {
     pub(crate) ptr: u64,
     /// Length in bytes (a staged region's backing is only its small host anchor).
     pub(crate) len: usize,
-    pub(crate) ctx: Arc<crate::cuda::Context>,
+    /// The device's primary context (`None`: emulated device memory, `_host`).
+    pub(crate) ctx: Option<Arc<crate::cuda::Context>>,
     pub(crate) path: crate::pure::staging::GpuPath,
     /// `alloc_in`'s allocation (`None`: the user's memory). Dropped with the region state,
     /// which every operation using the region holds until its last copy or NIC access.
     pub(crate) _owned: Option<Arc<crate::cuda::DeviceBuffer>>,
     /// CUDA IPC export of the range, for peers on this host (`None` if the driver refused).
     pub(crate) ipc: Option<crate::cuda::IpcExport>,
+    /// Tests without a GPU (feature `gpu-emulation`): the host memory standing in for the
+    /// device memory at `ptr`.
+    pub(crate) _host: Option<Backing>,
 }
 
 pub(crate) struct RegionShared {
