@@ -193,8 +193,9 @@ async fn scatter_with_staged_ends() {
     }
 }
 
-/// read into staged memory from host memory (chunk reads through 2 slots); reads from a
-/// staged region refused with a clear error; the synchronous path refuses staged bytes.
+/// read into staged memory from host memory (chunk reads through 2 slots); read from a
+/// staged region into host memory (the owner pushes it through its slots); staged to
+/// staged refused with a clear error; the synchronous path refuses staged bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_refusals() {
     let len = 5 * MIB + 3;
@@ -209,10 +210,27 @@ async fn reads_and_refusals() {
 
         let staged = region(&b, Gpu, &data).await;
         let rs = remote(&a, &staged).await;
-        for dst in [region(&a, Host, &[0; 4096]).await, region(&a, Gpu, &[0; 4096]).await] {
-            let e = a.read(&dst, 0, &rs, 0, 4096).await.unwrap_err();
-            assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU region")), "{p}: {e}");
-        }
+        let host = region(&a, Host, &vec![0; len + 9]).await;
+        done(a.read(&host, 9, &rs, 0, len as u64), "read from staged").await;
+        assert!(host.to_vec()[9..] == data[..], "{p}: bytes read from staged memory");
+        let e = a.read(&host, 0, &rs, 1, len as u64).await.unwrap_err();
+        assert!(matches!(e, Error::OutOfBounds { .. }), "{p}: {e}");
+        let into_staged = region(&a, Gpu, &[0; 4096]).await;
+        let e = a.read(&into_staged, 0, &rs, 0, 4096).await.unwrap_err();
+        assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU memory")), "{p}: {e}");
+        // The owner's errors come back in its ACK: a region it has dropped.
+        drop(staged);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let e = a.write_imm(&mine, 0, &rs, 0, 4096, 9).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::Completion { message, .. } if message.contains("no staged GPU region")),
+            "{p}: {e}"
+        );
+        let e = a.read(&host, 0, &rs, 0, 4096).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::Completion { message, .. } if message.contains("no staged GPU region")),
+            "{p}: {e}"
+        );
         let batch = fabric_runtime::OpBatch::new();
         let e = a.post_write_imm(&batch, &mine, 0, &rs, 0, 16, 9).unwrap_err();
         assert!(matches!(&e, Error::Unsupported(m) if m.contains("synchronous path")), "{p}: {e}");

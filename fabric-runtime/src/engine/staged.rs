@@ -9,6 +9,8 @@
 //!  write_paged    destination      one per page, PULLs; then a 0-byte PULL exactly one
 //!  scatter        either           per entry, as above                     staged member: one
 //!  read           local dest       chunk reads into slots, H2D             none (reads count nothing)
+//!  read           remote source    push request: the owner writes it       none
+//!                                  through its slots, then ACKs
 //! ```
 //!
 //! "Exactly one" into staged GPU memory: pieces carry no imm and a last zero-length PULL
@@ -247,7 +249,9 @@ impl Transfers<'_> {
 
     /// `read` with a staged GPU end, or `None` without one. Into a local staged region:
     /// chunk reads into bounce slots, each copied host-to-device. From a peer's staged
-    /// region: `Unsupported` (see `docs/gpu.md`).
+    /// region into host or GPUDirect memory: a push request, which its owner serves by
+    /// writing the bytes through its bounce slots and ACKing. Staged to staged:
+    /// `Unsupported` (see `docs/gpu.md`).
     pub(super) fn staged_read(
         &self,
         dst: &MemoryRegion,
@@ -265,15 +269,35 @@ impl Transfers<'_> {
             self.check_local(dst)?;
             src.check(src_off, len)?;
             dst.check(dst_off, len)?;
-            if dst_staged(src) {
-                return Err(Error::Unsupported(
-                    "read from a peer's staged GPU region: its NICs cannot reach the GPU memory and only \
-                     its owner can copy it out (have the owner write it instead)"
-                        .into(),
-                ));
-            }
             if len == 0 {
                 return Ok(OpFuture::done());
+            }
+            if dst_staged(src) {
+                if local_staged {
+                    return Err(Error::Unsupported(
+                        "read from a peer's staged GPU region into staged GPU memory: the owner can \
+                         only write registered memory (read into host or GPUDirect memory, or have the \
+                         owner write it)"
+                            .into(),
+                    ));
+                }
+                // Its owner copies the bytes out and writes them into `dst`.
+                let mut push = self.pull_template(src, src_off, len, None)?;
+                push.sources = dst
+                    .inner
+                    .regs
+                    .iter()
+                    .map(|r| PullSource { addr: r.remote_base.wrapping_add(dst_off), key: r.remote_key })
+                    .collect();
+                let state = Arc::new(OpState::default());
+                let s = Submission::Push {
+                    peer: src.peer,
+                    push,
+                    keep: dst.inner.clone(),
+                    notify: Notify::Future(state.clone()),
+                };
+                self.hand(vec![s])?;
+                return Ok(OpFuture::pending(state).driven_by(self.engine.driver()));
             }
             let sources = src
                 .desc

@@ -415,6 +415,8 @@ impl<D: Domain> Core<D> {
             #[cfg(feature = "cuda")]
             Submission::Staged(job) => self.start_job(*job),
             #[cfg(feature = "cuda")]
+            Submission::Push { peer, push, keep, notify } => self.send_push(peer, *push, keep, notify),
+            #[cfg(feature = "cuda")]
             Submission::ReadStaged { peer, region, dst_off, len, sources, notify } => {
                 self.start_read(peer, region, dst_off, len, sources, notify)
             }
@@ -649,6 +651,8 @@ impl<D: Domain> Core<D> {
                     Some(MsgKind::Pull) => self.on_pull(&data),
                     #[cfg(feature = "cuda")]
                     Some(MsgKind::Ack) => self.on_ack(&data),
+                    #[cfg(feature = "cuda")]
+                    Some(MsgKind::Push) => self.on_push(&data),
                     kind => {
                         tracing::warn!(?kind, len, "dropped a message of a kind this engine does not serve")
                     }

@@ -374,8 +374,9 @@ impl<D: Domain> Core<D> {
             }
             keep.extend(g.keep);
         }
-        for (_, a) in self.staging.awaiting.drain() {
-            a.fail_at_shutdown();
+        let awaiting: Vec<_> = self.staging.awaiting.drain().map(|(_, a)| a).collect();
+        for a in awaiting {
+            keep.extend(a.fail_at_shutdown().map(|r| r as Arc<dyn Any + Send + Sync>));
         }
         for (_, j) in std::mem::take(&mut self.staging.jobs) {
             keep.extend(j.close());

@@ -87,7 +87,7 @@ impl<D: Domain> Core<D> {
         }
     }
 
-    fn check_pull(&self, pull: &Pull) -> std::result::Result<Arc<RegionShared>, String> {
+    pub(super) fn check_pull(&self, pull: &Pull) -> std::result::Result<Arc<RegionShared>, String> {
         let region = self
             .shared
             .gpu
@@ -286,7 +286,7 @@ impl<D: Domain> Core<D> {
         self.release_pull_slot(id, idx);
     }
 
-    fn send_ack(&mut self, peer: PeerId, op: u64, error: Option<String>) {
+    pub(super) fn send_ack(&mut self, peer: PeerId, op: u64, error: Option<String>) {
         if let Some(e) = &error {
             tracing::warn!(op, error = %e, "a pull into a staged GPU region failed");
         }

@@ -13,6 +13,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -23,6 +24,8 @@ use super::Core;
 use crate::error::{Error, Result};
 use crate::provider::{Domain, RemoteSlice};
 use crate::pure::control::{Ack, Pull};
+use crate::pure::descriptor::EngineAddress;
+use crate::shared::memory::RegionShared;
 use crate::shared::notify::{GroupState, Notify};
 use crate::shared::queue::{
     CopyDir, CudaCopy, OpReq, Piece, PieceDst, PieceSrc, StagedJob, Submission, Then,
@@ -44,13 +47,17 @@ pub(super) struct Awaiting {
     sent: Instant,
     /// The caller was told already (timed out); the entry only keeps its slot.
     told: bool,
+    /// A push's destination, which the owner writes until its ACK.
+    keep: Option<Arc<RegionShared>>,
 }
 
 impl Awaiting {
-    pub(super) fn fail_at_shutdown(self) {
+    /// Shutdown: fails the caller; returns the memory a peer may still write.
+    pub(super) fn fail_at_shutdown(self) -> Option<Arc<RegionShared>> {
         if let Waiter::Done(n) = self.waiter {
             n.fail(Error::Shutdown);
         }
+        self.keep
     }
 }
 
@@ -77,8 +84,10 @@ pub(super) struct Job {
     chunks: Vec<Work>,
     then: Vec<Then>,
     keep: Keep,
-    local: Option<std::sync::Arc<crate::shared::memory::RegionShared>>,
+    local: Option<Arc<RegionShared>>,
     notify: Notify,
+    /// A push served for a peer: ACK `op` to `peer` when done, instead of `notify`.
+    ack: Option<(PeerId, u64)>,
     next: usize,
     in_flight: usize,
     done: usize,
@@ -103,6 +112,7 @@ impl Job {
 
     /// Shutdown: fails the caller and gives back what the job held.
     pub(super) fn close(self) -> Keep {
+        // A push we serve: its reader's own shutdown or timeout tells it.
         self.notify.fail(Error::Shutdown);
         let mut keep = self.keep;
         if let Some(l) = self.local {
@@ -144,22 +154,32 @@ fn plan(pieces: &[Piece], slot_len: u64) -> Vec<Work> {
 impl<D: Domain> Core<D> {
     /// Starts a staged job (a `Submission::Staged`).
     pub(super) fn start_job(&mut self, job: StagedJob) {
+        self.start_job_acked(job, None);
+    }
+
+    /// Starts a staged job that, with `ack`, ends with an ACK to a peer (a push we serve).
+    pub(super) fn start_job_acked(&mut self, job: StagedJob, ack: Option<(PeerId, u64)>) {
         let StagedJob { ordinal, pieces, then, keep, local, notify } = job;
+        let fail = |core: &mut Self, notify: Notify, e: Error| match ack {
+            Some((peer, op)) => core.send_ack(peer, op, Some(e.to_string())),
+            None => notify.fail(e),
+        };
         let needs_pool = pieces.iter().any(|p| matches!(p.src, PieceSrc::Device(_)) && p.len > 0);
         let slot_len = if needs_pool {
             match self.pool() {
                 Ok(p) => p.slot_len(),
-                Err(e) => return notify.fail(e),
+                Err(e) => return fail(self, notify, e),
             }
         } else {
             u64::MAX
         };
         let chunks = plan(&pieces, slot_len);
         if chunks.len() as u64 >= 1 << IDX_BITS {
-            return notify.fail(Error::Unsupported(format!(
+            let e = Error::Unsupported(format!(
                 "a staged transfer of {} chunks; raise the staging chunk size",
                 chunks.len()
-            )));
+            ));
+            return fail(self, notify, e);
         }
         let id = self.staging.next_job & ID_MASK;
         self.staging.next_job += 1;
@@ -172,6 +192,7 @@ impl<D: Domain> Core<D> {
             keep,
             local,
             notify,
+            ack,
             next: 0,
             in_flight: 0,
             done: 0,
@@ -352,6 +373,9 @@ impl<D: Domain> Core<D> {
             return;
         }
         let Some(job) = self.staging.jobs.remove(&id) else { return };
+        if let Some((peer, op)) = job.ack {
+            return self.send_ack(peer, op, job.error.map(|e| e.to_string()));
+        }
         if let Some(e) = job.error {
             return job.notify.fail(e);
         }
@@ -378,12 +402,31 @@ impl<D: Domain> Core<D> {
     }
 
     /// Sends `pull` to `peer`; its ACK completes `waiter`.
-    fn send_pull(&mut self, peer: PeerId, mut pull: Pull, waiter: Waiter) {
+    fn send_pull(&mut self, peer: PeerId, pull: Pull, waiter: Waiter) {
+        self.send_request(peer, pull, waiter, None);
+    }
+
+    /// Reader of a staged GPU region: asks its owner to write it into `keep` (a
+    /// `Submission::Push`); the ACK completes `notify`.
+    pub(super) fn send_push(&mut self, peer: PeerId, push: Pull, keep: Arc<RegionShared>, notify: Notify) {
+        self.send_request(peer, push, Waiter::Done(notify), Some(keep));
+    }
+
+    /// Sends a PULL (`keep` none) or a push request (`keep`: its destination, held until
+    /// the ACK) to `peer`; its ACK completes `waiter`.
+    fn send_request(
+        &mut self,
+        peer: PeerId,
+        mut pull: Pull,
+        waiter: Waiter,
+        keep: Option<Arc<RegionShared>>,
+    ) {
         let op = self.staging.next_op & ID_MASK;
         self.staging.next_op += 1;
         pull.op = op;
-        self.staging.awaiting.insert(op, Awaiting { waiter, peer, sent: Instant::now(), told: false });
-        let data = Bytes::from(pull.to_bytes());
+        let push = keep.is_some();
+        self.staging.awaiting.insert(op, Awaiting { waiter, peer, sent: Instant::now(), told: false, keep });
+        let data = Bytes::from(if push { pull.to_push_bytes() } else { pull.to_bytes() });
         let notify = self.staging.internal(TAG_PULL_SENT, op);
         self.handle(Submission::Send { peer, data, notify });
     }
@@ -442,6 +485,48 @@ impl<D: Domain> Core<D> {
                 j.error.get_or_insert(e);
             }
         }
+    }
+
+    /// Owner: a peer reads one of our staged GPU regions (a push request): its bytes are
+    /// written into the peer's registered memory chunk by chunk through the pool (on NIC 0,
+    /// the endpoint the ACK then goes out on, so the ACK cannot overtake them), then ACKed.
+    pub(super) fn on_push(&mut self, data: &[u8]) {
+        let push = match Pull::push_from_bytes(data) {
+            Ok(p) => p,
+            Err(e) => return tracing::warn!(error = %e, "dropped a malformed push request"),
+        };
+        let peer = match EngineAddress::from_bytes(&push.sender).and_then(|a| self.add_peer(a)) {
+            Ok(p) => p,
+            Err(e) => return tracing::warn!(error = %e, "cannot reach the sender of a push request; dropped"),
+        };
+        let region = match self.check_pull(&push) {
+            Ok(r) => r,
+            Err(message) => return self.send_ack(peer, push.op, Some(message)),
+        };
+        let (Some(g), Some(to)) = (region.staged(), push.sources.first()) else {
+            // Zero bytes (no sources needed): nothing to write.
+            return self.send_ack(peer, push.op, None);
+        };
+        let req = OpReq {
+            domain: 0,
+            peer,
+            kind: crate::shared::queue::OpKind::Write,
+            local_addr: 0,
+            len: push.len as usize,
+            remote: RemoteSlice { addr: to.addr, key: to.key },
+            imm: None,
+        };
+        let piece =
+            Piece { src: PieceSrc::Device(g.ptr + push.dst_off), len: push.len, dst: PieceDst::Write(req) };
+        let job = StagedJob {
+            ordinal: g.ordinal as usize,
+            pieces: vec![piece],
+            then: Vec::new(),
+            keep: vec![region.clone()],
+            local: None,
+            notify: Notify::None,
+        };
+        self.start_job_acked(job, Some((peer, push.op)));
     }
 
     /// Sender: the ACK of one of our pulls.

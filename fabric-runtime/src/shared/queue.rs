@@ -81,6 +81,15 @@ pub(crate) enum Submission {
     /// A transfer with a staged GPU end, run through the engine's staging pool.
     #[cfg(feature = "cuda")]
     Staged(Box<StagedJob>),
+    /// A read from a peer's staged GPU region: ask its owner to write the bytes into
+    /// `keep` (the registered destination, held until the ACK) with a push request.
+    #[cfg(feature = "cuda")]
+    Push {
+        peer: PeerId,
+        push: Box<crate::pure::control::Pull>,
+        keep: Arc<RegionShared>,
+        notify: Notify,
+    },
     /// A read into a local staged GPU region: chunks read into pool slots, then copied
     /// host-to-device; `notify` completes after the last copy.
     #[cfg(feature = "cuda")]
@@ -219,7 +228,7 @@ impl Submission {
             #[cfg(feature = "cuda")]
             Submission::Staged(job) => job.notify.fail(e),
             #[cfg(feature = "cuda")]
-            Submission::ReadStaged { notify, .. } => notify.fail(e),
+            Submission::ReadStaged { notify, .. } | Submission::Push { notify, .. } => notify.fail(e),
         }
     }
 }

@@ -144,7 +144,8 @@ async fn scatter_with_gpu_ends() {
 
 /// read into a GPU region (staged: chunk reads into the pool, H2D) from a peer's host
 /// region, 20 MiB through 2 x 1 MiB slots, bytes compared; a read from a peer's staged GPU
-/// region is a clear `Unsupported`.
+/// region into host memory (its owner pushes it through its slots), bytes compared; from
+/// staged into staged GPU memory a clear `Unsupported`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_into_and_from_gpu() {
     if std::env::var_os(CHILD_ENV).is_some() || !gpu("read_into_and_from_gpu") {
@@ -167,13 +168,18 @@ async fn read_into_and_from_gpu() {
         let (_, extra) = t.finish().await;
         assert_eq!(extra, 0, "reads count nothing");
 
-        let (t, desc, _) = target(&prov, GPU, MIB, 52, 0).await;
+        let (t, desc, _) = target_filled(&prov, GPU, len, 52, 0, Some(0x9e7)).await;
         let remote = engine.remote_region(&desc).await.unwrap();
-        for dst in [engine.alloc(MIB).await.unwrap(), engine.alloc_in(MIB, GPU).await.unwrap()] {
-            let e = engine.read(&dst, 0, &remote, 0, 4096).await.unwrap_err();
-            assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU region")), "{p}: {e}");
-        }
+        let host = engine.alloc(len + 7).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(120), engine.read(&host, 7, &remote, 0, len as u64))
+            .await
+            .unwrap_or_else(|_| panic!("read from GPU {p}: no completion in 120 s"))
+            .unwrap_or_else(|e| panic!("read from GPU {p}: {e}"));
+        assert!(host.to_vec()[7..] == pattern(len, 0x9e7)[..], "read from GPU {p}: bytes");
+        let gpu_dst = engine.alloc_in(MIB, GPU).await.unwrap();
+        let e = engine.read(&gpu_dst, 0, &remote, 0, 4096).await.unwrap_err();
+        assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU memory")), "{p}: {e}");
         t.finish().await;
-        println!("read {p}: {} MiB into GPU memory, bytes equal; reads from staged GPU refused", len / MIB);
+        println!("read {p}: {} MiB into and out of GPU memory, bytes equal", len / MIB);
     }
 }
