@@ -394,10 +394,16 @@ impl<'a> Transfers<'a> {
     /// sharded over the NICs like a write (`fi_read` / `IBV_WR_RDMA_READ`). Reads produce
     /// no arrivals at the remote side.
     ///
+    /// GPU memory (`docs/gpu.md`): into a local staged GPU region the chunks are read into
+    /// bounce slots and copied to the GPU; from a peer's staged GPU region (into host or
+    /// GPUDirect memory) its owner writes the range through its own slots and ACKs; from
+    /// staged into staged GPU memory is [`Error::Unsupported`].
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future does not cancel the read: `dst` keeps being written until the
-    /// NIC completes it (the region stays allocated until then).
+    /// NIC completes it, or the owner of a staged source ACKs (the region stays allocated
+    /// until then).
     pub fn read(
         &self,
         dst: &MemoryRegion,
@@ -438,6 +444,10 @@ impl<'a> Transfers<'a> {
     ///
     /// Everything is checked before anything is posted: equal list lengths, strides of at
     /// least a page, every page inside its region, no destination page twice.
+    ///
+    /// With a staged GPU end (`docs/gpu.md`) pages move through bounce slots (a page larger
+    /// than a slot in several chunks, its imm on the last); into staged GPU memory the
+    /// owner pulls each page and counts exactly one arrival once all are in GPU memory.
     ///
     /// # Cancel safety
     ///
@@ -506,6 +516,9 @@ impl<'a> Transfers<'a> {
     ///
     /// Everything is checked before anything is posted: member indices, both ranges of
     /// every entry, and that no two entries overlap in the same member's region.
+    ///
+    /// With a staged GPU end (`docs/gpu.md`) entries move through bounce slots; a member
+    /// whose region is staged GPU memory pulls its entries and counts exactly one arrival.
     ///
     /// # Cancel safety
     ///
