@@ -375,6 +375,11 @@ mod tests {
             gpu::Location::Cuda(Some((0, 1)))
         );
         assert_eq!(opts(&["bw", "--location", "cuda"]).unwrap().location, gpu::Location::Cuda(None));
+        assert_eq!((o.staging_pool, o.staging_chunk), (None, None));
+        let o =
+            opts(&["bw", "--location", "cuda", "--staging-pool", "8M", "--staging-chunk", "512K"]).unwrap();
+        assert_eq!((o.staging_pool, o.staging_chunk), (Some(8 << 20), Some(512 << 10)));
+        assert!(opts(&["bw", "--staging-pool", "0"]).is_err());
         assert_eq!(opts(&["bw", "--provider", "verbs"]).unwrap().window, 128);
         assert_eq!(opts(&["bw", "--provider", "verbs:rxe0", "--window", "8"]).unwrap().window, 8);
     }
