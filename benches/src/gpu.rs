@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  leader: region on cuda:S                        peer: region on cuda:R
-//!  staged:  D2H (shard) ─► shadow ══ tcp/shm ══► pull ─► shadow ─► H2D      ceiling: min(D2H on S,
+//!  staged:  D2H (chunk) ─► slot ══ tcp/shm ══► pull ─► slot ─► H2D          ceiling: min(D2H on S,
 //!                                                                            H2D on R, host→host row)
 //!  CUDA IPC: cuMemcpyAsync S ─► R (NVLink / PCIe), then an imm-only write    ceiling: peer copy S→R
 //!                                                                            (cuMemcpyDtoD when S = R)

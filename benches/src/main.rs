@@ -112,7 +112,8 @@ struct Cli {
     /// cuda: after the host sweep (engine vs the raw loop, as with host), the same sizes
     /// between GPU regions, sender on cuda:0 and receiver on cuda:1 when two GPUs exist,
     /// else both on cuda:0 (cuda:N,M: sender on N, receiver on M). Two engine rows per size:
-    /// staged (cuda_ipc off: D2H into a pinned shadow, the transport, a pull and H2D at the
+    /// staged (cuda_ipc off: D2H chunk by chunk into pinned bounce slots, the transport, a
+    /// pull into the receiver's slots and H2D; --staging-pool / --staging-chunk size them) at the
     /// receiver), against the slowest of its ceilings: pinned D2H on the sender's GPU,
     /// pinned H2D on the receiver's, and the host->host engine row at that size; and CUDA
     /// IPC (a peer copy, then an imm-only write), against the peer copy cuda:N->cuda:M
@@ -122,6 +123,14 @@ struct Cli {
     /// driver"; FABRIC_REQUIRE_CUDA=1 makes that an error.
     #[arg(long, global = true, value_name = "LOC", default_value = "host", value_parser = gpu::parse_location)]
     location: gpu::Location,
+    /// Staged GPU rows: bytes of each engine's pinned bounce pool
+    /// (EngineBuilder::staging_pool; default 64M).
+    #[arg(long, global = true, value_name = "BYTES", value_parser = one_size)]
+    staging_pool: Option<usize>,
+    /// Staged GPU rows: bytes per bounce slot, the chunk of every staged copy
+    /// (EngineBuilder::staging_chunk; default 4M).
+    #[arg(long, global = true, value_name = "BYTES", value_parser = one_size)]
+    staging_chunk: Option<usize>,
     /// Internal: run as the peer of the leader whose TcpStore is at ADDR.
     #[arg(long, global = true, hide = true, value_name = "ADDR")]
     peer_of: Option<String>,
@@ -223,6 +232,9 @@ pub struct Opts {
     pub domains: usize,
     /// `--location`: host, or GPU regions in bw.
     pub location: gpu::Location,
+    /// `--staging-pool`, `--staging-chunk` (engine defaults when absent).
+    pub staging_pool: Option<usize>,
+    pub staging_chunk: Option<usize>,
 }
 
 impl Opts {
@@ -252,6 +264,8 @@ impl From<Cli> for Opts {
             peer_of: c.peer_of,
             domains: c.domains,
             location: c.location,
+            staging_pool: c.staging_pool,
+            staging_chunk: c.staging_chunk,
         }
     }
 }
@@ -277,6 +291,10 @@ fn positive(s: &str) -> Result<usize, String> {
         Ok(n) if n > 0 => Ok(n),
         _ => Err("expected a whole number above 0".into()),
     }
+}
+
+fn one_size(s: &str) -> Result<usize, String> {
+    parse_size(s).ok_or_else(|| "expected a size such as 4096, 4K, 1M, 64MiB (above 0)".into())
 }
 
 fn sizes(s: &str) -> Result<Sizes, String> {
@@ -357,6 +375,11 @@ mod tests {
             gpu::Location::Cuda(Some((0, 1)))
         );
         assert_eq!(opts(&["bw", "--location", "cuda"]).unwrap().location, gpu::Location::Cuda(None));
+        assert_eq!((o.staging_pool, o.staging_chunk), (None, None));
+        let o =
+            opts(&["bw", "--location", "cuda", "--staging-pool", "8M", "--staging-chunk", "512K"]).unwrap();
+        assert_eq!((o.staging_pool, o.staging_chunk), (Some(8 << 20), Some(512 << 10)));
+        assert!(opts(&["bw", "--staging-pool", "0"]).is_err());
         assert_eq!(opts(&["bw", "--provider", "verbs"]).unwrap().window, 128);
         assert_eq!(opts(&["bw", "--provider", "verbs:rxe0", "--window", "8"]).unwrap().window, 8);
     }

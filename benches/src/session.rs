@@ -163,7 +163,13 @@ pub async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
 /// An engine builder for the run's provider and NIC count. `--domains N` shards every
 /// engine transfer over N domains (the default 1 MiB shards); the raw baselines stay on one.
 pub fn builder(o: &Opts) -> fabric_async::EngineBuilder {
-    let b = Engine::builder().provider(&o.provider);
+    let mut b = Engine::builder().provider(&o.provider);
+    if let Some(n) = o.staging_pool {
+        b = b.staging_pool(n as u64);
+    }
+    if let Some(n) = o.staging_chunk {
+        b = b.staging_chunk(n as u64);
+    }
     if o.domains > 1 {
         b.domains(o.domains)
     } else {

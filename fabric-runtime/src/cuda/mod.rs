@@ -40,6 +40,7 @@
 //! message }`.
 
 mod driver;
+mod emulation;
 mod ipc;
 mod kernels;
 mod loader;
@@ -48,6 +49,8 @@ mod nvrtc;
 mod stream;
 
 pub use driver::{available, context, driver, Context, Driver};
+#[doc(hidden)]
+pub use emulation::{emulated_copy, is_emulated, EMULATED_ORDINAL};
 pub use ipc::{ipc_export, IpcExport, IpcMapping, IpcMemHandle};
 pub use kernels::{pattern_byte, Kernels, SPIN_RELEASED, SPIN_TIMED_OUT};
 pub use memory::{

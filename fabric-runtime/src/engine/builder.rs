@@ -30,6 +30,7 @@ pub struct EngineBuilder {
     pub(crate) verbs_gid_index: Option<u32>,
     /// Chunk size of staged GPU pulls.
     pub(crate) staging_chunk: u64,
+    pub(crate) staging_pool: u64,
     /// Write same-host GPU destinations through CUDA IPC.
     pub(crate) cuda_ipc: bool,
 }
@@ -55,6 +56,7 @@ impl Default for EngineBuilder {
             verbs_port: None,
             verbs_gid_index: None,
             staging_chunk: 4 << 20,
+            staging_pool: 64 << 20,
             cuda_ipc: true,
         }
     }
@@ -194,12 +196,51 @@ impl EngineBuilder {
         self
     }
 
-    /// Chunk size of a staged GPU transfer's pull (default 4 MiB): the receiver reads chunk
-    /// k+1 over the network while the copy engine moves chunk k into GPU memory, with at most
-    /// 4 reads in flight. Zero is refused by `build` ([`Error::Config`]).
+    /// Chunk size of a staged GPU transfer, and so the size of one bounce slot of the
+    /// staging pool (default 4 MiB): the copy engine moves chunk k+1 between GPU memory and
+    /// a pinned slot while the NIC moves chunk k. Zero is refused by `build`
+    /// ([`Error::Config`]). See `docs/gpu.md`.
     pub fn staging_chunk(mut self, bytes: u64) -> Self {
         self.staging_chunk = bytes;
         self
+    }
+
+    /// Bytes of pinned, NIC-registered host memory that staged GPU transfers bounce
+    /// through (default 64 MiB: 16 slots of the default 4 MiB [`staging_chunk`]). Cut into
+    /// `bytes / staging_chunk` slots (rounded down); one pool per engine, allocated by its
+    /// first staged GPU region, shared by every staged transfer in both directions (a
+    /// transfer waits for a free slot, never fails for lack of one). A staged region pins no
+    /// host memory of its own size. `build` refuses ([`Error::Config`]) a pool smaller than
+    /// one chunk or of more than 2^20 - 1 slots.
+    ///
+    /// [`staging_chunk`]: EngineBuilder::staging_chunk
+    pub fn staging_pool(mut self, bytes: u64) -> Self {
+        self.staging_pool = bytes;
+        self
+    }
+
+    /// The staging pool's slot count and slot size these settings give, or why they are
+    /// refused.
+    pub(crate) fn staging_slots(&self) -> Result<(u32, u64)> {
+        let chunk = self.staging_chunk;
+        if chunk == 0 {
+            return Err(Error::Config("staging_chunk(0): chunks need at least one byte".into()));
+        }
+        let slots = self.staging_pool / chunk;
+        if slots == 0 {
+            return Err(Error::Config(format!(
+                "staging_pool({}) is smaller than one staging_chunk({chunk}): the pool needs at least one slot",
+                self.staging_pool
+            )));
+        }
+        if slots > (1 << 20) - 1 {
+            return Err(Error::Config(format!(
+                "staging_pool({}) / staging_chunk({chunk}) = {slots} slots; at most {} (raise the chunk)",
+                self.staging_pool,
+                (1u64 << 20) - 1
+            )));
+        }
+        Ok((slots as u32, chunk))
     }
 
     /// Whether writes into a GPU region of an engine on this host go through CUDA IPC (the
@@ -295,9 +336,7 @@ impl EngineBuilder {
 
     /// Opens the NIC(s) and starts the reactor thread.
     pub fn build(self) -> Result<Engine> {
-        if self.staging_chunk == 0 {
-            return Err(Error::Config("staging_chunk(0): chunks need at least one byte".into()));
-        }
+        self.staging_slots()?;
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
         }
@@ -370,5 +409,37 @@ impl EngineBuilder {
             provider: self.provider,
             reason: "fabric-runtime was built without the `libfabric` feature".into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_pool_is_cut_into_chunks_and_bad_sizes_are_refused() {
+        let b = EngineBuilder::default();
+        assert_eq!(b.staging_slots().unwrap(), (16, 4 << 20), "default: 16 x 4 MiB");
+        let b = EngineBuilder::default().staging_pool(2 << 20).staging_chunk(1 << 20);
+        assert_eq!(b.staging_slots().unwrap(), (2, 1 << 20));
+        // Rounded down to whole slots; one slot is enough.
+        let b = EngineBuilder::default().staging_pool((5 << 20) + 7).staging_chunk(2 << 20);
+        assert_eq!(b.staging_slots().unwrap(), (2, 2 << 20));
+        let b = EngineBuilder::default().staging_pool(4096).staging_chunk(4096);
+        assert_eq!(b.staging_slots().unwrap(), (1, 4096));
+
+        let err = |b: EngineBuilder| match b.staging_slots() {
+            Err(Error::Config(m)) => m,
+            other => panic!("expected Config, got {other:?}"),
+        };
+        assert!(err(EngineBuilder::default().staging_chunk(0)).contains("staging_chunk(0)"));
+        let m = err(EngineBuilder::default().staging_pool(1 << 20).staging_chunk(4 << 20));
+        assert!(m.contains("smaller than one staging_chunk"), "{m}");
+        assert!(err(EngineBuilder::default().staging_pool(0)).contains("at least one slot"));
+        let m = err(EngineBuilder::default().staging_pool(1 << 40).staging_chunk(1));
+        assert!(m.contains("at most 1048575"), "{m}");
+        // `build` refuses the same settings before opening anything.
+        let e = EngineBuilder::default().provider("tcp").staging_pool(1).build().unwrap_err();
+        assert!(matches!(e, Error::Config(_)), "{e}");
     }
 }

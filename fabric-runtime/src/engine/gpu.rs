@@ -1,13 +1,14 @@
 //! GPU memory in the engine: regions in CUDA memory (allocated by the engine or owned by the
 //! user), the path each takes (GPUDirect, staged, CUDA IPC), the blocking copies of
-//! `read_at`/`write_at`, and the transfers whose bytes cross a staging shadow or an IPC
-//! mapping. The reactor's half is `reactor/staging.rs`; the protocol is in `docs/gpu.md`.
+//! `read_at`/`write_at`, the staging pool, and the writes whose bytes cross bounce slots or
+//! an IPC mapping (paged writes, scatters and reads: `staged.rs`). The reactor's half is `reactor/staging.rs`; the protocol is in `docs/gpu.md`.
 //!
 //! ```text
 //!  source            destination (its descriptor)     what happens
 //!  host / GPUDirect  host / GPUDirect                 RDMA write (as for host memory)
-//!  staged GPU        host / GPUDirect                 D2H into the shadow (gate), RDMA write
-//!  any               staged GPU                       [D2H,] PULL ─► peer reads, H2D, counts, ACK
+//!  staged GPU        host / GPUDirect                 per chunk: slot, D2H (gate), RDMA write
+//!  host / GPUDirect  staged GPU                       PULL ─► owner reads into its slots, H2D
+//!  staged GPU        staged GPU                       per chunk: slot, D2H, PULL of the slot
 //!  any               GPU on this host (IPC)           copy engine into the IPC mapping, imm-only write
 //! ```
 
@@ -16,17 +17,17 @@ use std::sync::Arc;
 
 use super::op::OpFuture;
 use super::region::{MemoryRegion, RemoteRegion};
+use super::staged::piece_src;
 use super::transfer::Transfers;
 use super::Engine;
 use crate::cuda::{self, DeviceBuffer, MemoryKind, PinnedHostBuffer, Stream};
 use crate::error::{Error, Result};
 use crate::provider::MemoryLocation;
-use crate::pure::control::{Pull, PullSource};
 use crate::pure::descriptor::GpuRegion;
 use crate::pure::staging::GpuPath;
 use crate::shared::memory::{Backing, GpuMemory, RegionShared};
 use crate::shared::notify::{Notify, OpState};
-use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Submission};
+use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Piece, PieceDst, PieceSrc, Submission};
 
 impl Engine {
     /// `alloc_in(len, Cuda { ordinal })`: a new zeroed device allocation, registered.
@@ -36,13 +37,16 @@ impl Engine {
         }
         let ctx = cuda::context(ordinal as usize)?;
         let buf = Arc::new(DeviceBuffer::new(&ctx, len)?);
-        self.register_device(buf.device_ptr(), len, ordinal, ctx, Some(buf)).await
+        self.register_device(buf.device_ptr(), len, ordinal, Some(ctx), Some(buf), None).await
     }
 
     /// Registers `len` bytes of CUDA device memory at `ptr` on device `ordinal`, owned by
     /// the caller (a `cudaMalloc` range, a PyTorch tensor's `data_ptr()`), with every NIC:
-    /// GPUDirect where every NIC can register GPU memory, else staged through a pinned host
-    /// shadow of `len` bytes ([`MemoryRegion::gpu_path`] says which).
+    /// GPUDirect where every NIC can register GPU memory, else staged through the engine's
+    /// pool of pinned bounce slots ([`EngineBuilder::staging_pool`]; no host memory of
+    /// `len` bytes) ([`MemoryRegion::gpu_path`] says which).
+    ///
+    /// [`EngineBuilder::staging_pool`]: crate::EngineBuilder::staging_pool
     ///
     /// Errors: [`Error::NotDeviceMemory`] if the range is not device memory of `ordinal`
     /// inside one allocation (checked with `cuda::pointer_info`); [`Error::Unsupported`]
@@ -77,7 +81,7 @@ impl Engine {
             None => return Err(bad("the driver does not know its allocation".into())),
         }
         let ctx = cuda::context(ordinal as usize)?;
-        self.register_device(ptr, len, ordinal, ctx, None).await
+        self.register_device(ptr, len, ordinal, Some(ctx), None, None).await
     }
 
     /// The path GPU memory of device `ordinal` takes on this engine's NICs: the path of its
@@ -93,42 +97,96 @@ impl Engine {
         Ok(self.alloc_cuda(4096, ordinal).await?.inner.gpu.as_ref().map_or(GpuPath::Staged, |g| g.path))
     }
 
+    /// Registers device memory (`ctx` its device's context), or, with `host` (feature
+    /// `gpu-emulation`, no context), host memory standing in for it, always staged.
     async fn register_device(
         &self,
         ptr: u64,
         len: usize,
         ordinal: u32,
-        ctx: Arc<cuda::Context>,
+        ctx: Option<Arc<cuda::Context>>,
         owned: Option<Arc<DeviceBuffer>>,
+        host: Option<Backing>,
     ) -> Result<MemoryRegion> {
         let location = MemoryLocation::Cuda { ordinal };
-        let direct = self.register_raw(Backing::device(ptr, len, owned.clone()), location).await;
+        let direct = match &ctx {
+            Some(_) => self.register_raw(Backing::device(ptr, len, owned.clone()), location).await,
+            None => Err(Error::Unsupported("emulated device memory is always staged".into())),
+        };
         let (regs, backing, path) = match direct {
             Ok((regs, backing)) => (regs, backing, GpuPath::GpuDirect),
             Err(Error::Unsupported(why)) | Err(Error::RegisterMemory { message: why, .. }) => {
-                tracing::debug!(ordinal, len, %why, "a NIC cannot register GPU memory: staging through pinned host memory");
-                let shadow = PinnedHostBuffer::new(&ctx, len)?;
-                let (regs, backing) =
-                    self.register_raw(Backing::pinned(shadow), MemoryLocation::Host).await?;
+                tracing::debug!(ordinal, len, %why, "a NIC cannot register GPU memory: staging through the pinned pool");
+                self.staging_pool(ctx.as_ref()).await?;
+                // A small host anchor gives the region its keys (imm-only writes land there);
+                // its bytes travel through the engine's staging pool, never a shadow.
+                let anchor = Backing::zeroed(STAGED_ANCHOR, STAGED_ANCHOR)?;
+                let (regs, backing) = self.register_raw(anchor, MemoryLocation::Host).await?;
                 (regs, backing, GpuPath::Staged)
             }
             Err(e) => return Err(e),
         };
         tracing::debug!(ordinal, len, path = %path, "registered a GPU region");
         crate::sync::lock(&self.shared().gpu.paths).entry(ordinal).or_insert(path);
-        let ipc = match &owned {
-            Some(b) => b.ipc_export(0, len),
-            None => cuda::ipc_export(ptr, len),
+        let ipc = match (&owned, &ctx) {
+            (_, None) => Err(Error::Unsupported("emulated device memory".into())),
+            (Some(b), _) => b.ipc_export(0, len),
+            (None, _) => cuda::ipc_export(ptr, len),
         }
         .map_err(|e| tracing::debug!(error = %e, "no CUDA IPC export for a GPU region"))
         .ok();
         let key = regs.first().map(|r| r.remote_key);
-        let gpu = GpuMemory { ordinal, ptr, ctx, path, _owned: owned, ipc };
+        let gpu = GpuMemory { ordinal, ptr, len, ctx, path, _owned: owned, ipc, _host: host };
         let inner = Arc::new(RegionShared::new_gpu(backing, regs, location, self.shared().clone(), gpu));
         if let (GpuPath::Staged, Some(key)) = (path, key) {
             self.shared().gpu.track_staged(key, &inner);
         }
         Ok(MemoryRegion { inner })
+    }
+}
+
+#[cfg(feature = "gpu-emulation")]
+impl Engine {
+    /// Not API (feature `gpu-emulation`, for tests on machines without a GPU): a region
+    /// whose "device memory" is `len` zeroed bytes of host memory, registered as a staged
+    /// GPU region (location `Cuda { ordinal: EMULATED_ORDINAL }`, `GpuPath::Staged`):
+    /// every transfer into or out of it takes the staging pool and the pull protocol, with
+    /// its copies done by `memcpy` on the reactor thread instead of a CUDA stream.
+    #[doc(hidden)]
+    pub async fn alloc_emulated_staged(&self, len: usize) -> Result<MemoryRegion> {
+        let host = Backing::zeroed(len, 4096)?;
+        let ptr = host.addr();
+        self.register_device(ptr, len, cuda::EMULATED_ORDINAL, None, None, Some(host)).await
+    }
+}
+
+/// Host bytes a staged GPU region registers: its keys (and where imm-only writes land).
+const STAGED_ANCHOR: usize = 4096;
+
+impl Engine {
+    /// Allocates and registers the engine's pool of pinned bounce slots
+    /// (`EngineBuilder::staging_pool`), once: the first staged GPU region does it. The
+    /// memory is portable pinned memory, so one pool serves every device.
+    /// Without a context (emulated device memory) the pool is plain host memory.
+    async fn staging_pool(&self, ctx: Option<&Arc<cuda::Context>>) -> Result<()> {
+        let g = &self.shared().gpu;
+        let mut ready = g.pool_init.lock().await;
+        if *ready {
+            return Ok(());
+        }
+        let bytes = g.chunk * u64::from(g.slots);
+        let len = usize::try_from(bytes)
+            .map_err(|_| Error::Config(format!("a staging pool of {bytes} bytes does not fit in memory")))?;
+        let backing = match ctx {
+            Some(ctx) => Backing::pinned(PinnedHostBuffer::new(ctx, len)?),
+            None => Backing::zeroed(len, 4096)?,
+        };
+        let (regs, backing) = self.register_raw(backing, MemoryLocation::Host).await?;
+        let region = RegionShared::new(backing, regs, MemoryLocation::Host, self.shared().clone());
+        *crate::sync::lock(&g.pool) = Some(Arc::new(region));
+        *ready = true;
+        tracing::debug!(slots = g.slots, chunk = g.chunk, "allocated the staging pool");
+        Ok(())
     }
 }
 
@@ -143,8 +201,17 @@ pub(super) fn copy_blocking(
     if len == 0 {
         return Ok(());
     }
-    let stream = Stream::new(&g.ctx)?;
     let dev = g.ptr + device_off;
+    let Some(ctx) = &g.ctx else {
+        let (dst, src) = match dir {
+            CopyDir::HostToDevice => (dev, host as u64),
+            _ => (host as u64, dev),
+        };
+        // SAFETY: as below; emulated device memory is host memory of the region's length.
+        unsafe { cuda::emulated_copy(dst, src, len) };
+        return Ok(());
+    };
+    let stream = Stream::new(ctx)?;
     // SAFETY: the caller bounds-checked `device_off..+len` against the region and passes a
     // host buffer of `len` bytes; the stream is synchronized before either goes away.
     unsafe {
@@ -227,7 +294,7 @@ pub(super) fn ipc_usable(shared: &crate::shared::Shared, g: &GpuRegion) -> Optio
 type Keep = Vec<Arc<dyn Any + Send + Sync>>;
 
 impl Transfers<'_> {
-    /// A write whose bytes cross a staging shadow or an IPC mapping, or `None` when it is a
+    /// A write whose bytes cross bounce slots or an IPC mapping, or `None` when it is a
     /// plain RDMA write (both ends host or GPUDirect). Ranges are checked here.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gpu_write(
@@ -258,57 +325,8 @@ impl Transfers<'_> {
         Some(r.unwrap_or_else(OpFuture::failed))
     }
 
-    /// The D2H copy of a staged source's range into its shadow (same offsets).
-    fn d2h(src: &MemoryRegion, src_off: u64, len: u64) -> Option<(usize, CudaCopy)> {
-        let g = src.inner.staged()?;
-        Some((
-            g.ordinal as usize,
-            CudaCopy {
-                dir: CopyDir::DeviceToHost,
-                dst: src.inner.backing().addr() + src_off,
-                src: g.ptr + src_off,
-                len: len as usize,
-            },
-        ))
-    }
-
-    /// `then` behind the D2H copy of `src`'s range into its shadow, or `Err(then)` when there
-    /// is nothing to copy (a host or GPUDirect source, or zero bytes).
-    fn behind_d2h(
-        src: &MemoryRegion,
-        src_off: u64,
-        len: u64,
-        then: Vec<Submission>,
-    ) -> std::result::Result<Submission, Vec<Submission>> {
-        match Self::d2h(src, src_off, len) {
-            Some((ordinal, copy)) if len > 0 => Ok(Submission::Gated {
-                ordinal,
-                copies: vec![copy],
-                then,
-                done: None,
-                keep: vec![src.inner.clone() as Arc<dyn Any + Send + Sync>],
-                after: None,
-            }),
-            _ => Err(then),
-        }
-    }
-
-    /// Submits `then` behind the D2H copy of a staged source, or directly.
-    fn after_source_copy(
-        &self,
-        src: &MemoryRegion,
-        src_off: u64,
-        len: u64,
-        then: Vec<Submission>,
-    ) -> Result<()> {
-        match Self::behind_d2h(src, src_off, len, then) {
-            Ok(gate) => self.hand(vec![gate]),
-            Err(then) => self.hand(then),
-        }
-    }
-
-    /// Staged GPU source into host or GPUDirect memory: the usual shards, posted from the
-    /// shadow once the D2H copy is done.
+    /// Staged GPU source into host or GPUDirect memory: the usual shards (and arrivals),
+    /// each moved through bounce slots chunk by chunk by the reactor.
     fn staged_source_write(
         &self,
         src: &MemoryRegion,
@@ -318,27 +336,13 @@ impl Transfers<'_> {
         len: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
-        let plan = self.contiguous(Some((src, src_off)), dst, dst_off, len, imm, OpKind::Write)?;
-        let Some((subs, state)) = self.prepare(plan)? else { return Ok(OpFuture::done()) };
-        // One gate per shard: shard k is posted once its own D2H copy is done, while the
-        // copy engine moves shard k+1 (the copies run in order on the device's stream).
-        let shadow = src.inner.backing().addr();
-        let gated = subs
-            .into_iter()
-            .map(|s| match &s {
-                // An imm-only shard (len 0, no local address) has nothing to copy.
-                Submission::Op { req, .. } if req.len > 0 => {
-                    let (off, len) = (req.local_addr - shadow, req.len as u64);
-                    Self::behind_d2h(src, off, len, vec![s]).unwrap_or_else(|mut s| s.remove(0))
-                }
-                _ => s,
-            })
-            .collect();
-        self.hand(gated)?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
+        // Without a local region the shards' local addresses are offsets in the transfer.
+        let plan = self.contiguous(None, dst, dst_off, len, imm, OpKind::Write)?;
+        let dev = src.inner.staged().map_or(0, |g| g.ptr) + src_off;
+        self.staged_writes(src, plan, |off| PieceSrc::Device(dev + off))
     }
 
-    /// Into a staged GPU region: the peer pulls (see `pure::control`).
+    /// Into a staged GPU region: the owner pulls (see `pure::control`), chunk by chunk.
     fn pull_write(
         &self,
         src: &MemoryRegion,
@@ -348,33 +352,9 @@ impl Transfers<'_> {
         len: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
-        let key0 =
-            dst.desc.domains.first().ok_or_else(|| Error::Config("a descriptor without NICs".into()))?;
-        let sources = src
-            .inner
-            .regs
-            .iter()
-            .map(|r| PullSource { addr: r.remote_base.wrapping_add(src_off), key: r.remote_key })
-            .collect();
-        let pull = Pull {
-            op: 0,
-            dst_key: key0.key,
-            dst_base: key0.base,
-            dst_off,
-            len,
-            imm,
-            sources,
-            sender: self.shared().address.to_bytes(),
-        };
-        let state = Arc::new(OpState::default());
-        let s = Submission::Pull {
-            peer: dst.peer,
-            pull: Box::new(pull),
-            keep: src.inner.clone(),
-            notify: Notify::Future(state.clone()),
-        };
-        self.after_source_copy(src, src_off, len, vec![s])?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
+        let pull = self.pull_template(dst, dst_off, len, imm)?;
+        let piece = Piece { src: piece_src(src, src_off), len, dst: PieceDst::Pull { peer: dst.peer, pull } };
+        self.run_job(src, vec![piece], Vec::new())
     }
 
     /// Into a GPU region of a process on this host: the copy engine writes its IPC mapping;
@@ -441,8 +421,8 @@ impl Transfers<'_> {
         Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
     }
 
-    /// Refuses shapes that do not stage yet (paged writes, scatter, reads, the synchronous
-    /// path) when either end is staged GPU memory or an IPC destination.
+    /// Refuses the synchronous path (`post_write_imm`) with bytes when either end is staged
+    /// GPU memory or an IPC destination: it posts one operation, with no copy.
     pub(super) fn refuse_staged(
         &self,
         what: &str,
@@ -454,7 +434,7 @@ impl Transfers<'_> {
             remote.is_some_and(|r| matches!(r.gpu_path(), Some(GpuPath::Staged | GpuPath::Ipc)));
         if local_staged || remote_staged {
             return Err(Error::Unsupported(format!(
-                "{what} with a staged GPU region or a CUDA IPC destination (use write / write_imm)"
+                "{what} with a staged GPU region or a CUDA IPC destination: the synchronous path posts one NIC operation and cannot copy (use write_imm)"
             )));
         }
         Ok(())

@@ -27,6 +27,8 @@ mod gpu_signal;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
+#[cfg(feature = "cuda")]
+mod staged;
 mod transfer;
 mod wakeups;
 
@@ -139,7 +141,9 @@ impl Engine {
             Shared::new(transport, address, max_msg_size, domains.len(), cfg.transfer, delivery_complete)?;
         #[cfg(feature = "cuda")]
         {
-            shared.gpu.chunk = cfg.staging_chunk;
+            let (slots, chunk) = cfg.staging_slots()?;
+            shared.gpu.chunk = chunk;
+            shared.gpu.slots = slots;
             shared.gpu.ipc_enabled = cfg.cuda_ipc;
         }
         let shared = Arc::new(shared);
@@ -260,8 +264,8 @@ impl Engine {
     /// Allocates and registers `len` zeroed bytes in `location`.
     ///
     /// [`MemoryLocation::Cuda`] (cargo feature `cuda`, a CUDA driver): device memory of that
-    /// ordinal, registered GPUDirect where every NIC can, else staged through a pinned host
-    /// shadow (see [`MemoryRegion::gpu_path`] and `docs/gpu.md`). Without a driver:
+    /// ordinal, registered GPUDirect where every NIC can, else staged through the engine's
+    /// pool of pinned bounce slots (see [`MemoryRegion::gpu_path`] and `docs/gpu.md`). Without a driver:
     /// [`Error::Unsupported`].
     ///
     /// # Cancel safety
@@ -357,10 +361,10 @@ impl Engine {
     /// landed (see [`ImmCounter`]): one with a single NIC; with several, as many as
     /// [`Engine::write_arrivals`] says (one per shard by default).
     ///
-    /// GPU memory (`docs/gpu.md`): a staged GPU source is copied to its shadow shard by
-    /// shard before each shard is posted; into a staged GPU destination the owner pulls the
-    /// bytes and counts exactly one arrival once they are in GPU memory (the future
-    /// completes on its ACK); into a GPU region of a process on this host the copy engine
+    /// GPU memory (`docs/gpu.md`): a staged GPU source is copied into pinned bounce slots
+    /// chunk by chunk, each chunk written as soon as its copy is done; into a staged GPU
+    /// destination the owner pulls the bytes and counts exactly one arrival once they are
+    /// in GPU memory (the future completes on its ACK); into a GPU region of a process on this host the copy engine
     /// writes it through CUDA IPC, then one imm-only write is posted.
     ///
     /// # Cancel safety

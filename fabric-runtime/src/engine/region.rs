@@ -29,7 +29,7 @@ pub struct MemoryRegion {
 impl MemoryRegion {
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.inner.backing().len()
+        self.inner.len()
     }
 
     /// Always false: empty regions cannot be registered.

@@ -74,10 +74,10 @@ pub struct Transfers<'a> {
 
 /// Operations of one transfer, ready to submit.
 pub(super) struct Plan {
-    ops: Vec<OpReq>,
-    keep: Option<Arc<RegionShared>>,
+    pub(super) ops: Vec<OpReq>,
+    pub(super) keep: Option<Arc<RegionShared>>,
     /// Imm-only writes posted once every op has completed (`Arrivals::One`).
-    then: Vec<OpReq>,
+    pub(super) then: Vec<OpReq>,
 }
 
 impl Engine {
@@ -165,7 +165,8 @@ impl<'a> Transfers<'a> {
             Some((r, off)) => {
                 self.check_local(r)?;
                 r.check(off, len)?;
-                // The address the NICs know: the memory itself, or a staged region's shadow.
+                // The address the NICs know (staged GPU regions never get here: their
+                // transfers are staged jobs).
                 Ok((r.inner.backing().addr() + off, Some(r.inner.clone())))
             }
             None => Ok((0, None)),
@@ -180,7 +181,7 @@ impl<'a> Transfers<'a> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn req(
+    pub(super) fn req(
         nic: usize,
         kind: OpKind,
         local_addr: u64,
@@ -203,7 +204,7 @@ impl<'a> Transfers<'a> {
 
     /// Cuts one contiguous write or read into shards.
     #[allow(clippy::too_many_arguments)]
-    fn plan_contiguous(
+    pub(super) fn plan_contiguous(
         &self,
         plan: &mut Plan,
         local_addr: u64,
@@ -320,7 +321,7 @@ impl<'a> Transfers<'a> {
         Ok(plan)
     }
 
-    fn run(&self, plan: Result<Plan>) -> OpFuture {
+    pub(super) fn run(&self, plan: Result<Plan>) -> OpFuture {
         match plan {
             Ok(p) => self.submit(p),
             Err(e) => OpFuture::failed(e),
@@ -393,10 +394,16 @@ impl<'a> Transfers<'a> {
     /// sharded over the NICs like a write (`fi_read` / `IBV_WR_RDMA_READ`). Reads produce
     /// no arrivals at the remote side.
     ///
+    /// GPU memory (`docs/gpu.md`): into a local staged GPU region the chunks are read into
+    /// bounce slots and copied to the GPU; from a peer's staged GPU region (into host or
+    /// GPUDirect memory) its owner writes the range through its own slots and ACKs; from
+    /// staged into staged GPU memory is [`Error::Unsupported`].
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future does not cancel the read: `dst` keeps being written until the
-    /// NIC completes it (the region stays allocated until then).
+    /// NIC completes it, or the owner of a staged source ACKs (the region stays allocated
+    /// until then).
     pub fn read(
         &self,
         dst: &MemoryRegion,
@@ -406,8 +413,8 @@ impl<'a> Transfers<'a> {
         len: u64,
     ) -> OpFuture {
         #[cfg(feature = "cuda")]
-        if let Err(e) = self.refuse_staged("read", Some(dst), Some(src)) {
-            return OpFuture::failed(e);
+        if let Some(f) = self.staged_read(dst, dst_off, src, src_off, len) {
+            return f;
         }
         self.run(self.contiguous(Some((dst, dst_off)), src, src_off, len, None, OpKind::Read))
     }
@@ -438,6 +445,10 @@ impl<'a> Transfers<'a> {
     /// Everything is checked before anything is posted: equal list lengths, strides of at
     /// least a page, every page inside its region, no destination page twice.
     ///
+    /// With a staged GPU end (`docs/gpu.md`) pages move through bounce slots (a page larger
+    /// than a slot in several chunks, its imm on the last); into staged GPU memory the
+    /// owner pulls each page and counts exactly one arrival once all are in GPU memory.
+    ///
     /// # Cancel safety
     ///
     /// As for [`Transfers::write`].
@@ -450,10 +461,14 @@ impl<'a> Transfers<'a> {
         dst_pages: &[u32],
         imm: Option<u32>,
     ) -> OpFuture {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = self.staged_paged(src, dst, layout, src_pages, dst_pages, imm) {
+            return f;
+        }
         self.run(self.paged(src, dst, layout, src_pages, dst_pages, imm))
     }
 
-    fn paged(
+    pub(super) fn paged(
         &self,
         src: &MemoryRegion,
         dst: &RemoteRegion,
@@ -464,15 +479,13 @@ impl<'a> Transfers<'a> {
     ) -> Result<Plan> {
         self.check_remote(dst)?;
         self.check_local(src)?;
-        #[cfg(feature = "cuda")]
-        self.refuse_staged("write_paged", Some(src), Some(dst))?;
         let nics = self.shared().nics;
         self.opts.validate(nics)?;
         let pages = layout.resolve(src_pages, dst_pages, src.len() as u64, dst.len())?;
         let one = imm.is_some() && self.opts.arrivals == Arrivals::One;
         let page_imm = if one { None } else { imm };
         let start = self.shared().next_start();
-        let base = src.inner.backing().addr();
+        let base = src_base(src);
         let mut plan =
             Plan { ops: Vec::with_capacity(pages.len()), keep: Some(src.inner.clone()), then: Vec::new() };
         for (i, (so, doff)) in pages.into_iter().enumerate() {
@@ -487,7 +500,13 @@ impl<'a> Transfers<'a> {
 
     /// Arrivals of the immediate that [`Transfers::write_paged`] of `pages` pages into `dst`
     /// produces at its owner.
+    ///
+    /// Into a staged GPU region (see `docs/gpu.md`): exactly one (none for no pages).
     pub fn paged_arrivals(&self, dst: &RemoteRegion, pages: usize) -> Result<u64> {
+        #[cfg(feature = "cuda")]
+        if super::staged::dst_staged(dst) {
+            return Ok(u64::from(pages > 0));
+        }
         self.opts.paged_arrivals(pages, dst.desc.domains.len())
     }
 
@@ -497,6 +516,9 @@ impl<'a> Transfers<'a> {
     ///
     /// Everything is checked before anything is posted: member indices, both ranges of
     /// every entry, and that no two entries overlap in the same member's region.
+    ///
+    /// With a staged GPU end (`docs/gpu.md`) entries move through bounce slots; a member
+    /// whose region is staged GPU memory pulls its entries and counts exactly one arrival.
     ///
     /// # Cancel safety
     ///
@@ -508,10 +530,19 @@ impl<'a> Transfers<'a> {
         entries: &[ScatterEntry],
         imm: Option<u32>,
     ) -> OpFuture {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = self.staged_scatter(src, group, entries, imm) {
+            return f;
+        }
         self.run(self.scatter_plan(src, group, entries, imm))
     }
 
-    fn check_entries(&self, src_len: Option<u64>, group: &PeerGroup, entries: &[ScatterEntry]) -> Result<()> {
+    pub(super) fn check_entries(
+        &self,
+        src_len: Option<u64>,
+        group: &PeerGroup,
+        entries: &[ScatterEntry],
+    ) -> Result<()> {
         self.check_group(group)?;
         let mut ranges: Vec<(usize, u64, u64)> = Vec::with_capacity(entries.len());
         for e in entries {
@@ -552,10 +583,6 @@ impl<'a> Transfers<'a> {
     ) -> Result<Plan> {
         self.check_local(src)?;
         self.check_entries(Some(src.len() as u64), group, entries)?;
-        #[cfg(feature = "cuda")]
-        for m in std::iter::once(None).chain(group.members.iter().map(Some)) {
-            self.refuse_staged("scatter", Some(src), m)?;
-        }
         let nics = self.shared().nics;
         self.opts.validate(nics)?;
         let one = imm.is_some() && self.opts.arrivals == Arrivals::One;
@@ -588,11 +615,18 @@ impl<'a> Transfers<'a> {
     }
 
     /// Arrivals of the immediate that [`Transfers::scatter`] with `entries` produces at each
-    /// member, indexed like the group.
+    /// member, indexed like the group. A member whose region is staged GPU memory counts
+    /// exactly one (if it has an entry).
     pub fn scatter_arrivals(&self, group: &PeerGroup, entries: &[ScatterEntry]) -> Result<Vec<u64>> {
         self.check_entries(None, group, entries)?;
         let mut out = vec![0u64; group.len()];
         for e in entries {
+            #[cfg(feature = "cuda")]
+            if super::staged::dst_staged(&group.members[e.member]) {
+                // Into staged GPU memory: one arrival per member, once all its bytes are in.
+                out[e.member] = 1;
+                continue;
+            }
             let nics = group.members[e.member].desc.domains.len();
             let n = self.opts.write_arrivals(e.len, nics)?;
             out[e.member] = match self.opts.arrivals {
@@ -654,4 +688,14 @@ impl<'a> Transfers<'a> {
         let local_addr = if len == 0 { 0 } else { local_addr };
         Ok((Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, Some(imm)), keep))
     }
+}
+
+/// Where a region's bytes start for the plans: its host (or GPUDirect) address, or, for a
+/// staged GPU region, its device address (the reactor copies from there into bounce slots).
+fn src_base(src: &MemoryRegion) -> u64 {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = src.inner.staged() {
+        return g.ptr;
+    }
+    src.inner.backing().addr()
 }

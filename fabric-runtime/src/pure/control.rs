@@ -7,14 +7,18 @@
 //!
 //! ```text
 //!  sender                                   receiver (owns the staged GPU region)
-//!   │ [D2H copy of a GPU source into its shadow]
+//!   │ [per chunk of a GPU source: D2H copy into a bounce slot; one PULL per slot]
 //!   │── PULL { op, sources per NIC, len, dst, imm, sender address } ──►│
-//!   │                                       │ RDMA read source ─► shadow (chunk k)
-//!   │                                       │ H2D copy shadow ─► GPU  (chunk k, overlaps read k+1)
+//!   │                                       │ RDMA read source ─► slot (chunk k)
+//!   │                                       │ H2D copy slot ─► GPU  (chunk k, overlaps read k+1)
 //!   │                                       │ all copies done: count imm
 //!   │◄────────────── ACK { op, status } ────│
 //!   │ future completes
 //! ```
+//!
+//! A `read` from a staged GPU region runs the other way: the reader sends a push request
+//! ([`MsgKind::Push`], a [`Pull`]'s fields: the owner's region and range, the reader's
+//! registered destination as `sources`), the owner writes the bytes there and ACKs.
 //!
 //! Every message starts with a [`MsgKind`] byte. Decoding treats its input as hostile:
 //! never panics, bounds every length, and anything that is not exactly one valid encoding
@@ -31,8 +35,12 @@ pub enum MsgKind {
     User = 0,
     /// A [`Pull`] request.
     Pull = 1,
-    /// An [`Ack`] of a pull.
+    /// An [`Ack`] of a pull (or of a push).
     Ack = 2,
+    /// A push request: a [`Pull`] encoding read the other way ("write `len` bytes of your
+    /// staged region at `dst_off` into my `sources`, then ACK"), the reader's side of a
+    /// `read` from a staged GPU region.
+    Push = 3,
 }
 
 impl MsgKind {
@@ -42,6 +50,7 @@ impl MsgKind {
             0 => Some(MsgKind::User),
             1 => Some(MsgKind::Pull),
             2 => Some(MsgKind::Ack),
+            3 => Some(MsgKind::Push),
             _ => None,
         }
     }
@@ -58,6 +67,7 @@ pub const MAX_ACK_MESSAGE: usize = 1024;
 
 const PULL_WHAT: &str = "pull message";
 const ACK_WHAT: &str = "ack message";
+const PUSH_WHAT: &str = "push message";
 
 /// One NIC's view of the source of a pull: where the receiver reads it from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,8 +112,24 @@ pub struct Ack {
 impl Pull {
     /// The message, kind header included.
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.encode(MsgKind::Pull)
+    }
+
+    /// The same fields as a push request ([`MsgKind::Push`]): the receiver owns the staged
+    /// region named by `dst_key`/`dst_base` and writes its `len` bytes at `dst_off` into
+    /// `sources` (the sender's registered memory, per NIC), then ACKs `op`.
+    pub fn to_push_bytes(&self) -> Vec<u8> {
+        self.encode(MsgKind::Push)
+    }
+
+    /// Decodes a whole push request (kind header included). Never panics.
+    pub fn push_from_bytes(bytes: &[u8]) -> Result<Pull, Error> {
+        Self::decode_kind(PUSH_WHAT, bytes, MsgKind::Push)
+    }
+
+    fn encode(&self, kind: MsgKind) -> Vec<u8> {
         let mut out = Vec::with_capacity(64 + 16 * self.sources.len() + self.sender.len());
-        out.push(MsgKind::Pull as u8);
+        out.push(kind as u8);
         for v in [self.op, self.dst_key, self.dst_base, self.dst_off, self.len] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -126,7 +152,11 @@ impl Pull {
 
     /// Decodes a whole message (kind header included). Never panics.
     pub fn from_bytes(bytes: &[u8]) -> Result<Pull, Error> {
-        decode(PULL_WHAT, bytes, MsgKind::Pull, |r| {
+        Self::decode_kind(PULL_WHAT, bytes, MsgKind::Pull)
+    }
+
+    fn decode_kind(what: &'static str, bytes: &[u8], kind: MsgKind) -> Result<Pull, Error> {
+        decode(what, bytes, kind, |r| {
             let op = r.u64("op id")?;
             let dst_key = r.u64("destination key")?;
             let dst_base = r.u64("destination base")?;
@@ -243,6 +273,18 @@ mod tests {
         assert_eq!(Pull::from_bytes(&p.to_bytes()).unwrap(), p);
         let q = Pull { imm: None, sources: vec![], sender: vec![], ..pull() };
         assert_eq!(Pull::from_bytes(&q.to_bytes()).unwrap(), q);
+        // A push is the same fields under its own kind, and neither decoder takes the other.
+        assert_eq!(Pull::push_from_bytes(&p.to_push_bytes()).unwrap(), p);
+        assert_eq!(MsgKind::of(&p.to_push_bytes()), Some(MsgKind::Push));
+        assert!(matches!(
+            Pull::from_bytes(&p.to_push_bytes()),
+            Err(Error::Malformed { what: PULL_WHAT, .. })
+        ));
+        assert!(matches!(
+            Pull::push_from_bytes(&p.to_bytes()),
+            Err(Error::Malformed { what: PUSH_WHAT, .. })
+        ));
+        assert_eq!(p.to_push_bytes()[1..], p.to_bytes()[1..]);
         for a in [Ack { op: 1, error: None }, Ack { op: u64::MAX, error: Some("out of bounds: é".into()) }] {
             assert_eq!(Ack::from_bytes(&a.to_bytes()).unwrap(), a);
         }
@@ -262,13 +304,17 @@ mod tests {
 
     #[test]
     fn every_truncation_and_extension_is_an_error() {
-        for bytes in [pull().to_bytes(), Ack { op: 1, error: Some("x".into()) }.to_bytes()] {
+        for bytes in
+            [pull().to_bytes(), pull().to_push_bytes(), Ack { op: 1, error: Some("x".into()) }.to_bytes()]
+        {
             for n in 0..bytes.len() {
                 assert!(Pull::from_bytes(&bytes[..n]).is_err() && Ack::from_bytes(&bytes[..n]).is_err());
+                assert!(Pull::push_from_bytes(&bytes[..n]).is_err());
             }
             let mut longer = bytes.clone();
             longer.push(0);
             assert!(Pull::from_bytes(&longer).is_err() && Ack::from_bytes(&longer).is_err());
+            assert!(Pull::push_from_bytes(&longer).is_err());
         }
     }
 
@@ -312,10 +358,11 @@ mod tests {
         };
         let seeds = [
             pull().to_bytes(),
+            pull().to_push_bytes(),
             Ack { op: 5, error: Some("no".into()) }.to_bytes(),
             Ack { op: 5, error: None }.to_bytes(),
         ];
-        for i in 0..20_000 {
+        for i in 0..100_000 {
             let mut b = if i % 3 == 0 {
                 (0..next() % 96).map(|_| next() as u8).collect::<Vec<u8>>()
             } else {
@@ -333,6 +380,9 @@ mod tests {
             }
             if let Ok(p) = Pull::from_bytes(&b) {
                 assert_eq!(p.to_bytes(), b);
+            }
+            if let Ok(p) = Pull::push_from_bytes(&b) {
+                assert_eq!(p.to_push_bytes(), b);
             }
             if let Ok(a) = Ack::from_bytes(&b) {
                 assert_eq!(a.to_bytes(), b);

@@ -124,7 +124,7 @@ pub struct RegionDescriptor {
 pub struct GpuRegion {
     /// The CUDA device ordinal at the owner.
     pub ordinal: u32,
-    /// The owner's NICs see a pinned host shadow, not the GPU memory: a writer must use the
+    /// The owner's NICs cannot reach the GPU memory (it stages through bounce slots): a writer must use the
     /// pull protocol (`pure::control`) so that the bytes reach GPU memory before they count.
     pub staged: bool,
     /// A CUDA IPC export of the region (80 bytes: handle, offset, length), for a writer on

@@ -23,8 +23,9 @@ pub enum GpuPath {
     /// Every NIC of the owning engine registered the GPU memory itself: the NIC reads and
     /// writes it (`ibv_reg_dmabuf_mr`, `FI_HMEM_CUDA`).
     GpuDirect,
-    /// The NICs see a pinned host shadow of the same length; the engine copies between
-    /// shadow and GPU around each transfer (a GPU destination pulls: `pure::control`).
+    /// The NICs cannot reach the GPU memory: the engine moves its bytes chunk by chunk
+    /// through a bounded pool of pinned bounce slots (a GPU destination pulls:
+    /// `pure::control`).
     Staged,
     /// A peer on this host: copied by the copy engine into its CUDA IPC mapping.
     Ipc,

@@ -29,6 +29,12 @@ use crate::sync::lock;
 #[cfg(feature = "cuda")]
 #[path = "staging.rs"]
 mod staging;
+#[cfg(feature = "cuda")]
+#[path = "staging_pull.rs"]
+mod staging_pull;
+#[cfg(feature = "cuda")]
+#[path = "staging_send.rs"]
+mod staging_send;
 // Preparing an `Event`-mode sleep, waking from it, and whether a sleep still covers what a
 // caller posted directly (a child module: it works on `Core`'s fields).
 #[path = "sleep.rs"]
@@ -351,7 +357,13 @@ impl<D: Domain> Core<D> {
                 keep,
             ),
             #[cfg(feature = "cuda")]
-            Submission::Pull { peer, pull, keep, notify } => self.send_pull(peer, *pull, keep, notify),
+            Submission::Staged(job) => self.start_job(*job),
+            #[cfg(feature = "cuda")]
+            Submission::Push { peer, push, keep, notify } => self.send_push(peer, *push, keep, notify),
+            #[cfg(feature = "cuda")]
+            Submission::ReadStaged { peer, region, dst_off, len, sources, notify } => {
+                self.start_read(peer, region, dst_off, len, sources, notify)
+            }
         }
     }
 
@@ -583,6 +595,8 @@ impl<D: Domain> Core<D> {
                     Some(MsgKind::Pull) => self.on_pull(&data),
                     #[cfg(feature = "cuda")]
                     Some(MsgKind::Ack) => self.on_ack(&data),
+                    #[cfg(feature = "cuda")]
+                    Some(MsgKind::Push) => self.on_push(&data),
                     kind => {
                         tracing::warn!(?kind, len, "dropped a message of a kind this engine does not serve")
                     }

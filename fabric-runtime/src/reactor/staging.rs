@@ -1,51 +1,56 @@
-//! The reactor's staged-GPU half: CUDA copies it waits for without blocking (gates), and
-//! both ends of the pull protocol (`pure::control`).
+//! The reactor's staged-GPU half: the engine's pool of pinned bounce slots, CUDA copies it
+//! waits for without blocking (gates), and the dispatch of their completions to the two
+//! ends of a staged transfer (`staging_send.rs`: the writer's jobs; `staging_pull.rs`: the
+//! owner's pulls and local reads into staged GPU memory).
 //!
 //! ```text
-//!  gate:  copies on the device's stream ─► event ─► (polled every pass) ─► post `then`
+//!  gate:  copies on the device's stream ─► event ─► (polled every pass) ─► what follows
 //!
-//!  pull, at the owner of the staged GPU destination:
-//!   PULL ─► read chunk 0..k (≤ 4 in flight, round-robin over NICs) into the shadow
-//!        └► read k done ─► H2D copy of chunk k (gate) ─► all copied ─► count imm ─► ACK
-//!  at the sender: PULL sent (source kept alive) ─► ACK ─► the caller's future completes
+//!  writer, staged GPU source, per chunk:
+//!    slot ◄─ pool ─► D2H copy into the slot (gate) ─► write / PULL from the slot ─► slot back
+//!  owner of a staged GPU destination, per chunk of a PULL:
+//!    slot ◄─ pool ─► RDMA read into the slot ─► H2D copy (gate) ─► slot back; last: count, ACK
 //! ```
 //!
+//! A chunk that finds no free slot waits (its job or pull is pumped again whenever a slot
+//! comes back), so memory stays bounded and a transfer completes with a pool of one slot.
 //! A child module of `core`, so it works on [`Core`]'s fields. Nothing here blocks, except
 //! [`Core::close_staging`] at shutdown, which waits for the copy engines before the memory
 //! they use may go.
 
 use std::any::Any;
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
+use super::staging_pull::PullState;
+use super::staging_send::{Awaiting, Job};
 use super::Core;
 use crate::cuda::{self, Event, EventStatus, Stream};
 use crate::error::{Error, Result};
-use crate::provider::{Domain, RemoteSlice};
-use crate::pure::control::{Ack, Pull, PullSource};
-use crate::pure::descriptor::EngineAddress;
-use crate::pure::staging::ChunkPlan;
+use crate::provider::Domain;
+use crate::pure::control::PullSource;
+use crate::pure::staging::{Slot, SlotPool};
 use crate::shared::memory::RegionShared;
 use crate::shared::notify::{InternalFailures, Notify};
-use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Submission};
-use crate::shared::PeerId;
+use crate::shared::queue::{CopyDir, CudaCopy, Submission};
 use crate::sync::lock;
 
-/// Chunk reads of one pull in flight at once (the shadow holds every chunk, so this bounds
-/// NIC work, not memory).
-const PULL_READS_IN_FLIGHT: u32 = 4;
-/// Internal tags: the kind in the top two bits.
-const KIND_SHIFT: u32 = 62;
+/// Internal tags: the kind in the top four bits.
+const KIND_SHIFT: u32 = 60;
 const LOW: u64 = (1 << KIND_SHIFT) - 1;
-const TAG_PULL_SENT: u64 = 1;
-const TAG_READ: u64 = 2;
-const TAG_ACK_SENT: u64 = 3;
-/// A read's tag: pull id above these bits, chunk index below.
-const CHUNK_BITS: u32 = 30;
+/// A PULL we sent (low bits: its op id).
+pub(super) const TAG_PULL_SENT: u64 = 1;
+/// A chunk read of a pull (low bits: pull id, chunk index).
+pub(super) const TAG_READ: u64 = 2;
+/// An ACK we sent.
+pub(super) const TAG_ACK_SENT: u64 = 3;
+/// A chunk write of a staged job (low bits: job id, chunk index).
+pub(super) const TAG_CHUNK: u64 = 4;
+/// In a tag, an id (job or pull) above these bits, a chunk index below.
+pub(super) const IDX_BITS: u32 = 32;
+/// Ids wrap at this mask (far more than can be in flight at once).
+pub(super) const ID_MASK: u64 = (1 << (KIND_SHIFT - IDX_BITS)) - 1;
 
 pub(super) type Keep = Vec<Arc<dyn Any + Send + Sync>>;
 
@@ -53,59 +58,114 @@ pub(super) type Keep = Vec<Arc<dyn Any + Send + Sync>>;
 pub(super) enum GateThen {
     /// Handle these submissions, then complete `done` (if any).
     Submit(Vec<Submission>, Option<Notify>),
-    /// A chunk of a pull is in GPU memory.
-    PullChunk { pull: u64 },
+    /// Chunk `idx` of a staged job is in its bounce slot.
+    JobChunk { job: u64, idx: u64 },
+    /// Chunk `idx` of a pull is in GPU memory.
+    PullChunk { pull: u64, idx: u64 },
 }
 
 struct Gate {
-    event: Event,
+    /// `None`: copies already done (emulated device memory, `cuda::is_emulated`).
+    event: Option<Event>,
     then: GateThen,
     /// The memory the copies touch, until the event is ready.
     keep: Keep,
 }
 
-/// A sender's pull waiting for its ACK.
-struct Awaiting {
-    notify: Notify,
-    peer: PeerId,
-    sent: Instant,
-    /// The source the receiver reads: kept until the ACK (or shutdown).
-    _keep: Arc<RegionShared>,
+/// The engine's bounce slots: one pinned buffer registered with every NIC, cut into equal
+/// slots (`pure::staging::SlotPool` does the accounting).
+pub(super) struct Pool {
+    region: Arc<RegionShared>,
+    slots: SlotPool,
+    /// The taken slots, by index.
+    held: Vec<Option<Slot>>,
+    /// Slots holding a staged source's chunk until a peer's pull of it is ACKed.
+    held_for_pulls: usize,
 }
 
-/// A receiver's pull in progress.
-struct PullState {
-    peer: PeerId,
-    op: u64,
-    region: Arc<RegionShared>,
-    sources: Vec<PullSource>,
-    dst_off: u64,
-    imm: Option<u32>,
-    plan: ChunkPlan,
-    next: u64,
-    reads: u32,
-    copies: u32,
-    done: u64,
-    error: Option<String>,
+impl Pool {
+    fn new(region: Arc<RegionShared>, slots: u32, slot_len: u64) -> Result<Pool> {
+        let slots = SlotPool::new(slots, slot_len)?;
+        if slots.buffer_len() > region.len() as u64 {
+            return Err(Error::Config("the staging pool buffer is smaller than its slots".into()));
+        }
+        Ok(Pool { region, held: (0..slots.capacity()).map(|_| None).collect(), slots, held_for_pulls: 0 })
+    }
+
+    pub(super) fn region(&self) -> &Arc<RegionShared> {
+        &self.region
+    }
+
+    pub(super) fn slot_len(&self) -> u64 {
+        self.slots.slot_len()
+    }
+
+    /// A free slot's index. A chunk that will wait for a peer's pull (`for_pull`) may not
+    /// take the last free slot of a pool of two or more: that one stays for incoming pulls,
+    /// so two engines writing GPU to GPU into each other cannot hold all each other's slots.
+    pub(super) fn acquire(&mut self, for_pull: bool) -> Option<u32> {
+        if for_pull && self.slots.capacity() > 1 && self.slots.available() <= 1 {
+            return None;
+        }
+        let slot = self.slots.acquire()?;
+        let i = slot.index();
+        self.held[i as usize] = Some(slot);
+        if for_pull {
+            self.held_for_pulls += 1;
+        }
+        Some(i)
+    }
+
+    pub(super) fn release(&mut self, index: u32, for_pull: bool) {
+        if let Some(slot) = self.held.get_mut(index as usize).and_then(Option::take) {
+            if let Err(e) = self.slots.release(slot) {
+                tracing::error!(error = %e, "staging slot accounting");
+            }
+            if for_pull {
+                self.held_for_pulls = self.held_for_pulls.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Host address of slot `index`.
+    pub(super) fn addr(&self, index: u32) -> u64 {
+        self.region.backing().addr() + u64::from(index) * self.slots.slot_len()
+    }
+
+    /// Where a peer reads slot `index`, per NIC.
+    pub(super) fn sources(&self, index: u32) -> Vec<PullSource> {
+        let off = u64::from(index) * self.slots.slot_len();
+        self.region
+            .regs
+            .iter()
+            .map(|r| PullSource { addr: r.remote_base.wrapping_add(off), key: r.remote_key })
+            .collect()
+    }
 }
 
 /// The staging state of one reactor. Field order is drop order: streams (whose drop waits
-/// for their copies) before the gates that hold the copies' memory.
+/// for their copies) before the gates and the pool that hold the copies' memory.
 #[derive(Default)]
 pub(super) struct Staging {
     streams: HashMap<usize, Stream>,
     gates: Vec<Gate>,
-    awaiting: HashMap<u64, Awaiting>,
-    next_op: u64,
-    pulls: HashMap<u64, PullState>,
-    next_pull: u64,
+    pub(super) pool: Option<Pool>,
+    /// Writer side: sent PULLs waiting for their ACK, by op id.
+    pub(super) awaiting: HashMap<u64, Awaiting>,
+    pub(super) next_op: u64,
+    /// Writer side: staged jobs in progress.
+    pub(super) jobs: BTreeMap<u64, Job>,
+    pub(super) next_job: u64,
+    /// Owner side (and local reads): pulls in progress.
+    pub(super) pulls: BTreeMap<u64, PullState>,
+    pub(super) next_pull: u64,
     failures: Arc<InternalFailures>,
 }
 
 impl Staging {
     /// Whether a pass has staging work to look at.
     pub(super) fn active(&self) -> bool {
-        !self.gates.is_empty() || !self.pulls.is_empty() || !self.awaiting.is_empty()
+        !self.gates.is_empty() || !self.pulls.is_empty() || !self.awaiting.is_empty() || !self.jobs.is_empty()
     }
 
     /// Whether sent PULLs wait for their ACK.
@@ -118,7 +178,7 @@ impl Staging {
         !self.gates.is_empty()
     }
 
-    fn internal(&self, kind: u64, low: u64) -> Notify {
+    pub(super) fn internal(&self, kind: u64, low: u64) -> Notify {
         Notify::Internal(kind << KIND_SHIFT | (low & LOW), self.failures.clone())
     }
 }
@@ -131,7 +191,33 @@ impl<D: Domain> Core<D> {
         })
     }
 
-    fn enqueue(&mut self, ordinal: usize, after: Option<&Event>, copies: &[CudaCopy]) -> Result<Event> {
+    /// The bounce pool, taken over from the engine at first use.
+    pub(super) fn pool(&mut self) -> Result<&mut Pool> {
+        if self.staging.pool.is_none() {
+            let region = lock(&self.shared.gpu.pool).take().ok_or_else(|| {
+                Error::Unsupported("staged GPU transfer without a staging pool (no staged region yet)".into())
+            })?;
+            let pool = Pool::new(region, self.shared.gpu.slots, self.shared.gpu.chunk)?;
+            tracing::debug!(slots = pool.slots.capacity(), slot_len = pool.slot_len(), "staging pool in use");
+            self.staging.pool = Some(pool);
+        }
+        self.staging.pool.as_mut().ok_or_else(|| Error::Unsupported("no staging pool".into()))
+    }
+
+    fn enqueue(
+        &mut self,
+        ordinal: usize,
+        after: Option<&Event>,
+        copies: &[CudaCopy],
+    ) -> Result<Option<Event>> {
+        if cuda::is_emulated(ordinal) && after.is_none() {
+            for c in copies {
+                // SAFETY: as below; emulated device memory is host memory that the gate's
+                // `keep` (or the region's operation) holds, and the copy is done here.
+                unsafe { cuda::emulated_copy(c.dst, c.src, c.len) };
+            }
+            return Ok(None);
+        }
         let stream = self.stream(ordinal)?;
         if let Some(ev) = after {
             // The device waits, not a thread: what follows on the stream starts once the
@@ -139,9 +225,10 @@ impl<D: Domain> Core<D> {
             stream.wait(ev)?;
         }
         for c in copies {
-            // SAFETY: the engine bounds-checked every range against its region when it
-            // planned the transfer; the gate keeps those regions (and IPC mappings) until
-            // the event recorded below is ready, or the stream is synchronized.
+            // SAFETY: the engine bounds-checked every user range against its region when it
+            // planned the transfer, and bounce-slot ranges lie inside the pool; the gate
+            // keeps those regions (and IPC mappings, and the pool) until the event recorded
+            // below is ready, or the stream is synchronized.
             unsafe {
                 match c.dir {
                     CopyDir::HostToDevice => stream.copy_h2d_raw(c.dst, c.src as *const u8, c.len)?,
@@ -150,7 +237,7 @@ impl<D: Domain> Core<D> {
                 }
             }
         }
-        stream.record()
+        stream.record().map(Some)
     }
 
     /// Enqueues `copies` on device `ordinal`'s stream; `then` runs once they are done.
@@ -196,7 +283,9 @@ impl<D: Domain> Core<D> {
                     n.fail(e);
                 }
             }
-            (GateThen::PullChunk { pull }, r) => self.pull_copy_done(pull, r),
+            (GateThen::JobChunk { job, idx }, Ok(())) => self.dispatch_chunk(job, idx),
+            (GateThen::JobChunk { job, idx }, Err(e)) => self.chunk_done(job, idx, Err(e)),
+            (GateThen::PullChunk { pull, idx }, r) => self.pull_copy_done(pull, idx, r),
         }
     }
 
@@ -211,7 +300,11 @@ impl<D: Domain> Core<D> {
         }
         let mut i = 0;
         while i < self.staging.gates.len() {
-            let r = match self.staging.gates[i].event.query() {
+            let status = match &self.staging.gates[i].event {
+                Some(ev) => ev.query(),
+                None => Ok(EventStatus::Ready),
+            };
+            let r = match status {
                 Ok(EventStatus::NotReady) => {
                     i += 1;
                     continue;
@@ -231,15 +324,15 @@ impl<D: Domain> Core<D> {
     /// The completion of an operation posted with [`Notify::Internal`].
     pub(super) fn internal_done(&mut self, tag: u64, result: Result<()>) {
         let low = tag & LOW;
+        let (id, idx) = (low >> IDX_BITS, low & ((1 << IDX_BITS) - 1));
         match tag >> KIND_SHIFT {
             TAG_PULL_SENT => {
                 if let Err(e) = result {
-                    if let Some(a) = self.staging.awaiting.remove(&low) {
-                        a.notify.fail(e);
-                    }
+                    self.pull_send_failed(low, e);
                 }
             }
-            TAG_READ => self.pull_read_done(low >> CHUNK_BITS, low & ((1 << CHUNK_BITS) - 1), result),
+            TAG_READ => self.pull_read_done(id, idx, result),
+            TAG_CHUNK => self.chunk_done(id, idx, result),
             TAG_ACK_SENT => {
                 if let Err(e) = result {
                     tracing::warn!(error = %e, "sending the ACK of a pull failed; its sender will time out");
@@ -249,220 +342,20 @@ impl<D: Domain> Core<D> {
         }
     }
 
-    /// Sender: sends `pull` to `peer` and waits for its ACK, keeping the source.
-    pub(super) fn send_pull(
-        &mut self,
-        peer: PeerId,
-        mut pull: Pull,
-        keep: Arc<RegionShared>,
-        notify: Notify,
-    ) {
-        let op = self.staging.next_op & LOW;
-        self.staging.next_op += 1;
-        pull.op = op;
-        self.staging.awaiting.insert(op, Awaiting { notify, peer, sent: Instant::now(), _keep: keep });
-        let data = Bytes::from(pull.to_bytes());
-        let notify = self.staging.internal(TAG_PULL_SENT, op);
-        self.handle(Submission::Send { peer, data, notify });
-    }
-
-    /// Sender: fails the pulls whose ACK has not come within `limit` (`op_timeout`) and
-    /// marks their peer failed, as for any operation. As for a timed-out operation, the
-    /// entry (and so the source the peer may still read) stays until a late ACK or
-    /// shutdown.
-    pub(super) fn expire_acks(&mut self, now: Instant, limit: Duration) {
-        let mut failed = Vec::new();
-        for a in self.staging.awaiting.values_mut() {
-            if matches!(a.notify, Notify::None) || now.duration_since(a.sent) < limit {
-                continue;
-            }
-            failed.push((a.peer, std::mem::replace(&mut a.notify, Notify::None)));
+    /// A slot came back (or work arrived): every job and pull takes what it can, in order.
+    pub(super) fn pump_all(&mut self) {
+        let jobs: Vec<u64> = self.staging.jobs.keys().copied().collect();
+        for id in jobs {
+            self.pump_job(id);
         }
-        for (peer, notify) in failed {
-            let message = format!("no ACK for a staged GPU write within {limit:?}; peer marked failed");
-            tracing::warn!(peer = peer.0, %message, "staged write timed out");
-            if let Some(p) = self.peers.get_mut(peer.0 as usize) {
-                p.failed.get_or_insert_with(|| message.clone());
-            }
-            notify.fail(Error::PeerUnreachable { peer: peer.0, message });
+        let pulls: Vec<u64> = self.staging.pulls.keys().copied().collect();
+        for id in pulls {
+            self.pump_pull(id);
         }
     }
 
-    /// Sender: the ACK of one of our pulls.
-    pub(super) fn on_ack(&mut self, data: &[u8]) {
-        let ack = match Ack::from_bytes(data) {
-            Ok(a) => a,
-            Err(e) => return tracing::warn!(error = %e, "dropped a malformed ACK"),
-        };
-        let Some(a) = self.staging.awaiting.remove(&ack.op) else {
-            return tracing::warn!(op = ack.op, "ACK for an unknown pull");
-        };
-        let result = match ack.error {
-            None => Ok(()),
-            Some(message) => Err(Error::Completion { op: "staged GPU write", errno: libc::EIO, message }),
-        };
-        for s in a.notify.complete(result) {
-            self.handle(s);
-        }
-    }
-
-    /// Receiver: a peer asks us to pull its bytes into one of our staged GPU regions.
-    pub(super) fn on_pull(&mut self, data: &[u8]) {
-        let pull = match Pull::from_bytes(data) {
-            Ok(p) => p,
-            Err(e) => return tracing::warn!(error = %e, "dropped a malformed PULL"),
-        };
-        let peer = match EngineAddress::from_bytes(&pull.sender).and_then(|a| self.add_peer(a)) {
-            Ok(p) => p,
-            Err(e) => return tracing::warn!(error = %e, "cannot reach the sender of a PULL; dropped"),
-        };
-        match self.check_pull(&pull) {
-            Err(message) => self.send_ack(peer, pull.op, Some(message)),
-            Ok((region, plan)) => {
-                let id = self.staging.next_pull & ((1 << (KIND_SHIFT - CHUNK_BITS)) - 1);
-                self.staging.next_pull += 1;
-                tracing::debug!(
-                    op = pull.op,
-                    len = pull.len,
-                    chunks = plan.count(),
-                    "pulling into a staged GPU region"
-                );
-                self.staging.pulls.insert(
-                    id,
-                    PullState {
-                        peer,
-                        op: pull.op,
-                        region,
-                        sources: pull.sources,
-                        dst_off: pull.dst_off,
-                        imm: pull.imm,
-                        plan,
-                        next: 0,
-                        reads: 0,
-                        copies: 0,
-                        done: 0,
-                        error: None,
-                    },
-                );
-                self.pump_pull(id);
-            }
-        }
-    }
-
-    fn check_pull(&self, pull: &Pull) -> std::result::Result<(Arc<RegionShared>, ChunkPlan), String> {
-        let region = self
-            .shared
-            .gpu
-            .staged(pull.dst_key)
-            .ok_or_else(|| format!("no staged GPU region with key {:#x} (dropped?)", pull.dst_key))?;
-        if region.regs.first().map(|r| r.remote_base) != Some(pull.dst_base) {
-            return Err(format!("no staged GPU region at base {:#x}", pull.dst_base));
-        }
-        let len = region.backing().len() as u64;
-        if pull.dst_off.checked_add(pull.len).is_none_or(|end| end > len) {
-            return Err(format!(
-                "range {}+{} is out of bounds of a {len}-byte region",
-                pull.dst_off, pull.len
-            ));
-        }
-        if pull.len > 0 && pull.sources.is_empty() {
-            return Err("a PULL without sources".into());
-        }
-        let plan = ChunkPlan::new(pull.len, self.shared.gpu.chunk).map_err(|e| e.to_string())?;
-        if plan.count() >= 1 << CHUNK_BITS {
-            return Err(format!("{} chunks; raise the staging chunk size", plan.count()));
-        }
-        Ok((region, plan))
-    }
-
-    /// Posts the next chunk reads of pull `id`, or finishes it when all is done.
-    fn pump_pull(&mut self, id: u64) {
-        let nics = self.domains.len();
-        loop {
-            let Some(p) = self.staging.pulls.get_mut(&id) else { return };
-            if p.error.is_none() && p.reads < PULL_READS_IN_FLIGHT && p.next < p.plan.count() {
-                let Some(c) = p.plan.get(p.next) else { return };
-                p.next += 1;
-                p.reads += 1;
-                let nic = c.index as usize % p.sources.len().min(nics).max(1);
-                let src = p.sources[nic];
-                let req = OpReq {
-                    domain: nic,
-                    peer: p.peer,
-                    kind: OpKind::Read,
-                    local_addr: p.region.backing().addr() + p.dst_off + c.offset,
-                    len: c.len as usize,
-                    remote: RemoteSlice { addr: src.addr.wrapping_add(c.offset), key: src.key },
-                    imm: None,
-                };
-                let keep = Some(p.region.clone());
-                let notify = self.staging.internal(TAG_READ, id << CHUNK_BITS | c.index);
-                self.handle(Submission::Op { req, keep, notify });
-                continue;
-            }
-            let finished = p.error.is_some() || p.done == p.plan.count();
-            if p.reads == 0 && p.copies == 0 && finished {
-                let Some(p) = self.staging.pulls.remove(&id) else { return };
-                if p.error.is_none() {
-                    if let Some(imm) = p.imm {
-                        let shared = &self.shared;
-                        self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).arrive(1);
-                    }
-                }
-                self.send_ack(p.peer, p.op, p.error);
-            }
-            return;
-        }
-    }
-
-    fn pull_read_done(&mut self, id: u64, chunk: u64, result: Result<()>) {
-        let Some(p) = self.staging.pulls.get_mut(&id) else { return };
-        p.reads = p.reads.saturating_sub(1);
-        match result {
-            Err(e) => {
-                p.error.get_or_insert(e.to_string());
-            }
-            Ok(()) => {
-                let (Some(c), Some(g)) = (p.plan.get(chunk), p.region.staged()) else { return };
-                let off = p.dst_off + c.offset;
-                let copy = CudaCopy {
-                    dir: CopyDir::HostToDevice,
-                    dst: g.ptr + off,
-                    src: p.region.backing().addr() + off,
-                    len: c.len as usize,
-                };
-                let ordinal = g.ordinal as usize;
-                let keep: Keep = vec![p.region.clone()];
-                p.copies += 1;
-                self.start_gate(ordinal, None, &[copy], GateThen::PullChunk { pull: id }, keep);
-            }
-        }
-        self.pump_pull(id);
-    }
-
-    fn pull_copy_done(&mut self, id: u64, result: Result<()>) {
-        let Some(p) = self.staging.pulls.get_mut(&id) else { return };
-        p.copies = p.copies.saturating_sub(1);
-        match result {
-            Ok(()) => p.done += 1,
-            Err(e) => {
-                p.error.get_or_insert(e.to_string());
-            }
-        }
-        self.pump_pull(id);
-    }
-
-    fn send_ack(&mut self, peer: PeerId, op: u64, error: Option<String>) {
-        if let Some(e) = &error {
-            tracing::warn!(op, error = %e, "a pull into a staged GPU region failed");
-        }
-        let data = Bytes::from(Ack { op, error }.to_bytes());
-        let notify = self.staging.internal(TAG_ACK_SENT, op);
-        self.handle(Submission::Send { peer, data, notify });
-    }
-
-    /// Shutdown: waits for every copy engine, fails what waited on copies or ACKs, and
-    /// returns the memory they held, to be freed after the NIC objects are closed.
+    /// Shutdown: waits for every copy engine, fails what waited on copies, slots or ACKs,
+    /// and returns the memory they held, to be freed after the NIC objects are closed.
     pub(super) fn close_staging(&mut self) -> Keep {
         for s in self.staging.streams.values() {
             if let Err(e) = s.synchronize() {
@@ -481,12 +374,23 @@ impl<D: Domain> Core<D> {
             }
             keep.extend(g.keep);
         }
-        for (_, a) in self.staging.awaiting.drain() {
-            a.notify.fail(Error::Shutdown);
-            keep.push(a._keep);
+        let awaiting: Vec<_> = self.staging.awaiting.drain().map(|(_, a)| a).collect();
+        for a in awaiting {
+            keep.extend(a.fail_at_shutdown().map(|r| r as Arc<dyn Any + Send + Sync>));
         }
-        for (_, p) in self.staging.pulls.drain() {
+        for (_, j) in std::mem::take(&mut self.staging.jobs) {
+            keep.extend(j.close());
+        }
+        for (_, p) in std::mem::take(&mut self.staging.pulls) {
+            keep.push(p.close());
+        }
+        if let Some(p) = self.staging.pool.take() {
             keep.push(p.region);
+        }
+        // A pool the reactor never took over (no staged transfer ran): break the cycle
+        // through `Shared` here.
+        if let Some(r) = lock(&self.shared.gpu.pool).take() {
+            keep.push(r);
         }
         keep
     }

@@ -11,8 +11,11 @@ use crate::error::Result;
 use crate::pure::staging::GpuPath;
 use crate::sync::lock;
 
-/// Default chunk of a staged pull: the read of chunk k+1 overlaps the copy of chunk k.
+/// Default chunk of a staged transfer (one bounce slot): the copy of chunk k+1 overlaps the
+/// network transfer of chunk k.
 pub(crate) const DEFAULT_STAGING_CHUNK: u64 = 4 << 20;
+/// Default bytes of the pinned bounce pool (16 slots of 4 MiB).
+pub(crate) const DEFAULT_STAGING_POOL: u64 = 64 << 20;
 
 pub(crate) struct GpuShared {
     /// Staged GPU regions of this engine by their NIC-0 remote key.
@@ -23,8 +26,15 @@ pub(crate) struct GpuShared {
     pub(crate) paths: Mutex<HashMap<u32, GpuPath>>,
     /// `/proc/sys/kernel/random/boot_id`: equal on two engines of one host (boot).
     pub(crate) host_id: Option<Vec<u8>>,
-    /// Chunk size of staged pulls.
+    /// Bytes per bounce slot: the chunk of every staged copy.
     pub(crate) chunk: u64,
+    /// Number of bounce slots of the pool.
+    pub(crate) slots: u32,
+    /// The pinned bounce pool, registered with every NIC: allocated by the first staged GPU
+    /// region (`pool_init` serializes that), then taken over by the reactor (which keeps it
+    /// until shutdown; holding it here would be a cycle through `Shared`).
+    pub(crate) pool: Mutex<Option<Arc<RegionShared>>>,
+    pub(crate) pool_init: futures::lock::Mutex<bool>,
     /// Whether same-host GPU destinations are written through CUDA IPC.
     pub(crate) ipc_enabled: bool,
 }
@@ -37,6 +47,9 @@ impl Default for GpuShared {
             paths: Mutex::default(),
             host_id: host_id(),
             chunk: DEFAULT_STAGING_CHUNK,
+            slots: (DEFAULT_STAGING_POOL / DEFAULT_STAGING_CHUNK) as u32,
+            pool: Mutex::default(),
+            pool_init: futures::lock::Mutex::new(false),
             ipc_enabled: true,
         }
     }

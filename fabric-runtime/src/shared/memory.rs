@@ -22,7 +22,8 @@ pub(crate) struct Backing {
 enum BackingKind {
     Aligned(Layout),
     Vec(usize /* capacity */),
-    /// The pinned host shadow of a staged GPU region (what its NICs see).
+    /// Pinned host memory: the staging pool's bounce slots (what the NICs see of staged
+    /// GPU transfers).
     #[cfg(feature = "cuda")]
     Pinned(#[allow(dead_code)] crate::cuda::PinnedHostBuffer),
     /// GPU memory registered with the NIC itself (GPUDirect): `ptr` is a device address.
@@ -68,7 +69,7 @@ impl Backing {
         Ok(Backing { ptr, len, kind: BackingKind::Vec(cap) })
     }
 
-    /// A staged GPU region's shadow: pinned host memory the NICs read and write.
+    /// Pinned host memory the NICs read and write (the staging pool).
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(buf: crate::cuda::PinnedHostBuffer) -> Backing {
         let ptr = NonNull::new(buf.as_ptr()).expect("PinnedHostBuffer pointer is non-null");
@@ -118,13 +119,19 @@ pub(crate) struct GpuMemory {
     pub(crate) ordinal: u32,
     /// Device address of byte 0.
     pub(crate) ptr: u64,
-    pub(crate) ctx: Arc<crate::cuda::Context>,
+    /// Length in bytes (a staged region's backing is only its small host anchor).
+    pub(crate) len: usize,
+    /// The device's primary context (`None`: emulated device memory, `_host`).
+    pub(crate) ctx: Option<Arc<crate::cuda::Context>>,
     pub(crate) path: crate::pure::staging::GpuPath,
     /// `alloc_in`'s allocation (`None`: the user's memory). Dropped with the region state,
     /// which every operation using the region holds until its last copy or NIC access.
     pub(crate) _owned: Option<Arc<crate::cuda::DeviceBuffer>>,
     /// CUDA IPC export of the range, for peers on this host (`None` if the driver refused).
     pub(crate) ipc: Option<crate::cuda::IpcExport>,
+    /// Tests without a GPU (feature `gpu-emulation`): the host memory standing in for the
+    /// device memory at `ptr`.
+    pub(crate) _host: Option<Backing>,
 }
 
 pub(crate) struct RegionShared {
@@ -132,8 +139,9 @@ pub(crate) struct RegionShared {
     backing: Option<Backing>,
     pub(crate) regs: Vec<Registration>,
     pub(crate) location: MemoryLocation,
-    /// GPU regions: the device memory (the backing is then its shadow, or the device memory
-    /// itself with GPUDirect).
+    /// GPU regions: the device memory (the backing is then the device memory itself with
+    /// GPUDirect, or, staged, a 4 KiB host anchor whose registrations give the region its
+    /// keys: imm-only writes land there, bytes go through the engine's staging pool).
     #[cfg(feature = "cuda")]
     pub(crate) gpu: Option<GpuMemory>,
     shared: Arc<Shared>,
@@ -168,10 +176,19 @@ impl RegionShared {
         RegionShared { backing: Some(backing), regs, location, gpu: Some(gpu), shared }
     }
 
-    /// Whether the region is GPU memory that the NICs reach through a host shadow.
+    /// Whether the region is GPU memory that the NICs reach through the staging pool.
     #[cfg(feature = "cuda")]
     pub(crate) fn staged(&self) -> Option<&GpuMemory> {
         self.gpu.as_ref().filter(|g| g.path == crate::pure::staging::GpuPath::Staged)
+    }
+
+    /// Length in bytes of the region's memory (host, or GPU).
+    pub(crate) fn len(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.len;
+        }
+        self.backing().len()
     }
 
     pub(crate) fn engine(&self) -> &Arc<Shared> {

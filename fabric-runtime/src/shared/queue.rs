@@ -78,15 +78,84 @@ pub(crate) enum Submission {
         /// (`Engine::after`): the reactor's stream waits on it, never a thread.
         after: Option<Arc<crate::cuda::Event>>,
     },
-    /// A write into a peer's staged GPU region: send it a PULL and complete `notify` on its
-    /// ACK. `keep` is the source, which the peer reads until then.
+    /// A transfer with a staged GPU end, run through the engine's staging pool.
     #[cfg(feature = "cuda")]
-    Pull {
+    Staged(Box<StagedJob>),
+    /// A read from a peer's staged GPU region: ask its owner to write the bytes into
+    /// `keep` (the registered destination, held until the ACK) with a push request.
+    #[cfg(feature = "cuda")]
+    Push {
         peer: PeerId,
-        pull: Box<crate::pure::control::Pull>,
+        push: Box<crate::pure::control::Pull>,
         keep: Arc<RegionShared>,
         notify: Notify,
     },
+    /// A read into a local staged GPU region: chunks read into pool slots, then copied
+    /// host-to-device; `notify` completes after the last copy.
+    #[cfg(feature = "cuda")]
+    ReadStaged {
+        peer: PeerId,
+        region: Arc<RegionShared>,
+        dst_off: u64,
+        len: u64,
+        /// The remote source, per NIC.
+        sources: Vec<crate::pure::control::PullSource>,
+        notify: Notify,
+    },
+}
+
+/// A transfer with a staged GPU end (see `reactor/staging_send.rs`): pieces moved chunk by
+/// chunk through bounce slots, then the follow-ups, then `notify`.
+#[cfg(feature = "cuda")]
+pub(crate) struct StagedJob {
+    /// Device of the staged source, whose stream runs the device-to-host copies.
+    pub(crate) ordinal: usize,
+    pub(crate) pieces: Vec<Piece>,
+    /// Posted once every piece succeeded, with `notify` as their (shared) waiter; the
+    /// arrivals a receiver counts when they cannot ride on the pieces.
+    pub(crate) then: Vec<Then>,
+    /// The source region (and anything else the pieces touch), until the job is done.
+    pub(crate) keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The registered source of [`PieceSrc::Registered`] pieces written directly (its NIC
+    /// descriptors).
+    pub(crate) local: Option<Arc<RegionShared>>,
+    pub(crate) notify: Notify,
+}
+
+/// One contiguous piece of a [`StagedJob`].
+#[cfg(feature = "cuda")]
+pub(crate) struct Piece {
+    pub(crate) src: PieceSrc,
+    pub(crate) len: u64,
+    pub(crate) dst: PieceDst,
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) enum PieceSrc {
+    /// Staged GPU memory at this device address: copied into a bounce slot per chunk.
+    Device(u64),
+    /// NIC-registered memory (host or GPUDirect): the local address, and per NIC where a
+    /// peer reads it.
+    Registered { addr: u64, sources: Vec<crate::pure::control::PullSource> },
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) enum PieceDst {
+    /// An RDMA write (host or GPUDirect destination) starting at `req.remote`;
+    /// `req.local_addr` is replaced per chunk, `req.imm` rides on the piece's last chunk.
+    Write(OpReq),
+    /// Into a staged GPU region of `peer`: one PULL per chunk (the template's `dst_off`,
+    /// `imm` and destination; sources and length filled in per chunk).
+    Pull { peer: PeerId, pull: Box<crate::pure::control::Pull> },
+}
+
+/// A follow-up of a [`StagedJob`].
+#[cfg(feature = "cuda")]
+pub(crate) enum Then {
+    /// An imm-only write.
+    Op(OpReq),
+    /// A zero-length PULL that only counts its imm at the owner.
+    Pull { peer: PeerId, pull: Box<crate::pure::control::Pull> },
 }
 
 /// One asynchronous CUDA copy of raw addresses (see `cuda::Stream::copy_*_raw`).
@@ -132,8 +201,6 @@ impl Submission {
         match self {
             Submission::Op { req, .. } => req.peer,
             Submission::Send { peer, .. } => *peer,
-            #[cfg(feature = "cuda")]
-            Submission::Pull { peer, .. } => *peer,
             _ => unreachable!("only operations have a peer"),
         }
     }
@@ -159,7 +226,9 @@ impl Submission {
                 }
             }
             #[cfg(feature = "cuda")]
-            Submission::Pull { notify, .. } => notify.fail(e),
+            Submission::Staged(job) => job.notify.fail(e),
+            #[cfg(feature = "cuda")]
+            Submission::ReadStaged { notify, .. } | Submission::Push { notify, .. } => notify.fail(e),
         }
     }
 }

@@ -2,7 +2,8 @@
 //! provider, CUDA IPC between two processes on one GPU, GPU0 → GPU1 staged and through CUDA
 //! IPC where two GPUs exist (else `skipped: needs 2 CUDA devices ...`; `FABRIC_REQUIRE_GPUS=2`
 //! makes that a failure), 8 writer tasks into GPU memory, and a staged transfer dropped
-//! mid-flight.
+//! mid-flight. `shapes.rs`: a region 32 times the staging pool in every direction, paged
+//! writes, scatters and reads with GPU ends.
 //!
 //! The second process is this test binary, re-run as `gpu_child` with `FABRIC_GPU_CHILD`
 //! set (as `fabric-runtime/tests/cuda.rs` does), so nothing but this one binary has to be
@@ -49,13 +50,26 @@ fn gpu(test: &str) -> bool {
     false
 }
 
-/// `"tcp"`, or `"tcp:2"` for an engine of 2 domains (the loopback stand-in for 2 NICs).
+/// `"tcp"`, or `"tcp:2"` for an engine of 2 domains (the loopback stand-in for 2 NICs),
+/// with an optional `@POOL/CHUNK` (bytes) staging pool: `"shm@2097152/1048576"`.
 fn builder(provider: &str) -> fabric_async::EngineBuilder {
-    match provider.split_once(':') {
+    let (provider, pool) = match provider.split_once('@') {
+        Some((p, pool)) => (p, Some(pool)),
+        None => (provider, None),
+    };
+    let b = match provider.split_once(':') {
         Some((p, n)) => Engine::builder().provider(p).domains(n.parse().expect("domain count")),
         None => Engine::builder().provider(provider),
+    };
+    match pool.and_then(|p| p.split_once('/')) {
+        Some((bytes, chunk)) => {
+            b.staging_pool(bytes.parse().expect("pool bytes")).staging_chunk(chunk.parse().expect("chunk"))
+        }
+        None => b,
     }
 }
+
+mod shapes;
 
 const GPU1: MemoryLocation = MemoryLocation::Cuda { ordinal: 1 };
 
@@ -110,10 +124,12 @@ impl ChildProc {
         imm: u32,
         count: u64,
         key: &str,
+        fill: Option<u64>,
     ) -> Self {
+        let fill = fill.map_or("ee".to_string(), |s| s.to_string());
         let c = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "gpu_child", "--nocapture", "--test-threads", "1"])
-            .env(CHILD_ENV, format!("{store}|{provider}|{}|{size}|{imm}|{count}|{key}", loc_name(loc)))
+            .env(CHILD_ENV, format!("{store}|{provider}|{}|{size}|{imm}|{count}|{key}|{fill}", loc_name(loc)))
             .stdin(Stdio::null())
             .spawn()
             .expect("re-run this test binary as the child");
@@ -145,21 +161,25 @@ impl Drop for ChildProc {
     }
 }
 
-/// The child's side: a region at the given location filled with 0xEE, its descriptor
+/// The child's side: a region at the given location filled with 0xEE (or `pattern(size,
+/// fill)`), its descriptor
 /// published under `<key>/desc`; waits for `count` arrivals of `imm`, then publishes the
 /// region's hash and the arrivals left over after a settle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_child() {
     let Ok(spec) = std::env::var(CHILD_ENV) else { return };
     let f: Vec<&str> = spec.split('|').collect();
-    let [addr, provider, loc, size, imm, count, key] = f[..] else { panic!("bad child spec {spec}") };
+    let [addr, provider, loc, size, imm, count, key, fill] = f[..] else { panic!("bad child spec {spec}") };
     let store = TcpStore::connect(addr.parse().unwrap()).await.expect("store");
     let r = async {
         let engine = builder(provider).build()?;
         let loc = loc_parse(loc);
         let size: usize = size.parse().unwrap();
         let region = engine.alloc_in(size, loc).await?;
-        region.write_at(0, &vec![0xEE; size])?;
+        match fill.parse::<u64>() {
+            Ok(seed) => region.write_at(0, &pattern(size, seed))?,
+            Err(_) => region.write_at(0, &vec![0xEE; size])?,
+        }
         store.put(&format!("{key}/path"), format!("{:?}", region.gpu_path()).into_bytes()).await.unwrap();
         store.put(&format!("{key}/desc"), region.descriptor().to_bytes()).await.unwrap();
         let counter = engine.imm_counter(imm.parse().unwrap());
@@ -205,9 +225,21 @@ async fn target(
     imm: u32,
     count: u64,
 ) -> (Target, Vec<u8>, String) {
+    target_filled(provider, loc, size, imm, count, None).await
+}
+
+/// [`target`] with the child's region filled with `pattern(size, seed)` instead of 0xEE.
+async fn target_filled(
+    provider: &str,
+    loc: MemoryLocation,
+    size: usize,
+    imm: u32,
+    count: u64,
+    fill: Option<u64>,
+) -> (Target, Vec<u8>, String) {
     let (server, store, addr) = store().await;
     let key = "t".to_string();
-    let child = ChildProc::spawn(addr, provider, loc, size, imm, count, &key);
+    let child = ChildProc::spawn(addr, provider, loc, size, imm, count, &key, fill);
     let desc = get(&store, &format!("{key}/desc")).await;
     let path = get_str(&store, &format!("{key}/path")).await;
     (Target { child, store, _server: server, key }, desc, path)
@@ -316,12 +348,12 @@ async fn gpu_region_basics() {
     let e = unsafe { engine.register_cuda(dev.device_ptr() + MIB as u64, 2 * MIB, 0) }.await.unwrap_err();
     assert!(matches!(e, Error::NotDeviceMemory { .. }), "past the allocation: {e}");
 
-    // Shapes that do not stage yet say so.
+    // The synchronous path refuses bytes with a staged GPU end.
     let peer_desc = r.descriptor().to_bytes();
     let me = engine.remote_region(&peer_desc).await.unwrap();
-    let hostr = engine.alloc(4096).await.unwrap();
-    let e = engine.read(&hostr, 0, &me, 0, 16).await.unwrap_err();
-    assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU")), "{e}");
+    let batch = fabric_runtime::OpBatch::new();
+    let e = engine.post_write_imm(&batch, &r, 0, &me, 0, 16, 1).unwrap_err();
+    assert!(matches!(&e, Error::Unsupported(m) if m.contains("synchronous path")), "{e}");
     drop(user);
     drop(dev);
 }
@@ -405,7 +437,7 @@ async fn two_gpus_cuda_ipc() {
 }
 
 /// 8 tasks, 16 staged writes each into distinct 64 KiB ranges of one GPU region, one
-/// immediate: exactly 128 arrivals, every byte in place.
+/// immediate, the writer's pool 2 slots of 64 KiB: exactly 128 arrivals, every byte in place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_writer_tasks_into_gpu_memory() {
     if std::env::var_os(CHILD_ENV).is_some() || !gpu("eight_writer_tasks_into_gpu_memory") {
@@ -413,7 +445,8 @@ async fn eight_writer_tasks_into_gpu_memory() {
     }
     let (tasks, per, piece) = (8usize, 16usize, 64 * 1024usize);
     let len = tasks * per * piece;
-    let engine = Engine::builder().provider("tcp").cuda_ipc(false).build().expect("engine");
+    // The writer stages through 2 slots of one piece each: the tasks queue for them.
+    let engine = builder(&format!("tcp@{}/{piece}", 2 * piece)).cuda_ipc(false).build().expect("engine");
     let data = pattern(len, 77);
     let src = source(&engine, GPU, &data).await;
     let (t, desc, _) = target("tcp", GPU, len, 7, (tasks * per) as u64).await;
