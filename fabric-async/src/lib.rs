@@ -18,13 +18,19 @@
 //! ```
 //!
 //! Bootstrapping (exchanging addresses and descriptors between processes) goes through the
-//! [`bootstrap::Rendezvous`] trait; [`bootstrap::TcpStore`] is a ready-made implementation.
+//! [`bootstrap::Rendezvous`] trait; [`bootstrap::TcpStore`] is a ready-made implementation, and
+//! with the `etcd` feature `EtcdStore` (module `etcd`) is one over etcd v3 that also reports
+//! processes joining and leaving (`docs/operations.md`).
 #![warn(missing_debug_implementations)]
 
 pub mod bootstrap;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod ext;
 
 pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdOptions, EtcdStore, MemberEvent, MemberEvents};
 
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
 /// The CUDA layer (driver loaded at run time): devices, memory, streams, events, kernels
