@@ -41,7 +41,8 @@ pub use fabric_runtime::cuda;
 pub use fabric_runtime::topology;
 pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
-    Arrivals, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation, MemoryRegion, OpBatch,
-    OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture, RegionDescriptor, RemoteRegion, Result,
-    Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
+    Arrivals, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats, Error, ImmCounter,
+    MemoryLocation, MemoryRegion, OpBatch, OpFuture, OpStats, PageLayout, PeerGroup, PeerId, ReactorMode,
+    ReactorStats, RecvFuture, RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side,
+    TransferOpts, Transfers, WaitFor,
 };

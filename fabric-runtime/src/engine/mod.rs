@@ -27,6 +27,7 @@ mod gpu_signal;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
+mod stats;
 mod transfer;
 
 use std::fmt;
@@ -57,6 +58,7 @@ pub use gpu_signal::GpuCounter;
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion};
+pub use stats::{CounterStats, EngineStats, OpStats, ReactorStats};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 
 /// The smallest message slot: room for the engine's control messages (a PULL names one

@@ -21,6 +21,7 @@ use crate::pure::slab::Slab;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::Notify;
 use crate::shared::queue::{OpKind, QueueState, Submission};
+use crate::shared::stats::{bump, OpCounters};
 use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
 
@@ -51,6 +52,9 @@ struct InFlight {
     peer: PeerId,
     name: &'static str,
     posted: Instant,
+    /// For the statistics: the NIC it was posted on and its bytes.
+    nic: usize,
+    bytes: u64,
 }
 
 /// A registered pool of fixed-size message slots of one domain.
@@ -77,6 +81,8 @@ struct PeerState {
     /// Operations the NIC refused for now (full queue, connection still being set up), in
     /// order, with the time they were submitted.
     pending: VecDeque<(Instant, Submission)>,
+    /// This peer's entry of `Engine::stats`.
+    stats: Arc<OpCounters>,
 }
 
 pub(crate) struct Core<D: Domain> {
@@ -110,6 +116,8 @@ pub(crate) struct Core<D: Domain> {
     pub(crate) closing: bool,
     /// [`Core::close`] has run: the domains are gone.
     closed: bool,
+    /// When the current `Event` sleep began (for the reactor's statistics).
+    slept_since: Option<Instant>,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
     staging: staging::Staging,
@@ -153,6 +161,7 @@ impl<D: Domain> Core<D> {
             next_deadline_check: Instant::now(),
             closing: false,
             closed: false,
+            slept_since: None,
             #[cfg(feature = "cuda")]
             staging: staging::Staging::default(),
         };
@@ -184,6 +193,7 @@ impl<D: Domain> Core<D> {
         if self.closing {
             return false;
         }
+        bump(&self.shared.stats.reactor.passes, 1);
         if let Some(limit) = self.cfg.op_timeout {
             if !self.slab.is_empty() || self.has_pending() || self.staging_waits() {
                 let now = Instant::now();
@@ -270,6 +280,9 @@ impl<D: Domain> Core<D> {
             return Err(());
         }
         q.sleeping = true;
+        drop(q);
+        bump(&self.shared.stats.reactor.sleeps, 1);
+        self.slept_since = Some(Instant::now());
         Ok(timeout)
     }
 
@@ -278,6 +291,13 @@ impl<D: Domain> Core<D> {
     /// each domain that woke us acknowledged.
     pub(crate) fn after_sleep(&mut self, fds: Vec<libc::pollfd>) {
         lock(&self.shared.queue).sleeping = false;
+        let r = &self.shared.stats.reactor;
+        if let Some(t) = self.slept_since.take() {
+            bump(&r.slept_ns, t.elapsed().as_nanos() as u64);
+        }
+        if fds.iter().any(|f| f.revents != 0) {
+            bump(&r.wakeups, 1);
+        }
         if fds[0].revents != 0 {
             self.shared.wake.drain();
         }
@@ -356,13 +376,10 @@ impl<D: Domain> Core<D> {
         match s {
             Submission::Op { .. } | Submission::Send { .. } => {
                 let peer = s.peer();
-                match self.peers.get_mut(peer.0 as usize) {
-                    Some(p) if !p.pending.is_empty() => p.pending.push_back((Instant::now(), s)),
-                    _ => {
-                        if let Some(again) = self.try_post(s) {
-                            self.defer(peer, Instant::now(), again);
-                        }
-                    }
+                if self.peers.get(peer.0 as usize).is_some_and(|p| !p.pending.is_empty()) {
+                    self.defer(peer, Instant::now(), s);
+                } else if let Some(again) = self.try_post(s) {
+                    self.defer(peer, Instant::now(), again);
                 }
             }
             Submission::Register { backing, location, reply } => {
@@ -433,7 +450,9 @@ impl<D: Domain> Core<D> {
         for (d, h) in handles.iter().enumerate() {
             self.handle_to_peer[d].insert(*h, id);
         }
-        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new() });
+        let stats = self.shared.stats.add_peer();
+        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new(), stats });
+        tracing::debug!(peer = id.0, "peer added");
         self.peer_by_addr.insert(key, id);
         self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
         Ok(id)
@@ -448,10 +467,12 @@ impl<D: Domain> Core<D> {
         };
         let handle = match self.peers.get(peer.0 as usize) {
             None => {
+                self.shared.stats.failed(domain, None, false);
                 s.fail(Error::UnknownPeer { peer: peer.0 });
                 return None;
             }
-            Some(PeerState { failed: Some(msg), .. }) => {
+            Some(PeerState { failed: Some(msg), stats, .. }) => {
+                self.shared.stats.failed(domain, Some(stats), false);
                 let e = Error::PeerUnreachable { peer: peer.0, message: msg.clone() };
                 s.fail(e);
                 return None;
@@ -465,11 +486,12 @@ impl<D: Domain> Core<D> {
             _ => None,
         };
         if let Some(len) = too_long {
+            self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
             s.fail(Error::MessageTooLarge { len, max: self.send_pools[domain].slot_size });
             return None;
         }
         let token = self.slab.next_token();
-        let (op, send_slot, name) = match &s {
+        let (op, send_slot, name, bytes) = match &s {
             Submission::Op { req, keep, .. } => {
                 let desc = keep.as_ref().map_or(0, |k| k.regs[domain].local);
                 let local = LocalSlice { addr: req.local_addr, len: req.len, desc };
@@ -477,7 +499,7 @@ impl<D: Domain> Core<D> {
                     OpKind::Write => Op::Write { peer: handle, local, remote: req.remote, imm: req.imm },
                     OpKind::Read => Op::Read { peer: handle, local, remote: req.remote },
                 };
-                (op, None, req.kind.name(req.imm))
+                (op, None, req.kind.name(req.imm), req.len as u64)
             }
             Submission::Send { data, .. } => {
                 let pool = &mut self.send_pools[domain];
@@ -487,7 +509,7 @@ impl<D: Domain> Core<D> {
                 // SAFETY: the slot is inside the pool's allocation and free (no operation
                 // uses it); `data.len() <= slot_size` (checked above).
                 unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), local.addr as *mut u8, data.len()) };
-                (Op::Send { peer: handle, local }, Some((domain, slot)), "send")
+                (Op::Send { peer: handle, local }, Some((domain, slot)), "send", data.len() as u64)
             }
             _ => unreachable!(),
         };
@@ -501,7 +523,17 @@ impl<D: Domain> Core<D> {
                     Submission::Send { notify, .. } => (notify, None),
                     _ => unreachable!(),
                 };
-                self.slab.insert(InFlight { notify, keep, send_slot, peer, name, posted: Instant::now() });
+                self.shared.stats.posted(domain, &self.peers[peer.0 as usize].stats, bytes);
+                self.slab.insert(InFlight {
+                    notify,
+                    keep,
+                    send_slot,
+                    peer,
+                    name,
+                    posted: Instant::now(),
+                    nic: domain,
+                    bytes,
+                });
                 self.unflushed = true;
                 None
             }
@@ -515,6 +547,8 @@ impl<D: Domain> Core<D> {
                 if let Some((d, slot)) = send_slot {
                     self.send_pools[d].free.push(slot);
                 }
+                self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
+                tracing::warn!(peer = peer.0, nic = domain, error = %e, "posting an operation failed");
                 s.fail(e);
                 None
             }
@@ -527,6 +561,7 @@ impl<D: Domain> Core<D> {
         if p.pending.is_empty() {
             self.pending_peers.push_back(peer);
         }
+        self.shared.stats.backlog(s.nic(), &p.stats, true, 1);
         p.pending.push_back((since, s));
     }
 
@@ -539,11 +574,13 @@ impl<D: Domain> Core<D> {
             let Some(peer) = self.pending_peers.pop_front() else { break };
             let mut blocked = false;
             while let Some((since, s)) = self.peers[peer.0 as usize].pending.pop_front() {
+                let nic = s.nic();
                 if let Some(again) = self.try_post(s) {
                     self.peers[peer.0 as usize].pending.push_front((since, again));
                     blocked = true;
                     break;
                 }
+                self.shared.stats.backlog(nic, &self.peers[peer.0 as usize].stats, false, 1);
                 posted = true;
             }
             if blocked {
@@ -605,6 +642,9 @@ impl<D: Domain> Core<D> {
                 let e = if is_peer_errno(errno) {
                     let peer = op.peer;
                     if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                        if p.failed.is_none() {
+                            tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                        }
                         p.failed = Some(message.clone());
                     }
                     Error::PeerUnreachable { peer: peer.0, message }
@@ -663,6 +703,8 @@ impl<D: Domain> Core<D> {
                 tracing::warn!(peer = peer.0, %message, "operations timed out");
                 p.failed.get_or_insert_with(|| message.clone());
                 for (_, s) in p.pending.drain(..) {
+                    self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
+                    self.shared.stats.failed(s.nic(), Some(&p.stats), false);
                     s.fail(Error::PeerUnreachable { peer: peer.0, message: message.clone() });
                 }
             }
@@ -684,6 +726,14 @@ impl<D: Domain> Core<D> {
     }
 
     fn finish(&mut self, op: InFlight, result: Result<()>) {
+        let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
+        match &result {
+            Ok(()) => self.shared.stats.completed(op.nic, peer, op.bytes),
+            Err(e) => {
+                self.shared.stats.failed(op.nic, peer, true);
+                tracing::warn!(peer = op.peer.0, nic = op.nic, op = op.name, error = %e, "operation failed");
+            }
+        }
         if let Some((d, slot)) = op.send_slot {
             self.send_pools[d].free.push(slot);
         }
@@ -719,6 +769,8 @@ impl<D: Domain> Core<D> {
         }
         for p in self.peers.iter_mut() {
             for (_, s) in p.pending.drain(..) {
+                self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
+                self.shared.stats.failed(s.nic(), Some(&p.stats), false);
                 s.fail(Error::Shutdown);
             }
         }
@@ -732,11 +784,15 @@ impl<D: Domain> Core<D> {
         // Follow-ups posted during the grace period may have been queued behind a full NIC.
         for p in self.peers.iter_mut() {
             for (_, s) in p.pending.drain(..) {
+                self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
+                self.shared.stats.failed(s.nic(), Some(&p.stats), false);
                 s.fail(Error::Shutdown);
             }
         }
         let mut keep = Vec::new();
         for op in self.slab.drain() {
+            let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
+            self.shared.stats.failed(op.nic, peer, true);
             keep.push(op.keep);
             op.notify.fail(Error::Shutdown);
         }

@@ -13,13 +13,15 @@
 //!   queue itself;
 //! * [`notify`]: what the reactor completes (futures' states, batches, groups, replies);
 //! * [`memory`]: the memory a region owns, and the region state that keeps it registered
-//!   until no operation uses it.
+//!   until no operation uses it;
+//! * [`stats`]: the relaxed counters behind `Engine::stats`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod memory;
 pub(crate) mod notify;
 pub(crate) mod queue;
+pub(crate) mod stats;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -113,6 +115,8 @@ pub(crate) struct Shared {
     pub(crate) inline_polls: AtomicU64,
     /// Shutdown was requested.
     closing: AtomicBool,
+    /// What `Engine::stats` reads: per NIC, per peer and reactor counters.
+    pub(crate) stats: stats::Stats,
     /// GPU regions, CUDA IPC mappings and staging settings.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: gpu::GpuShared,
@@ -149,6 +153,7 @@ impl Shared {
             delivery_complete,
             inline_polls: AtomicU64::new(0),
             closing: AtomicBool::new(false),
+            stats: stats::Stats::new(nics),
             #[cfg(feature = "cuda")]
             gpu: gpu::GpuShared::default(),
         })
