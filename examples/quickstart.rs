@@ -3,7 +3,7 @@
 //! ```text
 //! cargo run --release --example quickstart -- [--provider tcp|shm|udp|verbs[:DEV]] [--size MiB]
 //!                                             [--chunk KiB] [--window N] [--rounds N]
-//!                                             [--rendezvous tcp|etcd://HOST:PORT]
+//!                                             [--rendezvous tcp|etcd://HOST:PORT] [--stats]
 //! cargo run --release --example quickstart -- --help    # every option, with its default
 //! ```
 //!
@@ -54,6 +54,10 @@ struct Cli {
     /// lease per process).
     #[arg(long, value_name = "URL", default_value = "tcp", value_parser = rendezvous)]
     rendezvous: Meet,
+    /// Print the sender engine's statistics (engine.stats(): per NIC, per peer, reactor,
+    /// counters) every second during the run, and once at the end.
+    #[arg(long)]
+    stats: bool,
     /// Internal: run as the receiver for the sender whose TcpStore is at ADDR (or, with etcd,
     /// whose keys are under prefix ADDR).
     #[arg(long, value_name = "ADDR", hide = true)]
@@ -110,6 +114,7 @@ struct Opts {
     rounds: usize,
     store: Option<String>,
     rendezvous: Meet,
+    stats: bool,
 }
 
 impl From<Cli> for Opts {
@@ -122,6 +127,7 @@ impl From<Cli> for Opts {
             rounds: c.rounds.max(1),
             store: c.receiver_of,
             rendezvous: c.rendezvous,
+            stats: c.stats,
         }
     }
 }
@@ -173,6 +179,18 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
 
     let engine = Engine::builder().provider(&o.provider).build()?;
     println!("sender:   engine up on {} (reactor mode Event)", engine.transport());
+    // --stats: a snapshot every second while the rounds run (stopped below).
+    let stats_task = o.stats.then(|| {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(1));
+            every.tick().await;
+            loop {
+                every.tick().await;
+                println!("stats:\n{}", engine.stats());
+            }
+        })
+    });
     store.put("sender/addr", engine.address()).await?;
     let src = engine.alloc(o.size).await?;
     let dst = engine.remote_region(&store.get("receiver/desc").await?).await?;
@@ -221,6 +239,10 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
         if round + 1 < o.rounds {
             engine.send(receiver, b"next").await?;
         }
+    }
+    if let Some(t) = stats_task {
+        t.abort();
+        println!("stats at the end:\n{}", engine.stats());
     }
     let status = tokio::task::spawn_blocking(move || child.wait()).await??;
     if !status.success() {

@@ -92,3 +92,79 @@ async fn sharded_writes_add_up_over_two_nics() {
     w.shutdown();
     r.shutdown();
 }
+
+/// A `metrics` recorder that keeps the last value of every series, keyed `name{l=v,...}`.
+#[derive(Default)]
+struct Last(std::sync::Mutex<std::collections::BTreeMap<String, f64>>);
+
+struct Series(std::sync::Arc<Last>, String);
+
+impl metrics::CounterFn for Series {
+    fn increment(&self, v: u64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += v as f64;
+    }
+    fn absolute(&self, v: u64) {
+        self.0 .0.lock().unwrap().insert(self.1.clone(), v as f64);
+    }
+}
+
+impl metrics::GaugeFn for Series {
+    fn increment(&self, v: f64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += v;
+    }
+    fn decrement(&self, v: f64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() -= v;
+    }
+    fn set(&self, v: f64) {
+        self.0 .0.lock().unwrap().insert(self.1.clone(), v);
+    }
+}
+
+struct Recorder(std::sync::Arc<Last>);
+
+impl Recorder {
+    fn series(&self, key: &metrics::Key) -> std::sync::Arc<Series> {
+        let labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+        std::sync::Arc::new(Series(self.0.clone(), format!("{}{{{}}}", key.name(), labels.join(","))))
+    }
+}
+
+impl metrics::Recorder for Recorder {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(self.series(key))
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(self.series(key))
+    }
+    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_reach_the_metrics_facade() {
+    const N: usize = 4;
+    const S: usize = 4096;
+    let p = primary();
+    let w = Engine::builder().provider(p.as_str()).build().expect("writer");
+    let r = Engine::builder().provider(p.as_str()).build().expect("receiver");
+    let (ws, rs, peer) = run(&w, &r, N, S).await;
+    let last = std::sync::Arc::new(Last::default());
+    metrics::with_local_recorder(&Recorder(last.clone()), || {
+        ws.record_metrics("w");
+        rs.record_metrics("r");
+    });
+    let m = last.0.lock().unwrap().clone();
+    let get = |k: &str| *m.get(k).unwrap_or_else(|| panic!("no series {k} in {m:#?}"));
+    assert_eq!(get("fabric_nic_posted_ops_total{engine=w,nic=0}"), N as f64);
+    assert_eq!(get("fabric_nic_completed_bytes_total{engine=w,nic=0}"), (N * S) as f64);
+    assert_eq!(get(&format!("fabric_peer_completed_ops_total{{engine=w,peer={}}}", peer.0)), N as f64);
+    assert_eq!(get("fabric_nic_in_flight{engine=w,nic=0}"), 0.0);
+    assert_eq!(get(&format!("fabric_counter_arrivals_total{{engine=r,imm={IMM}}}")), N as f64);
+    assert!(get("fabric_reactor_passes_total{engine=w}") > 0.0);
+    w.shutdown();
+    r.shutdown();
+}

@@ -24,6 +24,8 @@ mod builder;
 mod gpu;
 #[cfg(feature = "cuda")]
 mod gpu_signal;
+#[cfg(feature = "metrics")]
+mod metrics;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;

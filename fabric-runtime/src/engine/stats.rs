@@ -69,7 +69,7 @@ pub struct ReactorStats {
     pub wakeups: u64,
     /// Time since the reactor started.
     pub uptime: Duration,
-    /// Time spent asleep in `ppoll`.
+    /// Time spent asleep in `ppoll` (a sleep in progress included).
     pub slept: Duration,
     /// Time the reactor was awake: polling, posting, completing, spinning (`uptime - slept`).
     pub polling: Duration,
@@ -192,7 +192,12 @@ impl Engine {
         let peers = lock(&s.peers).iter().map(|p| OpStats::read(p)).collect();
         let r = &s.reactor;
         let uptime = r.started.elapsed();
-        let slept = Duration::from_nanos(r.slept_ns.load(Ordering::Relaxed));
+        let mut slept = Duration::from_nanos(r.slept_ns.load(Ordering::Relaxed));
+        // A sleep in progress counts as sleep so far.
+        let since = r.asleep_since.load(Ordering::Relaxed);
+        if since > 0 {
+            slept += uptime.saturating_sub(Duration::from_nanos(since - 1));
+        }
         let reactor = ReactorStats {
             passes: r.passes.load(Ordering::Relaxed),
             sleeps: r.sleeps.load(Ordering::Relaxed),

@@ -281,8 +281,9 @@ impl<D: Domain> Core<D> {
         }
         q.sleeping = true;
         drop(q);
-        bump(&self.shared.stats.reactor.sleeps, 1);
-        self.slept_since = Some(Instant::now());
+        let now = Instant::now();
+        self.shared.stats.reactor.sleep_begins(now);
+        self.slept_since = Some(now);
         Ok(timeout)
     }
 
@@ -291,12 +292,8 @@ impl<D: Domain> Core<D> {
     /// each domain that woke us acknowledged.
     pub(crate) fn after_sleep(&mut self, fds: Vec<libc::pollfd>) {
         lock(&self.shared.queue).sleeping = false;
-        let r = &self.shared.stats.reactor;
         if let Some(t) = self.slept_since.take() {
-            bump(&r.slept_ns, t.elapsed().as_nanos() as u64);
-        }
-        if fds.iter().any(|f| f.revents != 0) {
-            bump(&r.wakeups, 1);
+            self.shared.stats.reactor.sleep_ends(t, fds.iter().any(|f| f.revents != 0));
         }
         if fds[0].revents != 0 {
             self.shared.wake.drain();

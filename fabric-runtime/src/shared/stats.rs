@@ -71,6 +71,27 @@ pub(crate) struct ReactorCounters {
     /// Sleeps ended by a file descriptor (the eventfd or a CQ), not the timeout.
     pub(crate) wakeups: AtomicU64,
     pub(crate) slept_ns: AtomicU64,
+    /// While asleep: when the sleep began, in ns since `started`, plus one; 0 while awake
+    /// (so a snapshot counts a sleep in progress as sleep).
+    pub(crate) asleep_since: AtomicU64,
+}
+
+impl ReactorCounters {
+    /// A sleep begins now.
+    pub(crate) fn sleep_begins(&self, now: Instant) {
+        bump(&self.sleeps, 1);
+        let ns = now.saturating_duration_since(self.started).as_nanos() as u64;
+        self.asleep_since.store(ns + 1, Ordering::Relaxed);
+    }
+
+    /// The sleep that began at `began` is over; a file descriptor ended it if `woken`.
+    pub(crate) fn sleep_ends(&self, began: Instant, woken: bool) {
+        self.asleep_since.store(0, Ordering::Relaxed);
+        bump(&self.slept_ns, began.elapsed().as_nanos() as u64);
+        if woken {
+            bump(&self.wakeups, 1);
+        }
+    }
 }
 
 /// Every counter of one engine.
@@ -92,6 +113,7 @@ impl Stats {
                 sleeps: AtomicU64::new(0),
                 wakeups: AtomicU64::new(0),
                 slept_ns: AtomicU64::new(0),
+                asleep_since: AtomicU64::new(0),
             },
         }
     }
