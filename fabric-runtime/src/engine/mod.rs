@@ -79,6 +79,7 @@ struct EngineInner {
 
 impl Drop for EngineInner {
     fn drop(&mut self) {
+        tracing::debug!(transport = %self.shared.transport, "last engine handle dropped; shutting down");
         self.shared.request_shutdown();
         let t = match self.thread.get_mut() {
             Ok(t) => t.take(),
@@ -143,7 +144,10 @@ impl Engine {
         let shared = Arc::new(shared);
         let mut rcfg = cfg.reactor_config();
         rcfg.msg_slot = msg_slot;
+        let mode = rcfg.mode;
+        let nics = domains.len();
         let started = reactor::spawn(domains, shared.clone(), rcfg)?;
+        tracing::debug!(transport = %shared.transport, nics, ?mode, max_msg_size, "engine started");
         Ok(Engine {
             inner: Arc::new(EngineInner {
                 shared,
@@ -181,6 +185,7 @@ impl Engine {
     /// Stops the engine now (see the type's docs). Operations after this fail with
     /// [`Error::Shutdown`]. Does not wait for the reactor thread; dropping the last clone does.
     pub fn shutdown(&self) {
+        tracing::debug!(transport = %self.shared().transport, "engine shutdown requested");
         self.shared().request_shutdown();
     }
 

@@ -394,12 +394,14 @@ impl<D: Domain> Core<D> {
                     }
                 }
                 if let Some(e) = err {
+                    tracing::warn!(len = backing.len(), %location, error = %e, "registration failed");
                     for (d, r) in regs.into_iter().enumerate() {
                         self.domains[d].deregister(r);
                     }
                     let _ = reply.send(Err(e));
                     return;
                 }
+                tracing::debug!(addr = format_args!("{:#x}", backing.addr()), len = backing.len(), %location, "memory registered");
                 for (d, r) in regs.iter().enumerate() {
                     self.live[d].insert(r.handle, *r);
                 }
@@ -408,9 +410,20 @@ impl<D: Domain> Core<D> {
                     self.deregister(regs, backing);
                 }
             }
-            Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+            Submission::Deregister { regs, backing } => {
+                tracing::debug!(
+                    addr = format_args!("{:#x}", backing.addr()),
+                    len = backing.len(),
+                    "memory deregistered"
+                );
+                self.deregister(regs, backing)
+            }
             Submission::AddPeer { address, reply } => {
-                let _ = reply.send(self.add_peer(address));
+                let r = self.add_peer(address);
+                if let Err(e) = &r {
+                    tracing::warn!(error = %e, "adding a peer failed");
+                }
+                let _ = reply.send(r);
             }
             #[cfg(feature = "cuda")]
             Submission::Gated { ordinal, copies, then, done, keep, after } => self.start_gate(
@@ -757,6 +770,10 @@ impl<D: Domain> Core<D> {
         }
         self.closed = true;
         self.closing = true;
+        let _span =
+            tracing::debug_span!("engine_close", in_flight = self.slab.len(), peers = self.peers.len())
+                .entered();
+        tracing::debug!("reactor closing: draining in-flight operations");
         let items = std::mem::take(&mut lock(&self.shared.queue).items);
         for s in items {
             match s {
@@ -820,6 +837,7 @@ impl<D: Domain> Core<D> {
         // Only now may the pools' memory go.
         drop(std::mem::take(&mut self.recv_pools));
         drop(std::mem::take(&mut self.send_pools));
+        tracing::debug!("reactor closed: NIC objects closed");
         let graveyard = {
             let mut q = lock(&self.shared.queue);
             q.state = QueueState::Closed;
