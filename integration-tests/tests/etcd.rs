@@ -143,3 +143,53 @@ async fn members_meet_transfer_and_leave_through_etcd() {
     engine.shutdown();
     drop(etcd);
 }
+
+/// The watch and a waiting `get` outlive the per-request timeout (1 s here): a member that
+/// joins, and a key put, 2.5 s later are still seen; a key of a store that is dropped (its
+/// keep-alive stops) expires with its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_and_get_outlive_the_request_timeout() {
+    let Some(bin) = etcd_binary() else {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("CI=true but no etcd binary (apt-get install etcd-server; scripts/install-deps.sh does)");
+        }
+        skipped("watch_and_get_outlive_the_request_timeout", "no etcd binary (install etcd-server)");
+        return;
+    };
+    let etcd = EtcdServer::start(&bin);
+    let ep = [etcd.endpoint.as_str()];
+    let opts = EtcdOptions::default()
+        .lease_ttl(Duration::from_secs(2))
+        .connect_timeout(Duration::from_secs(1))
+        .get_timeout(Duration::from_secs(20));
+    let a = EtcdStore::connect(&ep, "outlive", opts.clone()).await.expect("connect a");
+    let b = EtcdStore::connect(&ep, "outlive", opts.clone()).await.expect("connect b");
+    let mut events = a.watch_members().await.expect("watch");
+    let waiting = tokio::spawn(async move {
+        let v = a.get("late").await;
+        (a, v)
+    });
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    b.join("b", b"hello".to_vec()).await.expect("join");
+    b.put("late", b"value".to_vec()).await.expect("put");
+    assert_eq!(
+        next_event(&mut events, Duration::from_secs(10)).await,
+        MemberEvent::Joined { name: "b".into(), value: b"hello".to_vec() }
+    );
+    let (a, got) =
+        tokio::time::timeout(Duration::from_secs(10), waiting).await.expect("get in time").expect("task");
+    assert_eq!(got.expect("get"), b"value");
+    // b goes away without leave(): its keep-alive stops, its lease (2 s) expires.
+    drop(b);
+    match next_event(&mut events, Duration::from_secs(15)).await {
+        MemberEvent::Left { name } => assert_eq!(name, "b"),
+        other => panic!("expected b to leave, got {other:?}"),
+    }
+    let c =
+        EtcdStore::connect(&ep, "outlive", opts.get_timeout(Duration::from_millis(300))).await.expect("c");
+    match c.get("late").await {
+        Err(fabric_async::BootstrapError::Timeout { .. }) => {}
+        other => panic!("b's key should have expired with its lease: {other:?}"),
+    }
+    a.leave().await.expect("leave");
+}
