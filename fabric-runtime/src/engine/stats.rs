@@ -32,9 +32,11 @@ pub struct OpStats {
     /// Their bytes.
     pub completed_bytes: u64,
     /// Operations that failed: refused when posted, failed at completion, to a failed peer,
-    /// or cancelled at shutdown.
+    /// timed out (`op_timeout`), or cancelled at shutdown.
     pub errors: u64,
-    /// Operations posted and not completed yet.
+    /// Operations posted that the NIC has not given back yet. One that timed out counts as an
+    /// error at once but stays in flight until the provider completes it (its memory is held
+    /// until then) or shutdown cancels it.
     pub in_flight: u64,
     /// Operations waiting to be posted (the NIC queue was full, or the connection not up).
     pub backlog: u64,

@@ -56,7 +56,11 @@ impl<D: Domain> Core<D> {
         let mut keep = Vec::new();
         for op in self.slab.drain() {
             let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
-            self.shared.stats.failed(op.nic, peer, true);
+            if op.expired {
+                self.shared.stats.landed(op.nic, peer);
+            } else {
+                self.shared.stats.failed(op.nic, peer, true);
+            }
             keep.push(op.keep);
             op.notify.fail(Error::Shutdown);
         }

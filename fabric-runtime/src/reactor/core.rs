@@ -59,6 +59,8 @@ struct InFlight {
     /// For the statistics: the NIC it was posted on and its bytes.
     nic: usize,
     bytes: u64,
+    /// Failed by `op_timeout` (and counted as an error then); still held for the NIC.
+    expired: bool,
 }
 
 /// A registered pool of fixed-size message slots of one domain.
@@ -547,6 +549,7 @@ impl<D: Domain> Core<D> {
                     posted: Instant::now(),
                     nic: domain,
                     bytes,
+                    expired: false,
                 });
                 self.unflushed = true;
                 None
@@ -736,12 +739,17 @@ impl<D: Domain> Core<D> {
             }
             let notify = std::mem::replace(&mut op.notify, Notify::None);
             notify.fail(Error::PeerUnreachable { peer: op.peer.0, message });
+            op.expired = true;
+            let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
+            self.shared.stats.failed(op.nic, peer, false);
         }
     }
 
     fn finish(&mut self, op: InFlight, result: Result<()>) {
         let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
         match &result {
+            // Counted as an error when it timed out; the NIC is done with it only now.
+            _ if op.expired => self.shared.stats.landed(op.nic, peer),
             Ok(()) => self.shared.stats.completed(op.nic, peer, op.bytes),
             Err(e) => {
                 self.shared.stats.failed(op.nic, peer, true);

@@ -159,6 +159,16 @@ impl Stats {
         }
     }
 
+    /// An operation already counted as failed (it timed out) is no longer in flight.
+    pub(crate) fn landed(&self, nic: usize, peer: Option<&OpCounters>) {
+        if let Some(n) = self.nic(nic) {
+            drop_by(&n.in_flight, 1);
+        }
+        if let Some(p) = peer {
+            drop_by(&p.in_flight, 1);
+        }
+    }
+
     /// `n` operations joined (`grew`) or left a peer's backlog of operations refused for now.
     pub(crate) fn backlog(&self, nic: usize, peer: &OpCounters, grew: bool, n: u64) {
         let f = if grew { bump } else { drop_by };
