@@ -3,12 +3,14 @@
 //! ```text
 //! cargo run --release --example quickstart -- [--provider tcp|shm|udp|verbs[:DEV]] [--size MiB]
 //!                                             [--chunk KiB] [--window N] [--rounds N]
+//!                                             [--rendezvous tcp|etcd://HOST:PORT] [--stats]
 //! cargo run --release --example quickstart -- --help    # every option, with its default
 //! ```
 //!
 //! This process is the sender. It starts a second copy of itself as the receiver; the two
-//! meet through a `TcpStore` on 127.0.0.1 and exchange engine addresses and a region
-//! descriptor. Each round the sender streams `size` bytes as `write_imm` operations (a
+//! meet through a `TcpStore` on 127.0.0.1 (or, with `--rendezvous etcd://HOST:PORT`, through
+//! an `EtcdStore` on that etcd, under a prefix of their own) and exchange engine addresses and
+//! a region descriptor. Each round the sender streams `size` bytes as `write_imm` operations (a
 //! window of them in flight), the receiver awaits its `ImmCounter` for that many arrivals
 //! (no reset between rounds: waits consume), tells the sender with a two-sided message,
 //! then checks every byte and reports back.
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::Engine;
+use fabric_async::{Engine, EtcdOptions, EtcdStore};
 use fabric_examples::{positive, wait_arrivals, BoxError, ProviderArg};
 
 const IMM_DATA: u32 = 1;
@@ -47,9 +49,59 @@ struct Cli {
     /// Rounds, each with its own byte pattern (0 counts as 1).
     #[arg(long, value_name = "N", default_value_t = 5)]
     rounds: usize,
-    /// Internal: run as the receiver for the sender whose TcpStore is at ADDR.
+    /// Where the two processes meet: `tcp` (a TcpStore this process serves on 127.0.0.1) or
+    /// `etcd://HOST:PORT` (an etcd v3 server; keys under `fabric-quickstart/<pid>`, under a
+    /// lease per process).
+    #[arg(long, value_name = "URL", default_value = "tcp", value_parser = rendezvous)]
+    rendezvous: Meet,
+    /// Print the sender engine's statistics (engine.stats(): per NIC, per peer, reactor,
+    /// counters) every second during the run, and once at the end.
+    #[arg(long)]
+    stats: bool,
+    /// Internal: run as the receiver for the sender whose TcpStore is at ADDR (or, with etcd,
+    /// whose keys are under prefix ADDR).
     #[arg(long, value_name = "ADDR", hide = true)]
     receiver_of: Option<String>,
+}
+
+/// Where the processes meet (`--rendezvous`).
+#[derive(Clone, Debug)]
+enum Meet {
+    Tcp,
+    /// `HOST:PORT` of an etcd server.
+    Etcd(String),
+}
+
+fn rendezvous(s: &str) -> Result<Meet, String> {
+    if s == "tcp" {
+        return Ok(Meet::Tcp);
+    }
+    match s.strip_prefix("etcd://") {
+        Some(ep) if !ep.is_empty() => Ok(Meet::Etcd(ep.trim_end_matches('/').to_string())),
+        _ => Err(format!("{s:?}: expected tcp or etcd://HOST:PORT")),
+    }
+}
+
+impl Meet {
+    fn arg(&self) -> String {
+        match self {
+            Meet::Tcp => "tcp".into(),
+            Meet::Etcd(ep) => format!("etcd://{ep}"),
+        }
+    }
+
+    /// The store of one side: `meet` is the TcpStore address, or the etcd key prefix.
+    async fn connect(&self, meet: &str) -> Result<Box<dyn Rendezvous>, BoxError> {
+        Ok(match self {
+            Meet::Tcp => {
+                Box::new(TcpStore::connect(meet.parse()?).await?.with_timeout(Duration::from_secs(60)))
+            }
+            Meet::Etcd(ep) => {
+                let opts = EtcdOptions::default().get_timeout(Duration::from_secs(60));
+                Box::new(EtcdStore::connect(&[ep.as_str()], meet, opts).await?)
+            }
+        })
+    }
 }
 
 /// The run in bytes.
@@ -61,6 +113,8 @@ struct Opts {
     window: usize,
     rounds: usize,
     store: Option<String>,
+    rendezvous: Meet,
+    stats: bool,
 }
 
 impl From<Cli> for Opts {
@@ -72,6 +126,8 @@ impl From<Cli> for Opts {
             window: c.window.max(1),
             rounds: c.rounds.max(1),
             store: c.receiver_of,
+            rendezvous: c.rendezvous,
+            stats: c.stats,
         }
     }
 }
@@ -101,12 +157,21 @@ async fn main() {
 }
 
 async fn sender(o: Opts) -> Result<(), BoxError> {
-    let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
-    let store = TcpStore::connect(server.local_addr()).await?.with_timeout(Duration::from_secs(60));
+    // A TcpStore served here, or a fresh prefix on the etcd server.
+    let (_server, meet) = match &o.rendezvous {
+        Meet::Tcp => {
+            let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
+            let addr = server.local_addr().to_string();
+            (Some(server), addr)
+        }
+        Meet::Etcd(_) => (None, format!("fabric-quickstart/{}", std::process::id())),
+    };
+    let store = o.rendezvous.connect(&meet).await?;
+    println!("sender:   rendezvous {} ({meet})", o.rendezvous.arg());
 
     // The receiver: this same program, started again.
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["--receiver-of", &server.local_addr().to_string(), "--provider", &o.provider])
+        .args(["--receiver-of", &meet, "--rendezvous", &o.rendezvous.arg(), "--provider", &o.provider])
         .args(["--size", &(o.size >> 20).to_string(), "--chunk", &(o.chunk >> 10).to_string()])
         .args(["--rounds", &o.rounds.to_string()])
         .stdin(Stdio::null())
@@ -114,6 +179,18 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
 
     let engine = Engine::builder().provider(&o.provider).build()?;
     println!("sender:   engine up on {} (reactor mode Event)", engine.transport());
+    // --stats: a snapshot every second while the rounds run (stopped below).
+    let stats_task = o.stats.then(|| {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(1));
+            every.tick().await;
+            loop {
+                every.tick().await;
+                println!("stats:\n{}", engine.stats());
+            }
+        })
+    });
     store.put("sender/addr", engine.address()).await?;
     let src = engine.alloc(o.size).await?;
     let dst = engine.remote_region(&store.get("receiver/desc").await?).await?;
@@ -163,6 +240,10 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
             engine.send(receiver, b"next").await?;
         }
     }
+    if let Some(t) = stats_task {
+        t.abort();
+        println!("stats at the end:\n{}", engine.stats());
+    }
     let status = tokio::task::spawn_blocking(move || child.wait()).await??;
     if !status.success() {
         return Err(format!("receiver exited with {status}").into());
@@ -179,8 +260,8 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
     Ok(())
 }
 
-async fn receiver(o: Opts, store_addr: String) -> Result<(), BoxError> {
-    let store = TcpStore::connect(store_addr.parse()?).await?.with_timeout(Duration::from_secs(60));
+async fn receiver(o: Opts, meet: String) -> Result<(), BoxError> {
+    let store = o.rendezvous.connect(&meet).await?;
     let engine = Engine::builder().provider(&o.provider).build()?;
     let dst = engine.alloc(o.size).await?;
     let sender = engine.add_peer(&store.get("sender/addr").await?).await?;

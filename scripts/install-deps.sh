@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Installs what fabric needs on Debian/Ubuntu: libfabric (headers + tools), libibverbs and
-# librdmacm (headers + user-space providers), clang for bindgen, and iperf3 (a benchmark
-# baseline). Runs apt-get only when something is missing. Needs root (or sudo).
+# librdmacm (headers + user-space providers), clang for bindgen, iperf3 (a benchmark
+# baseline), protoc (etcd-client generates its gRPC code at build time) and etcd-server (the
+# EtcdStore test starts a real etcd). Runs apt-get only when something is missing. Needs root
+# (or sudo).
 set -euo pipefail
-pkgs=(libfabric-dev libfabric-bin iperf3 libibverbs-dev librdmacm-dev ibverbs-providers pkg-config libclang-dev clang)
+pkgs=(libfabric-dev libfabric-bin iperf3 libibverbs-dev librdmacm-dev ibverbs-providers pkg-config libclang-dev clang
+      protobuf-compiler etcd-server)
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 missing=()

@@ -131,9 +131,25 @@ struct Cli {
     /// (EngineBuilder::staging_chunk; default 4M).
     #[arg(long, global = true, value_name = "BYTES", value_parser = one_size)]
     staging_chunk: Option<usize>,
+    /// Install a tracing subscriber (fmt to stderr at level info) in both processes.
+    ///
+    /// fabric's per-transfer events are at debug, so with `on` they are disabled by the
+    /// subscriber's level rather than by the absence of one: run a test with `off` and `on`
+    /// (e.g. `rate --tracing on`) to see that cost (docs/operations.md).
+    #[arg(long, global = true, value_name = "off|on", value_enum, default_value_t = Tracing::Off)]
+    tracing: Tracing,
     /// Internal: run as the peer of the leader whose TcpStore is at ADDR.
     #[arg(long, global = true, hide = true, value_name = "ADDR")]
     peer_of: Option<String>,
+}
+
+/// `--tracing`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Tracing {
+    /// No subscriber: every tracing call is a disabled callsite.
+    Off,
+    /// A fmt subscriber at info on stderr.
+    On,
 }
 
 /// The tests. `all` runs them in this order.
@@ -315,7 +331,17 @@ fn parse_size(s: &str) -> Option<usize> {
 }
 
 fn main() {
-    let o = Opts::from(Cli::parse());
+    let cli = Cli::parse();
+    if cli.tracing == Tracing::On {
+        tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+            .with_writer(std::io::stderr)
+            .init();
+        if cli.peer_of.is_none() {
+            eprintln!("tracing: fmt subscriber at info installed (fabric's debug events disabled by level)");
+        }
+    }
+    let o = Opts::from(cli);
     // Set before any thread exists (LibfabricDomain::open would set it lazily otherwise).
     if std::env::var_os("FI_TCP_IFACE").is_none() {
         std::env::set_var("FI_TCP_IFACE", "lo");

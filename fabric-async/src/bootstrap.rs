@@ -2,8 +2,9 @@
 //!
 //! Engines learn each other's addresses (and region descriptors) through a small key-value
 //! store that every process can reach. The store is abstracted by [`Rendezvous`], so an
-//! application can plug in the one it already has (etcd, redis, a shared file system). For
-//! everything else there is [`TcpStore`], a tiny store over TCP in the spirit of PyTorch's
+//! application can plug in the one it already has (redis, a shared file system). With the
+//! `etcd` feature, `EtcdStore` is one over etcd v3, with a lease per process
+//! and a membership watch (`fabric_async::etcd`). For everything else there is [`TcpStore`], a tiny store over TCP in the spirit of PyTorch's
 //! `TCPStore`: one process runs a [`TcpStoreServer`], every process (the server's included)
 //! connects a [`TcpStore`] to it.
 //!
@@ -83,6 +84,14 @@ pub enum BootstrapError {
     /// A key or value is over its limit ([`MAX_KEY_LEN`], [`MAX_VALUE_LEN`]). Nothing was sent.
     #[error("{what} is {len} bytes, the limit is {max}")]
     TooLarge { what: &'static str, len: usize, max: usize },
+
+    /// An external store (etcd, with the `etcd` feature) failed; `context` says doing what.
+    #[error("{context}: {source}")]
+    Store {
+        context: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 
     /// [`all_gather`] was called with `rank >= world`.
     #[error("rank {rank} is not below the world size {world}")]

@@ -18,14 +18,20 @@
 //! ```
 //!
 //! Bootstrapping (exchanging addresses and descriptors between processes) goes through the
-//! [`bootstrap::Rendezvous`] trait; [`bootstrap::TcpStore`] is a ready-made implementation.
+//! [`bootstrap::Rendezvous`] trait; [`bootstrap::TcpStore`] is a ready-made implementation, and
+//! with the `etcd` feature `EtcdStore` (module `etcd`) is one over etcd v3 that also reports
+//! processes joining and leaving (`docs/operations.md`).
 #![warn(missing_debug_implementations)]
 
 pub mod bootstrap;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 mod ext;
 mod watch;
 
 pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdOptions, EtcdStore, MemberEvent, MemberEvents};
 
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
 /// The CUDA layer (driver loaded at run time): devices, memory, streams, events, kernels
@@ -36,8 +42,9 @@ pub use fabric_runtime::cuda;
 pub use fabric_runtime::topology;
 pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
-    Arrivals, CompletionWakeups, ControlFuture, Engine, EngineBuilder, Error, ImmCounter, MemoryLocation,
-    MemoryRegion, OpBatch, OpFuture, PageLayout, PeerGroup, PeerId, ReactorMode, RecvFuture,
-    RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
+    Arrivals, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats, Error,
+    ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture, OpStats, PageLayout, PeerGroup, PeerId,
+    ReactorMode, ReactorStats, RecvFuture, RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side,
+    TransferOpts, Transfers, WaitFor,
 };
 pub use watch::CompletionWatch;

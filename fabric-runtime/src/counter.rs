@@ -116,6 +116,28 @@ impl CounterCell {
         }
     }
 
+    /// Async waiters queued now (for `Engine::stats`; takes the waiters' lock briefly).
+    pub(crate) fn waiters(&self) -> usize {
+        if !self.has_waiters() {
+            return 0;
+        }
+        lock(&self.waiters).list.len()
+    }
+
+    pub(crate) fn imm(&self) -> u32 {
+        self.imm
+    }
+
+    /// Arrivals ever seen.
+    pub(crate) fn arrived(&self) -> u64 {
+        self.arrived.load(Ordering::Relaxed)
+    }
+
+    /// Arrivals not yet consumed.
+    pub(crate) fn unconsumed(&self) -> u64 {
+        self.available()
+    }
+
     fn has_waiters(&self) -> bool {
         self.state.load(Ordering::Acquire) & QUEUED != 0
     }

@@ -4,6 +4,8 @@
 //! itself and a `fabric-peer` child (see `src/bin/fabric-peer.rs`), which meet through a
 //! `TcpStore` on 127.0.0.1.
 
+pub mod etcd_server;
+
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

@@ -186,6 +186,11 @@ async fn dead_peer_is_an_error_not_a_hang() {
     let e = bounded(a.imm(&dst, 1)).await.unwrap_err();
     assert!(matches!(e, Error::PeerUnreachable { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(1), "a failed peer fails fast");
+    // Both failures are in the statistics (the first may still be held by the provider).
+    let s = a.stats();
+    let p = s.peer(dst.peer()).expect("the dead peer's entry");
+    assert!(p.errors >= 2 && p.completed_ops == 0 && p.posted_ops <= 2, "{s}");
+    assert_eq!(s.nics[0].errors, p.errors, "{s}");
     // The engine still serves others.
     let b = Engine::builder().provider(primary()).build().unwrap();
     let theirs = b.alloc(4096).await.unwrap();

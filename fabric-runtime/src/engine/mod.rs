@@ -24,11 +24,14 @@ mod builder;
 mod gpu;
 #[cfg(feature = "cuda")]
 mod gpu_signal;
+#[cfg(feature = "metrics")]
+mod metrics;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
 #[cfg(feature = "cuda")]
 mod staged;
+mod stats;
 mod transfer;
 mod wakeups;
 
@@ -60,6 +63,7 @@ pub use gpu_signal::GpuCounter;
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion};
+pub use stats::{CounterStats, EngineStats, OpStats, ReactorStats};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 pub use wakeups::CompletionWakeups;
 
@@ -83,6 +87,7 @@ struct EngineInner {
 
 impl Drop for EngineInner {
     fn drop(&mut self) {
+        tracing::debug!(transport = %self.shared.transport, "last engine handle dropped; shutting down");
         self.shared.request_shutdown();
         let t = match self.thread.get_mut() {
             Ok(t) => t.take(),
@@ -149,15 +154,17 @@ impl Engine {
         let shared = Arc::new(shared);
         let mut rcfg = cfg.reactor_config();
         rcfg.msg_slot = msg_slot;
-        let rcfg_mode = rcfg.mode;
+        let mode = rcfg.mode;
+        let nics = domains.len();
         let started = reactor::spawn(domains, shared.clone(), rcfg)?;
+        tracing::debug!(transport = %shared.transport, nics, ?mode, max_msg_size, "engine started");
         Ok(Engine {
             inner: Arc::new(EngineInner {
                 shared,
                 thread: std::sync::Mutex::new(Some(started.thread)),
                 driver: started.driver,
                 direct: started.direct,
-                mode: rcfg_mode,
+                mode,
                 #[cfg(feature = "cuda")]
                 gpu_counters: Default::default(),
             }),
@@ -190,6 +197,7 @@ impl Engine {
     /// Stops the engine now (see the type's docs). Operations after this fail with
     /// [`Error::Shutdown`]. Does not wait for the reactor thread; dropping the last clone does.
     pub fn shutdown(&self) {
+        tracing::debug!(transport = %self.shared().transport, "engine shutdown requested");
         self.shared().request_shutdown();
     }
 

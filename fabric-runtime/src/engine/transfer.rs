@@ -270,6 +270,13 @@ impl<'a> Transfers<'a> {
             // posted if the arrival could overtake the data.
             self.opts.check_one_arrival(shared.nics, shared.delivery_complete)?;
         }
+        // One event per transfer, not per shard; `enabled!` is a cached per-callsite check,
+        // so with debug off this costs a load and a branch.
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let bytes: usize = ops.iter().map(|o| o.len).sum();
+            let peer = ops[0].peer.0;
+            tracing::debug!(peer, shards = ops.len(), follow_ups = then.len(), bytes, "transfer submitted");
+        }
         let state = Arc::new(OpState::default());
         let done = Notify::Future(state.clone());
         let subs: Vec<Submission> = if ops.len() == 1 && then.is_empty() {
@@ -686,6 +693,7 @@ impl<'a> Transfers<'a> {
         let (local_addr, keep) = self.local(src, len)?;
         let nic = self.opts.nic_of(0, nics, self.shared().next_start());
         let local_addr = if len == 0 { 0 } else { local_addr };
+        tracing::trace!(peer = dst.peer().0, nic, len, imm, "fast-path write submitted");
         Ok((Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, Some(imm)), keep))
     }
 }

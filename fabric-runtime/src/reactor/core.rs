@@ -21,6 +21,7 @@ use crate::pure::slab::Slab;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::Notify;
 use crate::shared::queue::{OpKind, QueueState, Submission};
+use crate::shared::stats::{bump, OpCounters};
 use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
 
@@ -39,6 +40,10 @@ mod staging_send;
 // caller posted directly (a child module: it works on `Core`'s fields).
 #[path = "sleep.rs"]
 mod sleep;
+// Shutdown (drain, cancel, close the NIC objects, free memory): a child module, so it works
+// on `Core`'s fields directly.
+#[path = "close.rs"]
+mod close;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -61,6 +66,11 @@ struct InFlight {
     peer: PeerId,
     name: &'static str,
     posted: Instant,
+    /// For the statistics: the NIC it was posted on and its bytes.
+    nic: usize,
+    bytes: u64,
+    /// Failed by `op_timeout` (and counted as an error then); still held for the NIC.
+    expired: bool,
 }
 
 /// A registered pool of fixed-size message slots of one domain.
@@ -87,6 +97,8 @@ struct PeerState {
     /// Operations the NIC refused for now (full queue, connection still being set up), in
     /// order, with the time they were submitted.
     pending: VecDeque<(Instant, Submission)>,
+    /// This peer's entry of `Engine::stats`.
+    stats: Arc<OpCounters>,
 }
 
 pub(crate) struct Core<D: Domain> {
@@ -125,6 +137,8 @@ pub(crate) struct Core<D: Domain> {
     pub(crate) closing: bool,
     /// [`Core::close`] has run: the domains are gone.
     closed: bool,
+    /// When the current `Event` sleep began (for the reactor's statistics).
+    slept_since: Option<Instant>,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
     staging: staging::Staging,
@@ -170,6 +184,7 @@ impl<D: Domain> Core<D> {
             watch_fallback: sleep::WATCH_FALLBACK,
             closing: false,
             closed: false,
+            slept_since: None,
             #[cfg(feature = "cuda")]
             staging: staging::Staging::default(),
         };
@@ -206,6 +221,7 @@ impl<D: Domain> Core<D> {
         if self.closing {
             return false;
         }
+        bump(&self.shared.stats.reactor.passes, 1);
         if let Some(limit) = self.cfg.op_timeout {
             if !self.slab.is_empty() || self.has_pending() || self.staging_waits() {
                 let now = Instant::now();
@@ -306,13 +322,10 @@ impl<D: Domain> Core<D> {
         match s {
             Submission::Op { .. } | Submission::Send { .. } => {
                 let peer = s.peer();
-                match self.peers.get_mut(peer.0 as usize) {
-                    Some(p) if !p.pending.is_empty() => p.pending.push_back((Instant::now(), s)),
-                    _ => {
-                        if let Some(again) = self.try_post(s) {
-                            self.defer(peer, Instant::now(), again);
-                        }
-                    }
+                if self.peers.get(peer.0 as usize).is_some_and(|p| !p.pending.is_empty()) {
+                    self.defer(peer, Instant::now(), s);
+                } else if let Some(again) = self.try_post(s) {
+                    self.defer(peer, Instant::now(), again);
                 }
             }
             Submission::Register { backing, location, reply } => {
@@ -330,12 +343,14 @@ impl<D: Domain> Core<D> {
                     }
                 }
                 if let Some(e) = err {
+                    tracing::warn!(len = backing.len(), %location, error = %e, "registration failed");
                     for (d, r) in regs.into_iter().enumerate() {
                         self.domains[d].deregister(r);
                     }
                     let _ = reply.send(Err(e));
                     return;
                 }
+                tracing::debug!(addr = format_args!("{:#x}", backing.addr()), len = backing.len(), %location, "memory registered");
                 for (d, r) in regs.iter().enumerate() {
                     self.live[d].insert(r.handle, *r);
                 }
@@ -344,9 +359,20 @@ impl<D: Domain> Core<D> {
                     self.deregister(regs, backing);
                 }
             }
-            Submission::Deregister { regs, backing } => self.deregister(regs, backing),
+            Submission::Deregister { regs, backing } => {
+                tracing::debug!(
+                    addr = format_args!("{:#x}", backing.addr()),
+                    len = backing.len(),
+                    "memory deregistered"
+                );
+                self.deregister(regs, backing)
+            }
             Submission::AddPeer { address, reply } => {
-                let _ = reply.send(self.add_peer(address));
+                let r = self.add_peer(address);
+                if let Err(e) = &r {
+                    tracing::warn!(error = %e, "adding a peer failed");
+                }
+                let _ = reply.send(r);
             }
             #[cfg(feature = "cuda")]
             Submission::Gated { ordinal, copies, then, done, keep, after } => self.start_gate(
@@ -389,7 +415,9 @@ impl<D: Domain> Core<D> {
         for (d, h) in handles.iter().enumerate() {
             self.handle_to_peer[d].insert(*h, id);
         }
-        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new() });
+        let stats = self.shared.stats.add_peer();
+        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new(), stats });
+        tracing::debug!(peer = id.0, "peer added");
         self.peer_by_addr.insert(key, id);
         self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
         Ok(id)
@@ -404,10 +432,12 @@ impl<D: Domain> Core<D> {
         };
         let handle = match self.peers.get(peer.0 as usize) {
             None => {
+                self.shared.stats.failed(domain, None, false);
                 s.fail(Error::UnknownPeer { peer: peer.0 });
                 return None;
             }
-            Some(PeerState { failed: Some(msg), .. }) => {
+            Some(PeerState { failed: Some(msg), stats, .. }) => {
+                self.shared.stats.failed(domain, Some(stats), false);
                 let e = Error::PeerUnreachable { peer: peer.0, message: msg.clone() };
                 s.fail(e);
                 return None;
@@ -421,11 +451,12 @@ impl<D: Domain> Core<D> {
             _ => None,
         };
         if let Some(len) = too_long {
+            self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
             s.fail(Error::MessageTooLarge { len, max: self.send_pools[domain].slot_size });
             return None;
         }
         let token = self.slab.next_token();
-        let (op, send_slot, name) = match &s {
+        let (op, send_slot, name, bytes) = match &s {
             Submission::Op { req, keep, .. } => {
                 let desc = keep.as_ref().map_or(0, |k| k.regs[domain].local);
                 let local = LocalSlice { addr: req.local_addr, len: req.len, desc };
@@ -433,7 +464,7 @@ impl<D: Domain> Core<D> {
                     OpKind::Write => Op::Write { peer: handle, local, remote: req.remote, imm: req.imm },
                     OpKind::Read => Op::Read { peer: handle, local, remote: req.remote },
                 };
-                (op, None, req.kind.name(req.imm))
+                (op, None, req.kind.name(req.imm), req.len as u64)
             }
             Submission::Send { data, .. } => {
                 let pool = &mut self.send_pools[domain];
@@ -443,7 +474,7 @@ impl<D: Domain> Core<D> {
                 // SAFETY: the slot is inside the pool's allocation and free (no operation
                 // uses it); `data.len() <= slot_size` (checked above).
                 unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), local.addr as *mut u8, data.len()) };
-                (Op::Send { peer: handle, local }, Some((domain, slot)), "send")
+                (Op::Send { peer: handle, local }, Some((domain, slot)), "send", data.len() as u64)
             }
             _ => unreachable!(),
         };
@@ -457,7 +488,18 @@ impl<D: Domain> Core<D> {
                     Submission::Send { notify, .. } => (notify, None),
                     _ => unreachable!(),
                 };
-                self.slab.insert(InFlight { notify, keep, send_slot, peer, name, posted: Instant::now() });
+                self.shared.stats.posted(domain, &self.peers[peer.0 as usize].stats, bytes);
+                self.slab.insert(InFlight {
+                    notify,
+                    keep,
+                    send_slot,
+                    peer,
+                    name,
+                    posted: Instant::now(),
+                    nic: domain,
+                    bytes,
+                    expired: false,
+                });
                 self.unflushed = true;
                 None
             }
@@ -471,6 +513,8 @@ impl<D: Domain> Core<D> {
                 if let Some((d, slot)) = send_slot {
                     self.send_pools[d].free.push(slot);
                 }
+                self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
+                tracing::warn!(peer = peer.0, nic = domain, error = %e, "posting an operation failed");
                 s.fail(e);
                 None
             }
@@ -483,6 +527,7 @@ impl<D: Domain> Core<D> {
         if p.pending.is_empty() {
             self.pending_peers.push_back(peer);
         }
+        self.shared.stats.backlog(s.nic(), &p.stats, true, 1);
         p.pending.push_back((since, s));
     }
 
@@ -495,11 +540,13 @@ impl<D: Domain> Core<D> {
             let Some(peer) = self.pending_peers.pop_front() else { break };
             let mut blocked = false;
             while let Some((since, s)) = self.peers[peer.0 as usize].pending.pop_front() {
+                let nic = s.nic();
                 if let Some(again) = self.try_post(s) {
                     self.peers[peer.0 as usize].pending.push_front((since, again));
                     blocked = true;
                     break;
                 }
+                self.shared.stats.backlog(nic, &self.peers[peer.0 as usize].stats, false, 1);
                 posted = true;
             }
             if blocked {
@@ -561,6 +608,9 @@ impl<D: Domain> Core<D> {
                 let e = if is_peer_errno(errno) {
                     let peer = op.peer;
                     if let Some(p) = self.peers.get_mut(peer.0 as usize) {
+                        if p.failed.is_none() {
+                            tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                        }
                         p.failed = Some(message.clone());
                     }
                     Error::PeerUnreachable { peer: peer.0, message }
@@ -621,6 +671,8 @@ impl<D: Domain> Core<D> {
                 tracing::warn!(peer = peer.0, %message, "operations timed out");
                 p.failed.get_or_insert_with(|| message.clone());
                 for (_, s) in p.pending.drain(..) {
+                    self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
+                    self.shared.stats.failed(s.nic(), Some(&p.stats), false);
                     s.fail(Error::PeerUnreachable { peer: peer.0, message: message.clone() });
                 }
             }
@@ -638,10 +690,23 @@ impl<D: Domain> Core<D> {
             }
             let notify = std::mem::replace(&mut op.notify, Notify::None);
             notify.fail(Error::PeerUnreachable { peer: op.peer.0, message });
+            op.expired = true;
+            let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
+            self.shared.stats.failed(op.nic, peer, false);
         }
     }
 
     fn finish(&mut self, op: InFlight, result: Result<()>) {
+        let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
+        match &result {
+            // Counted as an error when it timed out; the NIC is done with it only now.
+            _ if op.expired => self.shared.stats.landed(op.nic, peer),
+            Ok(()) => self.shared.stats.completed(op.nic, peer, op.bytes),
+            Err(e) => {
+                self.shared.stats.failed(op.nic, peer, true);
+                tracing::warn!(peer = op.peer.0, nic = op.nic, op = op.name, error = %e, "operation failed");
+            }
+        }
         if let Some((d, slot)) = op.send_slot {
             self.send_pools[d].free.push(slot);
         }
@@ -657,82 +722,5 @@ impl<D: Domain> Core<D> {
             // The imm-only writes of an `Arrivals::One` transfer: its shards are all done.
             self.handle(s);
         }
-    }
-
-    /// Sleeps until a submission or a completion may be there (or the poll interval of a
-    /// Shutdown: refuse new work, drain, cancel, close NIC objects, then free memory. Runs
-    /// once; later passes do nothing.
-    pub(crate) fn close(&mut self) {
-        if self.closed {
-            return;
-        }
-        self.closed = true;
-        self.closing = true;
-        let items = std::mem::take(&mut lock(&self.shared.queue).items);
-        for s in items {
-            match s {
-                Submission::Deregister { regs, backing } => self.deregister(regs, backing),
-                other => other.fail(Error::Shutdown),
-            }
-        }
-        for p in self.peers.iter_mut() {
-            for (_, s) in p.pending.drain(..) {
-                s.fail(Error::Shutdown);
-            }
-        }
-        // Give in-flight operations a chance to finish normally.
-        let deadline = Instant::now() + self.cfg.shutdown_grace;
-        while !self.slab.is_empty() && Instant::now() < deadline {
-            if !self.poll_domains() {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
-        // Follow-ups posted during the grace period may have been queued behind a full NIC.
-        for p in self.peers.iter_mut() {
-            for (_, s) in p.pending.drain(..) {
-                s.fail(Error::Shutdown);
-            }
-        }
-        let mut keep = Vec::new();
-        for op in self.slab.drain() {
-            keep.push(op.keep);
-            op.notify.fail(Error::Shutdown);
-        }
-        // Waits for the copy engines, then fails what waited on them; their memory is
-        // freed below, after the NIC objects.
-        #[cfg(feature = "cuda")]
-        let gpu_keep = self.close_staging();
-        self.shared.close_counters();
-        let waiters = {
-            let mut inbox = lock(&self.shared.inbox);
-            inbox.closed = true;
-            inbox.take_waiters()
-        };
-        for w in waiters {
-            w.wake();
-        }
-        // Close every registration, then the domains; only then free memory.
-        for (d, live) in self.live.iter_mut().enumerate() {
-            for (_, r) in live.drain() {
-                self.domains[d].deregister(r);
-            }
-        }
-        for (d, p) in self.recv_pools.iter().chain(self.send_pools.iter()).enumerate() {
-            let d = d % self.domains.len();
-            self.domains[d].deregister(p.reg);
-        }
-        drop(std::mem::take(&mut self.domains));
-        // Only now may the pools' memory go.
-        drop(std::mem::take(&mut self.recv_pools));
-        drop(std::mem::take(&mut self.send_pools));
-        let graveyard = {
-            let mut q = lock(&self.shared.queue);
-            q.state = QueueState::Closed;
-            std::mem::take(&mut q.graveyard)
-        };
-        drop(graveyard);
-        drop(keep);
-        #[cfg(feature = "cuda")]
-        drop(gpu_keep);
     }
 }

@@ -105,7 +105,10 @@ impl<D: Domain> Core<D> {
         if watched {
             self.watch_fallback = (self.watch_fallback * 2).min(WATCH_FALLBACK_MAX);
         }
-        self.armed_until = timeout.map(|t| Instant::now() + t);
+        let now = Instant::now();
+        self.shared.stats.reactor.sleep_begins(now);
+        self.slept_since = Some(now);
+        self.armed_until = timeout.map(|t| now + t);
         Ok(timeout)
     }
 
@@ -115,6 +118,9 @@ impl<D: Domain> Core<D> {
     pub(crate) fn after_sleep(&mut self, fds: Vec<libc::pollfd>) {
         lock(&self.shared.queue).sleeping = false;
         self.armed_until = None;
+        if let Some(t) = self.slept_since.take() {
+            self.shared.stats.reactor.sleep_ends(t, fds.iter().any(|f| f.revents != 0));
+        }
         if fds[0].revents != 0 {
             self.shared.wake.drain();
         }

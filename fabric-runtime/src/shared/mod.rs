@@ -13,13 +13,15 @@
 //!   queue itself;
 //! * [`notify`]: what the reactor completes (futures' states, batches, groups, replies);
 //! * [`memory`]: the memory a region owns, and the region state that keeps it registered
-//!   until no operation uses it.
+//!   until no operation uses it;
+//! * [`stats`]: the relaxed counters behind `Engine::stats`.
 
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod memory;
 pub(crate) mod notify;
 pub(crate) mod queue;
+pub(crate) mod stats;
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -121,6 +123,8 @@ pub(crate) struct Shared {
     pub(crate) direct_posts: AtomicU64,
     /// Live `CompletionWakeups` handles (a watcher runs passes when the wait fds wake).
     pub(crate) watchers: AtomicUsize,
+    /// What `Engine::stats` reads: per NIC, per peer and reactor counters.
+    pub(crate) stats: stats::Stats,
     /// GPU regions, CUDA IPC mappings and staging settings.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: gpu::GpuShared,
@@ -160,6 +164,7 @@ impl Shared {
             direct: OnceLock::new(),
             direct_posts: AtomicU64::new(0),
             watchers: AtomicUsize::new(0),
+            stats: stats::Stats::new(nics),
             #[cfg(feature = "cuda")]
             gpu: gpu::GpuShared::default(),
         })

@@ -205,6 +205,14 @@ impl Submission {
         }
     }
 
+    /// The NIC an operation or a send is posted on.
+    pub(crate) fn nic(&self) -> usize {
+        match self {
+            Submission::Op { req, .. } => req.domain,
+            _ => 0,
+        }
+    }
+
     /// Completes a submission that will never be posted.
     pub(crate) fn fail(self, e: Error) {
         match self {

@@ -1,0 +1,224 @@
+//! [`Engine::stats`]: a snapshot of what the engine has done, per NIC, per peer, for its
+//! reactor and for each immediate counter.
+//!
+//! The counters are relaxed atomics that the reactor bumps as it posts and completes
+//! (`shared/stats.rs`), so taking a snapshot costs a few loads per NIC and peer and never
+//! stops the reactor. Each number is exact; the snapshot is not one atomic cut (an operation
+//! completing while it is taken may show in `completed_ops` and still in `in_flight`).
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::Engine;
+use crate::shared::stats::OpCounters;
+use crate::shared::PeerId;
+use crate::sync::lock;
+
+/// Operations of one NIC or one peer.
+///
+/// An operation is one posted work request: a write (with or without immediate, an imm-only
+/// write counts 0 bytes), a read or a two-sided send. A transfer sharded over NICs counts one
+/// operation per shard, on each shard's NIC.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OpStats {
+    /// Operations handed to the NIC.
+    pub posted_ops: u64,
+    /// Their bytes.
+    pub posted_bytes: u64,
+    /// Operations the NIC completed successfully.
+    pub completed_ops: u64,
+    /// Their bytes.
+    pub completed_bytes: u64,
+    /// Operations that failed: refused when posted, failed at completion, to a failed peer,
+    /// timed out (`op_timeout`), or cancelled at shutdown.
+    pub errors: u64,
+    /// Operations posted that the NIC has not given back yet. One that timed out counts as an
+    /// error at once but stays in flight until the provider completes it (its memory is held
+    /// until then) or shutdown cancels it.
+    pub in_flight: u64,
+    /// Operations waiting to be posted (the NIC queue was full, or the connection not up).
+    pub backlog: u64,
+}
+
+impl OpStats {
+    fn read(c: &OpCounters) -> OpStats {
+        let r = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        OpStats {
+            posted_ops: r(&c.posted_ops),
+            posted_bytes: r(&c.posted_bytes),
+            completed_ops: r(&c.completed_ops),
+            completed_bytes: r(&c.completed_bytes),
+            errors: r(&c.errors),
+            in_flight: r(&c.in_flight),
+            backlog: r(&c.backlog),
+        }
+    }
+}
+
+/// The reactor's loop.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReactorStats {
+    /// Passes run (take the queue, post, poll every NIC), by the reactor thread or, in
+    /// `ReactorMode::Inline`, by awaiting callers.
+    pub passes: u64,
+    /// Times the reactor went to sleep in `ppoll` (`Event` mode, idle).
+    pub sleeps: u64,
+    /// Sleeps ended by a file descriptor (a submission's eventfd or a completion queue)
+    /// rather than by the timeout.
+    pub wakeups: u64,
+    /// Time since the reactor started.
+    pub uptime: Duration,
+    /// Time spent asleep in `ppoll` (a sleep in progress included).
+    pub slept: Duration,
+    /// Time the reactor was awake: polling, posting, completing, spinning (`uptime - slept`).
+    pub polling: Duration,
+}
+
+/// One immediate value's counter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CounterStats {
+    /// The immediate value.
+    pub imm: u32,
+    /// Arrivals ever counted.
+    pub arrivals: u64,
+    /// Arrivals not consumed by a wait yet.
+    pub available: u64,
+    /// Async waits queued now.
+    pub waiters: u64,
+}
+
+/// A snapshot of an engine's statistics ([`Engine::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// The transport (`tcp;ofi_rxm`, `shm`, `verbs`).
+    pub transport: String,
+    /// Per NIC, by NIC index.
+    pub nics: Vec<OpStats>,
+    /// Per peer, by [`PeerId`] (index `i` is `PeerId(i)`).
+    pub peers: Vec<OpStats>,
+    /// The reactor.
+    pub reactor: ReactorStats,
+    /// Every immediate counter this engine has seen or been asked for, by immediate value.
+    pub counters: Vec<CounterStats>,
+}
+
+impl EngineStats {
+    /// The entry of `peer`, if it is a peer of this engine.
+    pub fn peer(&self, peer: PeerId) -> Option<&OpStats> {
+        self.peers.get(peer.0 as usize)
+    }
+
+    /// The entry of immediate `imm`'s counter, if it exists.
+    pub fn counter(&self, imm: u32) -> Option<&CounterStats> {
+        self.counters.iter().find(|c| c.imm == imm)
+    }
+
+    /// All NICs together.
+    pub fn total(&self) -> OpStats {
+        self.nics.iter().fold(OpStats::default(), |a, n| OpStats {
+            posted_ops: a.posted_ops + n.posted_ops,
+            posted_bytes: a.posted_bytes + n.posted_bytes,
+            completed_ops: a.completed_ops + n.completed_ops,
+            completed_bytes: a.completed_bytes + n.completed_bytes,
+            errors: a.errors + n.errors,
+            in_flight: a.in_flight + n.in_flight,
+            backlog: a.backlog + n.backlog,
+        })
+    }
+}
+
+impl fmt::Display for OpStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "posted {} ops / {} B, completed {} ops / {} B, errors {}, in flight {}, backlog {}",
+            self.posted_ops,
+            self.posted_bytes,
+            self.completed_ops,
+            self.completed_bytes,
+            self.errors,
+            self.in_flight,
+            self.backlog
+        )
+    }
+}
+
+impl fmt::Display for EngineStats {
+    /// Several lines: NICs, peers, the reactor, counters.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, n) in self.nics.iter().enumerate() {
+            writeln!(f, "nic {i} ({}): {n}", self.transport)?;
+        }
+        for (i, p) in self.peers.iter().enumerate() {
+            writeln!(f, "peer {i}: {p}")?;
+        }
+        let r = &self.reactor;
+        write!(
+            f,
+            "reactor: {} passes, {} sleeps ({} woken by an fd), up {:.3} s, asleep {:.3} s, polling {:.3} s",
+            r.passes,
+            r.sleeps,
+            r.wakeups,
+            r.uptime.as_secs_f64(),
+            r.slept.as_secs_f64(),
+            r.polling.as_secs_f64()
+        )?;
+        for c in &self.counters {
+            write!(
+                f,
+                "\ncounter imm {}: {} arrivals, {} available, {} waiters",
+                c.imm, c.arrivals, c.available, c.waiters
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Engine {
+    /// A snapshot of this engine's statistics: per NIC and per peer operations and bytes
+    /// (posted, completed, failed, in flight, waiting), the reactor's passes and sleeps, and
+    /// each immediate counter's arrivals and waiters.
+    ///
+    /// Cheap: relaxed loads, plus two short locks that the data path never takes (the peer
+    /// list, the counter table) and one per counter with waiters queued. The reactor bumps
+    /// the counters without locks or atomic read-modify-writes. `docs/operations.md` has an
+    /// example; `Display` prints it on a few lines.
+    pub fn stats(&self) -> EngineStats {
+        let s = &self.shared().stats;
+        let nics = s.nics.iter().map(OpStats::read).collect();
+        let peers = lock(&s.peers).iter().map(|p| OpStats::read(p)).collect();
+        let r = &s.reactor;
+        let uptime = r.started.elapsed();
+        let mut slept = Duration::from_nanos(r.slept_ns.load(Ordering::Relaxed));
+        // A sleep in progress counts as sleep so far.
+        let since = r.asleep_since.load(Ordering::Relaxed);
+        if since > 0 {
+            slept += uptime.saturating_sub(Duration::from_nanos(since - 1));
+        }
+        let reactor = ReactorStats {
+            passes: r.passes.load(Ordering::Relaxed),
+            sleeps: r.sleeps.load(Ordering::Relaxed),
+            wakeups: r.wakeups.load(Ordering::Relaxed),
+            uptime,
+            slept,
+            polling: uptime.saturating_sub(slept),
+        };
+        let cells: Vec<_> = lock(&self.shared().counters).map.values().cloned().collect();
+        let mut counters: Vec<CounterStats> = cells
+            .iter()
+            .map(|c| CounterStats {
+                imm: c.imm(),
+                arrivals: c.arrived(),
+                available: c.unconsumed(),
+                waiters: c.waiters() as u64,
+            })
+            .collect();
+        counters.sort_by_key(|c| c.imm);
+        EngineStats { transport: self.shared().transport.clone(), nics, peers, reactor, counters }
+    }
+}

@@ -1,0 +1,170 @@
+//! `Engine::stats` adds up after real transfers: two engines of this process over libfabric
+//! (tcp and shm on loopback, or `FABRIC_TEST_PROVIDERS`), N writes of S bytes, then the
+//! writer's NIC and peer entries, the receiver's counter and both reactors are checked.
+
+use std::time::Duration;
+
+use fabric_async::{Engine, EngineStats, OpStats};
+use integration_tests::{fill_pattern, pattern_byte, primary, providers};
+
+const WAIT: Duration = Duration::from_secs(30);
+const IMM: u32 = 9;
+
+fn all_done(s: &OpStats, ops: u64, bytes: u64) {
+    assert_eq!(s.posted_ops, ops, "posted ops: {s}");
+    assert_eq!(s.completed_ops, ops, "completed ops: {s}");
+    assert_eq!(s.posted_bytes, bytes, "posted bytes: {s}");
+    assert_eq!(s.completed_bytes, bytes, "completed bytes: {s}");
+    assert_eq!(s.errors, 0, "errors: {s}");
+    assert_eq!(s.in_flight, 0, "in flight: {s}");
+    assert_eq!(s.backlog, 0, "backlog: {s}");
+}
+
+/// N write_imm of S bytes from `w` to `r`; returns both engines' stats afterwards.
+async fn run(w: &Engine, r: &Engine, n: usize, s: usize) -> (EngineStats, EngineStats, fabric_async::PeerId) {
+    let dst_region = r.alloc(n * s).await.expect("alloc dst");
+    let dst = w.remote_region(&dst_region.descriptor().to_bytes()).await.expect("remote");
+    let mut data = vec![0u8; n * s];
+    fill_pattern(&mut data, 5, 0);
+    let src = w.register(data).await.expect("register src");
+    let before = w.stats();
+    assert_eq!(before.peer(dst.peer()).copied().unwrap_or_default().posted_ops, 0, "fresh peer: {before}");
+    let arrivals: u64 = (0..n).map(|_| w.write_arrivals(&dst, s as u64).expect("arrivals")).sum();
+    let writes = (0..n).map(|i| {
+        let off = (i * s) as u64;
+        w.write_imm(&src, off, &dst, off, s as u64, IMM)
+    });
+    tokio::time::timeout(WAIT, futures::future::try_join_all(writes))
+        .await
+        .expect("writes in time")
+        .expect("writes");
+    let counter = r.imm_counter(IMM);
+    tokio::time::timeout(WAIT, counter.wait_for(arrivals)).await.expect("arrivals in time").expect("wait");
+    let mut got = vec![0u8; n * s];
+    dst_region.read_at(0, &mut got).expect("read");
+    assert!(got.iter().enumerate().all(|(i, b)| *b == pattern_byte(5, i as u64)), "bytes differ");
+    let rs = r.stats();
+    let c = rs.counter(IMM).expect("receiver counter entry");
+    assert_eq!(c.arrivals, arrivals, "receiver arrivals: {rs}");
+    assert_eq!(c.available, 0, "wait_for consumed them: {rs}");
+    assert_eq!(c.waiters, 0, "{rs}");
+    assert_eq!(rs.total().posted_ops, 0, "the receiver posted nothing: {rs}");
+    (w.stats(), rs, dst.peer())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_add_up_on_nic_peer_and_counter() {
+    const N: usize = 32;
+    const S: usize = 64 << 10;
+    for p in providers() {
+        let w = Engine::builder().provider(p.as_str()).build().expect("writer");
+        let r = Engine::builder().provider(p.as_str()).build().expect("receiver");
+        let (ws, rs, peer) = run(&w, &r, N, S).await;
+        eprintln!("{p}: writer after {N} x {S} B:\n{ws}\n{p}: receiver:\n{rs}");
+        assert_eq!(ws.nics.len(), 1);
+        all_done(&ws.nics[0], N as u64, (N * S) as u64);
+        all_done(ws.peer(peer).expect("peer entry"), N as u64, (N * S) as u64);
+        assert!(ws.reactor.passes > 0 && rs.reactor.passes > 0, "{ws}\n{rs}");
+        assert!(ws.reactor.polling <= ws.reactor.uptime);
+        w.shutdown();
+        r.shutdown();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_writes_add_up_over_two_nics() {
+    const N: usize = 8;
+    const S: usize = 1 << 20;
+    let p = primary();
+    if p.starts_with("verbs") {
+        integration_tests::skipped("sharded_writes_add_up_over_two_nics", "needs two libfabric domains");
+        return;
+    }
+    let w = Engine::builder().provider(p.as_str()).domains(2).build().expect("writer");
+    let r = Engine::builder().provider(p.as_str()).domains(2).build().expect("receiver");
+    let (ws, _rs, peer) = run(&w, &r, N, S).await;
+    eprintln!("{p}, 2 NICs: writer after {N} x {S} B:\n{ws}");
+    let total = ws.total();
+    assert_eq!(total.posted_bytes, (N * S) as u64, "{ws}");
+    assert_eq!(total.completed_ops, total.posted_ops, "{ws}");
+    assert!(ws.nics.iter().all(|n| n.posted_ops > 0), "both NICs carried shards: {ws}");
+    all_done(ws.peer(peer).expect("peer entry"), total.posted_ops, (N * S) as u64);
+    w.shutdown();
+    r.shutdown();
+}
+
+/// A `metrics` recorder that keeps the last value of every series, keyed `name{l=v,...}`.
+#[derive(Default)]
+struct Last(std::sync::Mutex<std::collections::BTreeMap<String, f64>>);
+
+struct Series(std::sync::Arc<Last>, String);
+
+impl metrics::CounterFn for Series {
+    fn increment(&self, v: u64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += v as f64;
+    }
+    fn absolute(&self, v: u64) {
+        self.0 .0.lock().unwrap().insert(self.1.clone(), v as f64);
+    }
+}
+
+impl metrics::GaugeFn for Series {
+    fn increment(&self, v: f64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() += v;
+    }
+    fn decrement(&self, v: f64) {
+        *self.0 .0.lock().unwrap().entry(self.1.clone()).or_default() -= v;
+    }
+    fn set(&self, v: f64) {
+        self.0 .0.lock().unwrap().insert(self.1.clone(), v);
+    }
+}
+
+struct Recorder(std::sync::Arc<Last>);
+
+impl Recorder {
+    fn series(&self, key: &metrics::Key) -> std::sync::Arc<Series> {
+        let labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+        std::sync::Arc::new(Series(self.0.clone(), format!("{}{{{}}}", key.name(), labels.join(","))))
+    }
+}
+
+impl metrics::Recorder for Recorder {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(self.series(key))
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(self.series(key))
+    }
+    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stats_reach_the_metrics_facade() {
+    const N: usize = 4;
+    const S: usize = 4096;
+    let p = primary();
+    let w = Engine::builder().provider(p.as_str()).build().expect("writer");
+    let r = Engine::builder().provider(p.as_str()).build().expect("receiver");
+    let (ws, rs, peer) = run(&w, &r, N, S).await;
+    let last = std::sync::Arc::new(Last::default());
+    metrics::with_local_recorder(&Recorder(last.clone()), || {
+        ws.record_metrics("w");
+        rs.record_metrics("r");
+    });
+    let m = last.0.lock().unwrap().clone();
+    let get = |k: &str| *m.get(k).unwrap_or_else(|| panic!("no series {k} in {m:#?}"));
+    assert_eq!(get("fabric_nic_posted_ops_total{engine=w,nic=0}"), N as f64);
+    assert_eq!(get("fabric_nic_completed_bytes_total{engine=w,nic=0}"), (N * S) as f64);
+    assert_eq!(get(&format!("fabric_peer_completed_ops_total{{engine=w,peer={}}}", peer.0)), N as f64);
+    assert_eq!(get("fabric_nic_in_flight{engine=w,nic=0}"), 0.0);
+    assert_eq!(get(&format!("fabric_counter_arrivals_total{{engine=r,imm={IMM}}}")), N as f64);
+    assert!(get("fabric_reactor_passes_total{engine=w}") > 0.0);
+    w.shutdown();
+    r.shutdown();
+}
