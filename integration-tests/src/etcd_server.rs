@@ -35,9 +35,25 @@ fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// Whether etcd at `endpoint` answers `GET /health` with `"health":"true"` (HTTP/1.0, so the
+/// server closes the connection after the answer).
+fn healthy(endpoint: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut c) = std::net::TcpStream::connect(endpoint) else { return false };
+    let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
+    if c.write_all(format!("GET /health HTTP/1.0\r\nHost: {endpoint}\r\n\r\n").as_bytes()).is_err() {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = c.take(4096).read_to_string(&mut answer);
+    answer.contains("\"health\":\"true\"")
+}
+
 impl EtcdServer {
-    /// Starts `bin` on free 127.0.0.1 ports and waits (up to 20 s) until its client port
-    /// accepts connections. Panics with etcd's log if it does not come up.
+    /// Starts `bin` on free 127.0.0.1 ports and waits (up to 20 s) until it serves: its
+    /// `/health` answers `"health":"true"` (it has elected itself leader), not merely until
+    /// its port accepts connections, so a test's first request does not wait for the
+    /// election. Panics with etcd's log if it does not come up.
     pub fn start(bin: &Path) -> EtcdServer {
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
@@ -62,7 +78,7 @@ impl EtcdServer {
         let mut s = EtcdServer { child: Some(child), dir, endpoint };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            if std::net::TcpStream::connect(&s.endpoint).is_ok() {
+            if healthy(&s.endpoint) {
                 return s;
             }
             if let Some(c) = s.child.as_mut() {
