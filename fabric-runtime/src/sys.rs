@@ -103,6 +103,13 @@ pub(crate) fn page_size() -> usize {
     }
 }
 
+/// Bytes of physical memory of the machine (`None` if `sysconf` cannot tell).
+pub(crate) fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf takes no pointers.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages).ok().filter(|&p| p > 0).map(|p| p.saturating_mul(page_size() as u64))
+}
+
 /// Maps `len` (a non-zero multiple of the page size) bytes of zeroed, page-aligned,
 /// read-write anonymous memory. An error (`ENOMEM`), never an abort, when it cannot.
 pub(crate) fn map_zeroed(len: usize) -> io::Result<std::ptr::NonNull<u8>> {

@@ -48,8 +48,9 @@ unsafe impl Sync for Backing {}
 
 impl Backing {
     /// Zeroed memory of `len` bytes aligned to `align` (a power of two, at most the page
-    /// size). `len == 0`, a size that overflows when rounded up to pages, or one the kernel
-    /// refuses (`ENOMEM`) is an error.
+    /// size). `len == 0`, a size that overflows when rounded up to pages, one larger than the
+    /// machine's physical memory (it could never be backed, and NICs that pin would fail
+    /// late), or one the kernel refuses (`ENOMEM`) is an error, never an abort.
     pub(crate) fn zeroed(len: usize, align: usize) -> Result<Backing, Error> {
         if len == 0 {
             return Err(Error::Config("cannot register an empty region".into()));
@@ -64,6 +65,9 @@ impl Backing {
             .checked_next_multiple_of(page)
             .filter(|&m| m <= isize::MAX as usize)
             .ok_or_else(|| oom("size overflows the address space".into()))?;
+        if let Some(phys) = crate::sys::physical_memory().filter(|&p| map_len as u64 > p) {
+            return Err(oom(format!("larger than the machine's {phys} bytes of memory")));
+        }
         let ptr = crate::sys::map_zeroed(map_len).map_err(|e| oom(format!("out of memory: {e}")))?;
         Ok(Backing { ptr, len, kind: BackingKind::Mapped(map_len) })
     }
@@ -216,5 +220,35 @@ impl Drop for RegionShared {
         if let Some(b) = self.backing.take() {
             self.shared.retire(std::mem::take(&mut self.regs), b);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absurd_sizes_and_alignments_are_errors() {
+        assert!(matches!(Backing::zeroed(0, 4096), Err(Error::Config(_))));
+        assert!(matches!(Backing::zeroed(4096, 3), Err(Error::Config(_))));
+        assert!(matches!(Backing::zeroed(4096, 1 << 20), Err(Error::Config(_))));
+        for len in [usize::MAX, usize::MAX - 4095, isize::MAX as usize + 1, 1 << 40] {
+            let r = Backing::zeroed(len, 4096);
+            assert!(matches!(r, Err(Error::RegisterMemory { len: l, .. }) if l == len), "{len}");
+        }
+        assert!(matches!(Backing::from_vec(Vec::new()), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn mapped_memory_is_zeroed_aligned_and_vectors_are_copied() {
+        let b = Backing::zeroed(5000, 4096).unwrap();
+        assert_eq!(b.addr() % 4096, 0);
+        assert_eq!(b.len(), 5000);
+        // SAFETY: the backing owns 5000 readable bytes; nothing else uses them.
+        assert!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 5000) }.iter().all(|&x| x == 0));
+        let v: Vec<u8> = (0..=255).collect();
+        let b = Backing::from_vec(v.clone()).unwrap();
+        // SAFETY: as above, 256 bytes.
+        assert_eq!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 256) }, &v[..]);
     }
 }
