@@ -70,3 +70,29 @@ async fn stale_descriptor_never_lands_in_a_reused_region() {
         );
     }
 }
+
+/// Two engines do not hand out the same keys: libfabric keys start at a random value per
+/// domain, so a later engine (which may get an earlier one's address, its port) does not
+/// accept the descriptors of the earlier one. Verbs keys are the NIC's own, so the check is
+/// for libfabric providers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_do_not_share_keys() {
+    for p in providers() {
+        if p.starts_with("verbs") {
+            integration_tests::skipped("engines_do_not_share_keys", "verbs: NIC-chosen keys");
+            continue;
+        }
+        let (mut keys, mut engines) = (Vec::new(), Vec::new());
+        for _ in 0..2 {
+            let e = Engine::builder().provider(p.as_str()).build().unwrap();
+            let mut mine = Vec::new();
+            for _ in 0..4 {
+                let r = e.alloc(4096).await.unwrap();
+                mine.push(r.descriptor().domains[0].key);
+            }
+            keys.push(mine);
+            engines.push(e);
+        }
+        assert!(keys[0].iter().all(|k| !keys[1].contains(k)), "{p}: keys of two engines overlap: {keys:?}");
+    }
+}
