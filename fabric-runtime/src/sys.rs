@@ -91,3 +91,74 @@ pub(crate) fn pin_to_core(core: usize) -> io::Result<()> {
     // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
     syscall!(sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)).map(|_| ())
 }
+
+/// The page size (4096 if `sysconf` cannot tell).
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf takes no pointers.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as usize
+    } else {
+        4096
+    }
+}
+
+/// Bytes of physical memory of the machine (`None` if `sysconf` cannot tell).
+pub(crate) fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf takes no pointers.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages).ok().filter(|&p| p > 0).map(|p| p.saturating_mul(page_size() as u64))
+}
+
+/// Maps `len` (a non-zero multiple of the page size) bytes of zeroed, page-aligned,
+/// read-write anonymous memory. An error (`ENOMEM`), never an abort, when it cannot.
+pub(crate) fn map_zeroed(len: usize) -> io::Result<std::ptr::NonNull<u8>> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing; no
+    // existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    std::ptr::NonNull::new(p.cast()).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))
+}
+
+/// Gives a mapping made by [`map_zeroed`] back: its pages are freed, but the virtual range
+/// stays reserved (`PROT_NONE`, no memory behind it) for the rest of the process, so no later
+/// allocation can be placed there. A peer holding a stale descriptor of a region that lived
+/// there (a virtual address and a key) then faults (`EFAULT`) instead of writing into
+/// whatever the process would have put at that address next. If the range cannot be
+/// re-mapped, it is left as it is (still reserved, still not reused).
+///
+/// # Safety
+///
+/// `ptr..ptr+len` must be exactly a mapping made by [`map_zeroed`], not used afterwards.
+pub(crate) unsafe fn retire_mapping(ptr: *mut u8, len: usize) {
+    // SAFETY: the caller owns the whole range (a mapping of ours); MAP_FIXED replaces only
+    // it, and nobody uses it afterwards.
+    let p = unsafe {
+        libc::mmap(
+            ptr.cast(),
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        tracing::warn!(
+            error = %io::Error::last_os_error(),
+            len,
+            "could not reserve a retired region's range; its memory stays mapped"
+        );
+    }
+}

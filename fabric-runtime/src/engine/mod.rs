@@ -250,7 +250,10 @@ impl Engine {
         }
     }
 
-    /// Registers `data` with every NIC of the engine; the region owns it from now on.
+    /// Registers `data` with every NIC of the engine; the region owns it from now on. The
+    /// bytes are copied into memory of the region's own (a mapping whose address range is
+    /// never reused once the region is freed, so stale descriptors of it cannot reach new
+    /// memory: `docs/security.md`). An empty `data` is [`Error::Config`].
     ///
     /// # Cancel safety
     ///
@@ -261,6 +264,9 @@ impl Engine {
     }
 
     /// Allocates `len` zeroed bytes aligned to 4096 and registers them.
+    ///
+    /// `len == 0` is [`Error::Config`]; a `len` larger than the machine's physical memory or
+    /// than the kernel will map is [`Error::RegisterMemory`] (never an abort).
     ///
     /// # Cancel safety
     ///

@@ -125,6 +125,10 @@ impl MemoryRegion {
     /// The descriptor a peer needs to write into (or read from) this region: the transport,
     /// the length, and one (NIC address, base, key) entry per NIC. Turn it into bytes with
     /// [`RegionDescriptor::to_bytes`].
+    ///
+    /// Whoever holds the descriptor can read and write the whole region until it is freed;
+    /// after that, writes through it fail at the writer and never reach memory allocated
+    /// later (`docs/security.md` says what each provider enforces).
     pub fn descriptor(&self) -> RegionDescriptor {
         let shared = self.inner.engine();
         RegionDescriptor {

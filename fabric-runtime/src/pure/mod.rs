@@ -19,5 +19,5 @@ pub mod route;
 pub mod slab;
 pub mod staging;
 #[cfg(test)]
-mod test_rng;
+pub(crate) mod test_rng;
 pub mod verbs_wire;

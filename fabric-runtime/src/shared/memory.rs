@@ -2,7 +2,6 @@
 //! ([`RegionShared`]): its registrations, and the engine to hand both back to when the last
 //! user (a `MemoryRegion` clone or an in-flight operation) lets go.
 
-use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -13,6 +12,13 @@ use super::Shared;
 
 /// Memory that a region owns. It is freed only after every NIC registration of it has been
 /// closed (by the reactor, see `Shared::retire`), never while a NIC may touch it.
+///
+/// Host memory is its own anonymous mapping (`mmap`, so an absurd size is an error, never an
+/// abort). When it is freed its virtual range stays reserved for the life of the process
+/// (`sys::retire_mapping`): a stale descriptor names an address that nothing will ever
+/// occupy again, which is what keeps its writes out of new regions on providers that
+/// address remote memory by virtual address and do not check keys (shm's CMA path). See
+/// `docs/security.md`.
 pub(crate) struct Backing {
     ptr: NonNull<u8>,
     len: usize,
@@ -20,8 +26,8 @@ pub(crate) struct Backing {
 }
 
 enum BackingKind {
-    Aligned(Layout),
-    Vec(usize /* capacity */),
+    /// `sys::map_zeroed` memory; the length of the mapping (`len` rounded up to pages).
+    Mapped(usize),
     /// Pinned host memory: the staging pool's bounce slots (what the NICs see of staged
     /// GPU transfers).
     #[cfg(feature = "cuda")]
@@ -41,32 +47,38 @@ unsafe impl Send for Backing {}
 unsafe impl Sync for Backing {}
 
 impl Backing {
-    /// Zeroed memory of `len` bytes aligned to `align` (a power of two).
+    /// Zeroed memory of `len` bytes aligned to `align` (a power of two, at most the page
+    /// size). `len == 0`, a size that overflows when rounded up to pages, one larger than the
+    /// machine's physical memory (it could never be backed, and NICs that pin would fail
+    /// late), or one the kernel refuses (`ENOMEM`) is an error, never an abort.
     pub(crate) fn zeroed(len: usize, align: usize) -> Result<Backing, Error> {
         if len == 0 {
             return Err(Error::Config("cannot register an empty region".into()));
         }
-        let layout = Layout::from_size_align(len, align)
-            .map_err(|e| Error::Config(format!("bad region layout ({len} bytes, align {align}): {e}")))?;
-        // SAFETY: `layout` has a non-zero size (checked above).
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or(Error::RegisterMemory {
-            len,
-            location: "host".into(),
-            message: "out of memory".into(),
-        })?;
-        Ok(Backing { ptr, len, kind: BackingKind::Aligned(layout) })
+        let page = crate::sys::page_size();
+        if !align.is_power_of_two() || align > page {
+            return Err(Error::Config(format!("bad region alignment {align} (a power of two up to {page})")));
+        }
+        let oom = |message: String| Error::RegisterMemory { len, location: "host".into(), message };
+        // At most isize::MAX bytes, like any Rust allocation (slices of it must be valid).
+        let map_len = len
+            .checked_next_multiple_of(page)
+            .filter(|&m| m <= isize::MAX as usize)
+            .ok_or_else(|| oom("size overflows the address space".into()))?;
+        if let Some(phys) = crate::sys::physical_memory().filter(|&p| map_len as u64 > p) {
+            return Err(oom(format!("larger than the machine's {phys} bytes of memory")));
+        }
+        let ptr = crate::sys::map_zeroed(map_len).map_err(|e| oom(format!("out of memory: {e}")))?;
+        Ok(Backing { ptr, len, kind: BackingKind::Mapped(map_len) })
     }
 
+    /// The bytes of `v` in memory of their own (copied, so that the range can be reserved
+    /// when the region goes, which a `Vec`'s heap memory cannot be).
     pub(crate) fn from_vec(v: Vec<u8>) -> Result<Backing, Error> {
-        if v.is_empty() {
-            return Err(Error::Config("cannot register an empty region".into()));
-        }
-        let mut v = std::mem::ManuallyDrop::new(v);
-        let (ptr, len, cap) = (v.as_mut_ptr(), v.len(), v.capacity());
-        // A Vec's pointer is never null.
-        let ptr = NonNull::new(ptr).expect("Vec pointer is non-null");
-        Ok(Backing { ptr, len, kind: BackingKind::Vec(cap) })
+        let b = Backing::zeroed(v.len(), 1)?;
+        // SAFETY: `b` is a fresh mapping of at least `v.len()` bytes, disjoint from `v`.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), b.as_ptr(), v.len()) };
+        Ok(b)
     }
 
     /// Pinned host memory the NICs read and write (the staging pool).
@@ -100,12 +112,8 @@ impl Backing {
 impl Drop for Backing {
     fn drop(&mut self) {
         match self.kind {
-            // SAFETY: allocated in `zeroed` with exactly this layout, freed once.
-            BackingKind::Aligned(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
-            // SAFETY: these are the parts of a Vec taken apart in `from_vec`; rebuilt once.
-            BackingKind::Vec(cap) => unsafe {
-                drop(Vec::from_raw_parts(self.ptr.as_ptr(), self.len, cap));
-            },
+            // SAFETY: exactly the mapping made in `zeroed`, retired once, never used again.
+            BackingKind::Mapped(map_len) => unsafe { crate::sys::retire_mapping(self.ptr.as_ptr(), map_len) },
             // The buffers free themselves when the kind is dropped, after this.
             #[cfg(feature = "cuda")]
             BackingKind::Pinned(_) | BackingKind::Device(_) => {}
@@ -212,5 +220,35 @@ impl Drop for RegionShared {
         if let Some(b) = self.backing.take() {
             self.shared.retire(std::mem::take(&mut self.regs), b);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absurd_sizes_and_alignments_are_errors() {
+        assert!(matches!(Backing::zeroed(0, 4096), Err(Error::Config(_))));
+        assert!(matches!(Backing::zeroed(4096, 3), Err(Error::Config(_))));
+        assert!(matches!(Backing::zeroed(4096, 1 << 20), Err(Error::Config(_))));
+        for len in [usize::MAX, usize::MAX - 4095, isize::MAX as usize + 1, 1 << 40] {
+            let r = Backing::zeroed(len, 4096);
+            assert!(matches!(r, Err(Error::RegisterMemory { len: l, .. }) if l == len), "{len}");
+        }
+        assert!(matches!(Backing::from_vec(Vec::new()), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn mapped_memory_is_zeroed_aligned_and_vectors_are_copied() {
+        let b = Backing::zeroed(5000, 4096).unwrap();
+        assert_eq!(b.addr() % 4096, 0);
+        assert_eq!(b.len(), 5000);
+        // SAFETY: the backing owns 5000 readable bytes; nothing else uses them.
+        assert!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 5000) }.iter().all(|&x| x == 0));
+        let v: Vec<u8> = (0..=255).collect();
+        let b = Backing::from_vec(v.clone()).unwrap();
+        // SAFETY: as above, 256 bytes.
+        assert_eq!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 256) }, &v[..]);
     }
 }

@@ -78,4 +78,47 @@ mod tests {
         wrong[0] = 10;
         assert!(ok(&wrong).is_err());
     }
+
+    /// 100,000 peer addresses (noise, and mutations of valid shm and tcp addresses) through
+    /// the check that guards `fi_av_insert`: never a panic, and what it accepts has the
+    /// shape the provider reads (NUL-terminated with our scheme, or exactly our length).
+    #[test]
+    fn fuzz_peer_address_check_never_panics() {
+        let mut rng = crate::pure::test_rng::Rng(0x2545_f491_4f6c_dd1d);
+        let shm: &[u8] = b"fi_shm://123:4:0\0";
+        let sin: &[u8] = &[2u8, 0, 1, 2, 127, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0];
+        let mut accepted = 0;
+        let mut input = Vec::new();
+        for i in 0..100_000 {
+            let (format, ours) =
+                if i % 2 == 0 { (sys::FI_ADDR_STR, shm) } else { (sys::FI_SOCKADDR_IN, sin) };
+            input.clear();
+            if i % 5 == 0 {
+                let len = rng.below(300);
+                input.extend((0..len).map(|_| rng.next() as u8));
+            } else {
+                input.extend_from_slice(ours);
+                for _ in 0..=rng.below(3) {
+                    let at = rng.below(input.len());
+                    input[at] =
+                        if rng.next() & 1 == 0 { rng.next() as u8 } else { b'0' + rng.below(10) as u8 };
+                }
+                match rng.below(4) {
+                    0 => input.truncate(rng.below(input.len() + 1)),
+                    1 => input.extend((0..rng.below(8)).map(|_| b'0' + rng.below(10) as u8)),
+                    _ => {}
+                }
+            }
+            if validate_peer_address(format, ours, &input, "t").is_ok() {
+                accepted += 1;
+                if format == sys::FI_ADDR_STR {
+                    assert_eq!(input.last(), Some(&0));
+                    assert!(!input[..input.len() - 1].contains(&0));
+                } else {
+                    assert_eq!(input.len(), ours.len());
+                }
+            }
+        }
+        assert!(accepted > 0, "the loop reached valid addresses");
+    }
 }

@@ -43,6 +43,9 @@ pub struct LibfabricDomain {
     /// then a write completes only once its data is placed at the target.
     pub(super) delivery_complete: bool,
     pub(super) mr_mode: u32,
+    /// The key the next registration asks for (without `FI_MR_PROV_KEY`): a random start,
+    /// then +1 per registration, so no two registrations of this domain, nor of an earlier
+    /// domain that had the same address, share a key (see `docs/security.md`).
     pub(super) next_key: u64,
     pub(super) wait_fd: Option<RawFd>,
     /// Completions read from the CQ that did not fit in the caller's `max`.
@@ -128,7 +131,7 @@ impl LibfabricDomain {
         tracing::debug!(provider = %prov_name, ?extras, "libfabric provider opened");
         let i = info.as_ptr();
         // SAFETY: fi_getinfo returned a valid fi_info whose attribute pointers are non-null.
-        let (cq_data_size, mr_mode, addr_format, ep_max_msg, resolved, tx_op_flags) = unsafe {
+        let (cq_data_size, mr_mode, mr_key_size, addr_format, ep_max_msg, resolved, tx_op_flags) = unsafe {
             let d = (*i).domain_attr;
             let prov = (*(*i).fabric_attr).prov_name;
             let resolved = if prov.is_null() {
@@ -139,6 +142,7 @@ impl LibfabricDomain {
             (
                 (*d).cq_data_size,
                 (*d).mr_mode as u32,
+                (*d).mr_key_size,
                 (*i).addr_format,
                 (*(*i).ep_attr).max_msg_size,
                 resolved,
@@ -217,7 +221,7 @@ impl LibfabricDomain {
             max_msg_size: cfg.max_msg_size.min(ep_max_msg),
             delivery_complete,
             mr_mode,
-            next_key: 1,
+            next_key: first_key(mr_key_size),
             wait_fd,
             overflow: VecDeque::new(),
         })
@@ -302,4 +306,18 @@ impl Drop for LibfabricDomain {
         // The remaining fields now drop in declaration order: ep, cq, av, domain, fabric,
         // info, ctxs.
     }
+}
+
+/// A random first requested key, within the provider's `mr_key_size` bytes and leaving 2^32
+/// registrations of room before it wraps; never 0.
+fn first_key(mr_key_size: usize) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // std's RandomState is seeded from the OS once per process and advanced per instance.
+    let r = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    let bits = (mr_key_size.min(8) * 8) as u32;
+    if bits <= 32 {
+        return 1;
+    }
+    let top = if bits >= 64 { u64::MAX } else { (1u64 << bits) - 1 };
+    ((r & top) & !0xffff_ffff).max(1 << 32)
 }

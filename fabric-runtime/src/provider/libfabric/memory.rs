@@ -74,7 +74,7 @@ impl LibfabricDomain {
             }
         }
         if !self.mr_needs(sys::FI_MR_PROV_KEY) {
-            self.next_key += 1;
+            self.next_key = self.next_key.wrapping_add(1);
         }
         // SAFETY: mr is open and registered (and enabled where needed).
         let (desc, key) =

@@ -1,0 +1,98 @@
+//! Remote memory safety: a descriptor outlives its region only as a dead key. A write
+//! through the descriptor of a dropped region fails at the writer with a typed error and
+//! never lands in memory the owner reuses for a new region (see `docs/security.md`).
+
+use std::time::Duration;
+
+use fabric_async::{Engine, Error, MemoryRegion};
+use integration_tests::providers;
+
+/// Region size. Each region is its own mapping; without the engine's retired ranges the
+/// kernel places a new mapping of the same size in the hole the dropped one left (which is
+/// how this test fails when `sys::retire_mapping` merely unmaps).
+const LEN: usize = 64 * 1024;
+/// How many regions of the same size the owner allocates after dropping the first.
+const REALLOCS: usize = 8;
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), f).await.expect("answered within 30 s")
+}
+
+fn all_zero(r: &MemoryRegion) -> bool {
+    r.to_vec().iter().all(|&b| b == 0)
+}
+
+/// Rounds per provider, each with a fresh writer (a stale write may leave the writer's
+/// peer marked failed, see `docs/security.md`, and each round must reach the owner again).
+const ROUNDS: usize = 3;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_descriptor_never_lands_in_a_reused_region() {
+    for p in providers() {
+        // A short op_timeout bounds the worst case (shm: see docs/security.md).
+        let timeout = Some(Duration::from_secs(3));
+        let owner = Engine::builder().provider(p.as_str()).op_timeout(timeout).build().unwrap();
+        let mut reused = 0;
+        for round in 0..ROUNDS {
+            let writer = Engine::builder().provider(p.as_str()).op_timeout(timeout).build().unwrap();
+            let src = writer.alloc(LEN).await.unwrap();
+            src.write_at(0, &vec![0xA5; LEN]).unwrap();
+
+            // A live region first: the path works and the peer is connected.
+            let first = owner.alloc(LEN).await.unwrap();
+            let first_addr = first.as_ptr() as u64;
+            let stale = writer.remote_region(&first.descriptor().to_bytes()).await.unwrap();
+            bounded(writer.write(&src, 0, &stale, 0, 64)).await.expect("a write to a live region");
+            assert_eq!(first.to_vec()[..64], [0xA5; 64], "{p}: the live write landed");
+            drop(first);
+
+            // New regions of the same size, where the allocator would like to put them.
+            let mut fresh = Vec::new();
+            for _ in 0..REALLOCS {
+                let r = owner.alloc(LEN).await.unwrap();
+                reused += usize::from(r.as_ptr() as u64 == first_addr);
+                fresh.push(r);
+            }
+            let r = bounded(writer.write(&src, 0, &stale, 0, LEN as u64)).await;
+            // Let anything still in flight land before looking.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            for (j, r) in fresh.iter().enumerate() {
+                assert!(all_zero(r), "{p}: round {round}: the stale write landed in new region {j}");
+            }
+            assert!(
+                matches!(r, Err(Error::Completion { .. } | Error::PeerUnreachable { .. })),
+                "{p}: round {round}: a write through a stale descriptor: {r:?}"
+            );
+        }
+        eprintln!(
+            "{p}: {reused} of {} new regions were placed at a dropped region's address",
+            ROUNDS * REALLOCS
+        );
+    }
+}
+
+/// Two engines do not hand out the same keys: libfabric keys start at a random value per
+/// domain, so a later engine (which may get an earlier one's address, its port) does not
+/// accept the descriptors of the earlier one. Verbs keys are the NIC's own, so the check is
+/// for libfabric providers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_do_not_share_keys() {
+    for p in providers() {
+        if p.starts_with("verbs") {
+            integration_tests::skipped("engines_do_not_share_keys", "verbs: NIC-chosen keys");
+            continue;
+        }
+        let (mut keys, mut engines) = (Vec::new(), Vec::new());
+        for _ in 0..2 {
+            let e = Engine::builder().provider(p.as_str()).build().unwrap();
+            let mut mine = Vec::new();
+            for _ in 0..4 {
+                let r = e.alloc(4096).await.unwrap();
+                mine.push(r.descriptor().domains[0].key);
+            }
+            keys.push(mine);
+            engines.push(e);
+        }
+        assert!(keys[0].iter().all(|k| !keys[1].contains(k)), "{p}: keys of two engines overlap: {keys:?}");
+    }
+}
