@@ -105,8 +105,9 @@ impl EngineBuilder {
     /// On by default: it takes one OS wake-up (several microseconds) off every operation
     /// started on an idle engine, such as each hop of a ping-pong. The pass takes the
     /// reactor's lock only if it is free (never waits for it) and also completes whatever it
-    /// finds in the completion queues; registrations and peer changes always go to the
-    /// reactor thread. Used only where every NIC has a completion wait fd (tcp, verbs): on
+    /// finds in the completion queues; registrations, peer changes and the synchronous
+    /// `post_*` path (`OpBatch`: no allocation and no reactor work on its caller's thread)
+    /// always go to the reactor thread. Used only where every NIC has a completion wait fd (tcp, verbs): on
     /// a provider without one (shm, EFA), only the reactor thread's poll window moves a
     /// transfer, so it is woken as before. `FABRIC_DIRECT_POST=0` sets the default to off.
     pub fn direct_post(mut self, on: bool) -> Self {

@@ -130,6 +130,19 @@ pub(crate) struct Shared {
     pub(crate) gpu: gpu::GpuShared,
 }
 
+/// Whether a submission may be posted on the submitter's thread (`EngineBuilder::direct_post`):
+/// operations and sends awaited as futures. Not registrations or peer changes (their page
+/// pinning and handshakes stay off the caller's thread), and not the synchronous `post_*`
+/// path (`OpBatch`), which promises its caller no allocation and no reactor work on its
+/// thread outside `ReactorMode::Inline`.
+fn posts_directly(s: &Submission) -> bool {
+    match s {
+        Submission::Op { notify, .. } => !matches!(notify, notify::Notify::Batch(_)),
+        Submission::Send { .. } => true,
+        _ => false,
+    }
+}
+
 impl Shared {
     /// The state of a new engine: an open, empty queue and no peers or counters.
     pub(crate) fn new(
@@ -177,7 +190,7 @@ impl Shared {
         if q.state != QueueState::Open {
             return Err(s);
         }
-        let direct = s.iter().all(|s| matches!(s, Submission::Op { .. } | Submission::Send { .. }));
+        let direct = s.iter().all(posts_directly);
         q.items.append(&mut s);
         self.queued(q, direct);
         Ok(())
@@ -194,7 +207,7 @@ impl Shared {
 
     /// Hands `s` to the reactor. Gives it back if the engine is shutting down.
     pub(crate) fn submit(&self, s: Submission) -> std::result::Result<(), Submission> {
-        let direct = matches!(s, Submission::Op { .. } | Submission::Send { .. });
+        let direct = posts_directly(&s);
         let mut q = lock(&self.queue);
         if q.state != QueueState::Open {
             return Err(s);
