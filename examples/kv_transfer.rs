@@ -48,8 +48,8 @@ use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, MemoryRegion, PageLayout, RemoteRegion};
 use fabric_examples::{
-    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError,
-    LocationArg, NicsArg, ProviderArg,
+    engine_builder, exit_with_parent, percentiles, positive, spawn_self, transport_args, wait_arrivals,
+    wait_child, BoxError, LocationArg, NicsArg, ProviderArg,
 };
 use tokio::sync::{oneshot, Semaphore};
 use tokio::task::JoinSet;
@@ -542,18 +542,9 @@ impl Prefill {
         children: &Mutex<HashMap<usize, Child>>,
     ) -> Result<(), BoxError> {
         let c = &self.cli;
-        let child = spawn_self([
-            "--decode-of".to_string(),
-            addr.to_string(),
-            "--id".into(),
-            id.to_string(),
-            "--provider".into(),
-            c.provider.name.clone(),
-            "--nics".into(),
-            c.nics.n.to_string(),
-            "--location".into(),
-            c.location.name().into(),
-            "--layers".into(),
+        let head = ["--decode-of".to_string(), addr.to_string(), "--id".into(), id.to_string()];
+        let tail = [
+            "--layers".to_string(),
             c.layers.to_string(),
             "--block-kib".into(),
             c.block_kib.to_string(),
@@ -563,7 +554,10 @@ impl Prefill {
             c.inflight.to_string(),
             "--deadline-ms".into(),
             c.deadline_ms.to_string(),
-        ])?;
+        ];
+        let child = spawn_self(
+            head.into_iter().chain(transport_args(&c.provider, &c.nics, &c.location)).chain(tail),
+        )?;
         children.lock().expect("children").insert(id, child);
         let desc = store.get(&format!("decode/{id}/desc")).await?;
         let kv = self.engine.remote_region(&desc).await?;

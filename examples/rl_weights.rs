@@ -43,8 +43,8 @@ use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, MemoryRegion, RemoteRegion};
 use fabric_examples::{
-    engine_builder, exit_with_parent, percentiles, positive, spawn_self, wait_arrivals, wait_child, BoxError,
-    LocationArg, NicsArg, ProviderArg,
+    engine_builder, exit_with_parent, percentiles, positive, spawn_self, transport_args, wait_arrivals,
+    wait_child, BoxError, LocationArg, NicsArg, ProviderArg,
 };
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
@@ -288,24 +288,19 @@ async fn trainer(cli: Cli) -> Result<(), BoxError> {
     store.put("trainer/addr", engine.address()).await?;
     let mut children = Vec::new();
     for id in 0..cli.workers {
-        children.push(spawn_self([
-            "--worker-of".to_string(),
-            server.local_addr().to_string(),
-            "--id".into(),
-            id.to_string(),
-            "--provider".into(),
-            cli.provider.name.clone(),
-            "--nics".into(),
-            cli.nics.n.to_string(),
-            "--location".into(),
-            cli.location.name().into(),
-            "--model-mib".into(),
+        let head =
+            ["--worker-of".to_string(), server.local_addr().to_string(), "--id".into(), id.to_string()];
+        let tail = [
+            "--model-mib".to_string(),
             cli.model_mib.to_string(),
             "--tensors".into(),
             cli.tensors.to_string(),
             "--versions".into(),
             cli.versions.to_string(),
-        ])?);
+        ];
+        let args =
+            head.into_iter().chain(transport_args(&cli.provider, &cli.nics, &cli.location)).chain(tail);
+        children.push(spawn_self(args)?);
     }
     let (min, max) = tensors.iter().fold((usize::MAX, 0), |(a, b), t| (a.min(t.len), b.max(t.len)));
     println!(

@@ -134,6 +134,19 @@ impl LocationArg {
     }
 }
 
+/// The transport options a parent passes on to the copies it starts: `--provider`, `--nics`
+/// and `--location` as the parent has them.
+pub fn transport_args(provider: &ProviderArg, nics: &NicsArg, location: &LocationArg) -> [String; 6] {
+    [
+        "--provider".into(),
+        provider.name.clone(),
+        "--nics".into(),
+        nics.n.to_string(),
+        "--location".into(),
+        location.name().into(),
+    ]
+}
+
 /// Starts a copy of the running program with `args` (stdin closed, stdout and stderr shared).
 pub fn spawn_self<I, S>(args: I) -> Result<Child, BoxError>
 where
