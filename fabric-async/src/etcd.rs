@@ -133,6 +133,11 @@ impl EtcdStore {
     /// Connects to etcd at `endpoints` (`"127.0.0.1:2379"`, `"http://host:2379"`), grants
     /// this process's lease and starts keeping it alive (a tokio task). Keys live under
     /// `prefix` (no trailing `/`; `"fabric/job-7"`).
+    ///
+    /// # Cancel safety
+    ///
+    /// If dropped, nothing is kept: a lease already granted expires after its TTL, as a dead
+    /// process's would.
     pub async fn connect<E: AsRef<str>>(
         endpoints: &[E],
         prefix: &str,
@@ -207,6 +212,10 @@ impl EtcdStore {
     }
 
     /// The members now, by name, and the etcd revision they were read at.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
     pub async fn members(&self) -> Result<(Vec<(String, Vec<u8>)>, i64), BootstrapError> {
         let prefix = self.members_prefix();
         let mut c = self.client.clone();
@@ -225,6 +234,10 @@ impl EtcdStore {
     /// The members now (as `Joined` events), then every join, update and departure as it
     /// happens. The stream ends with an error if the watch breaks (etcd unreachable); start
     /// a new one to resume (it begins with the members of that moment).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a watch opened before the drop is closed with its dropped stream.
     pub async fn watch_members(&self) -> Result<MemberEvents, BootstrapError> {
         let (now, rev) = self.members().await?;
         let prefix = self.members_prefix();
@@ -239,6 +252,11 @@ impl EtcdStore {
 
     /// Leaves: revokes the lease, so every key of this process (its member key included) is
     /// deleted now and watchers see [`MemberEvent::Left`].
+    ///
+    /// # Cancel safety
+    ///
+    /// The keep-alive stops at once; if dropped before etcd answered, the lease may still be
+    /// live, and its keys go when it expires (within its TTL).
     pub async fn leave(self) -> Result<(), BootstrapError> {
         self.keepalive.abort();
         let mut c = self.client.clone();

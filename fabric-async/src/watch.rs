@@ -13,14 +13,14 @@
 //! one thread wakes per completion and nobody contends for the reactor's lock.
 
 use std::fmt;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::io::unix::AsyncFd;
 use tokio::task::JoinHandle;
 
-use crate::{Engine, Error};
+use crate::{CompletionWakeups, Engine, Error};
 
 /// Tasks on the current tokio runtime that wake on an engine's completions and run its
 /// reactor's pass there (one task per NIC). Stopped when dropped.
@@ -56,12 +56,13 @@ impl fmt::Debug for CompletionWatch {
     }
 }
 
-/// An owned wait fd as `AsyncFd` wants it.
-struct WaitFd(OwnedFd);
+/// One wait fd of shared wake-ups, as `AsyncFd` wants it: the `Arc` keeps open the
+/// duplicate that `Engine::completion_wakeups` made, and runs the passes.
+struct WaitFd(Arc<CompletionWakeups>, RawFd);
 
 impl AsRawFd for WaitFd {
     fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
+        self.1
     }
 }
 
@@ -72,13 +73,8 @@ impl CompletionWatch {
     pub fn spawn(engine: &Engine) -> Result<CompletionWatch, Error> {
         let rt = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::Unsupported("CompletionWatch::spawn needs a tokio runtime".into()))?;
-        let wakeups = engine.completion_wakeups()?;
-        let fds: Vec<OwnedFd> = wakeups
-            .fds()
-            .map(|fd| fd.try_clone_to_owned())
-            .collect::<std::io::Result<_>>()
-            .map_err(io_error)?;
-        let wakeups = Arc::new(wakeups);
+        let wakeups = Arc::new(engine.completion_wakeups()?);
+        let fds: Vec<RawFd> = wakeups.fds().map(|fd| fd.as_raw_fd()).collect();
         let passes = Arc::new(AtomicU64::new(0));
         let mut tasks = Vec::with_capacity(fds.len());
         for fd in fds {
@@ -86,19 +82,24 @@ impl CompletionWatch {
             // is returned to the caller.
             let afd = {
                 let _guard = rt.enter();
-                // SAFETY: `WaitFd` owns the descriptor (a duplicate made for this watch): it
-                // stays open, naming the same file, until the `AsyncFd` drops it, and
-                // `as_raw_fd` always returns it.
-                unsafe { AsyncFd::register_with_interest(WaitFd(fd), tokio::io::Interest::READABLE) }
-                    .map_err(|e| io_error(e.into_parts().1))?
+                // SAFETY: `fd` is a duplicate owned by the `CompletionWakeups` that `WaitFd`
+                // holds an `Arc` of, closed only when that is dropped: it stays open, naming
+                // the same file, for the `AsyncFd`'s whole life, and `as_raw_fd` returns it.
+                unsafe {
+                    AsyncFd::register_with_interest(
+                        WaitFd(wakeups.clone(), fd),
+                        tokio::io::Interest::READABLE,
+                    )
+                }
+                .map_err(|e| io_error(e.into_parts().1))?
             };
-            let (w, passes) = (wakeups.clone(), passes.clone());
+            let passes = passes.clone();
             tasks.push(rt.spawn(async move {
                 loop {
                     let Ok(mut ready) = afd.readable().await else { return };
                     // Cleared before the pass: an event during it raises readiness again.
                     ready.clear_ready();
-                    let n = w.run_passes(64);
+                    let n = afd.get_ref().0.run_passes(64);
                     passes.fetch_add(n as u64, Ordering::Relaxed);
                 }
             }));

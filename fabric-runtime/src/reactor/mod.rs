@@ -19,7 +19,7 @@
 pub(crate) mod core;
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -95,6 +95,16 @@ pub(crate) struct ReactorConfig {
 /// before it looks again whether they still do.
 const INLINE_STANDBY: Duration = Duration::from_micros(200);
 
+/// The core for a pass on another thread than the reactor's: never waits (`None` while some
+/// thread is in a pass); a poisoned lock still holds a consistent core (see `sync::lock`).
+fn try_core<D: Domain>(core: &Mutex<Core<D>>) -> Option<MutexGuard<'_, Core<D>>> {
+    match core.try_lock() {
+        Ok(c) => Some(c),
+        Err(TryLockError::WouldBlock) => None,
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+    }
+}
+
 /// The progress handle of an `Inline` engine: a pass of the reactor on the caller's thread.
 struct Inline<D: Domain> {
     core: Arc<Mutex<Core<D>>>,
@@ -106,11 +116,7 @@ impl<D: Domain> Progress for Inline<D> {
     fn progress(&self) -> bool {
         // Tells the reactor thread that a caller drives (it stands by).
         self.shared.inline_polls.fetch_add(1, Ordering::Relaxed);
-        match self.core.try_lock() {
-            Ok(mut c) => c.turn(),
-            Err(TryLockError::WouldBlock) => false,
-            Err(TryLockError::Poisoned(p)) => p.into_inner().turn(),
-        }
+        try_core(&self.core).is_some_and(|mut c| c.turn())
     }
 
     fn spin_budget(&self) -> Duration {
@@ -126,23 +132,14 @@ struct Direct<D: Domain> {
 
 impl<D: Domain> DirectPost for Direct<D> {
     fn post_now(&self) -> bool {
-        let mut c = match self.core.try_lock() {
-            Ok(c) => c,
-            Err(TryLockError::WouldBlock) => return false,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        };
+        let Some(mut c) = try_core(&self.core) else { return false };
         c.turn();
         // Shutdown seen in this pass: only the reactor thread may close the domains.
         !c.closing && c.sleep_covers_posts()
     }
 
     fn watch_pass(&self, max: usize) -> Option<usize> {
-        let mut c = match self.core.try_lock() {
-            Ok(c) => c,
-            Err(TryLockError::WouldBlock) => return None,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-        };
-        Some(c.watch_pass(max))
+        try_core(&self.core).map(|mut c| c.watch_pass(max))
     }
 
     fn wait_fds(&self) -> Vec<std::os::fd::RawFd> {
