@@ -211,6 +211,9 @@ impl<D: Domain> Raw<D> {
                 Completion::Imm { imm } => *self.imms.entry(imm).or_insert(0) += 1,
                 Completion::Recv { token, .. } => self.post_recv((token & !RECV_TAG) as usize)?,
                 Completion::Failed { message, .. } => return Err(format!("raw op failed: {message}").into()),
+                Completion::PeerDown { message, .. } => {
+                    return Err(format!("raw loop's peer down: {message}").into())
+                }
             }
         }
         self.comps = comps;

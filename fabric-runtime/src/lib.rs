@@ -47,3 +47,5 @@ pub use pure::descriptor::{EngineAddress, GpuRegion, RegionDescriptor};
 pub use pure::route::{Arrivals, PageLayout, Route, Shard, TransferOpts};
 #[cfg(not(loom))]
 pub use pure::staging::GpuPath;
+#[cfg(not(loom))]
+pub use shared::events::{PeerEvent, PeerEvents};

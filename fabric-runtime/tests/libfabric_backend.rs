@@ -235,6 +235,7 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
                     panic!("token {token} failed: {message} ({errno})")
                 }
                 Completion::Imm { .. } => {}
+                Completion::PeerDown { peer, message } => panic!("peer {peer} reported down: {message}"),
             }
         }
         assert_eq!(seen, tokens.into_iter().collect::<HashSet<_>>());

@@ -49,6 +49,7 @@ use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::pure::descriptor::{EngineAddress, RegionDescriptor};
 use crate::pure::route::PageLayout;
 use crate::reactor;
+use crate::shared::events::PeerEvents;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::{BatchState, Notify, OpState};
 use crate::shared::queue::{OpReq, Submission};
@@ -248,6 +249,37 @@ impl Engine {
             Ok(()) => ControlFuture::new(rx).await,
             Err(_) => Err(Error::Shutdown),
         }
+    }
+
+    /// Removes a peer: operations waiting for it fail with [`Error::PeerUnreachable`] ("removed
+    /// by Engine::remove_peer"), its NIC resources are given back, and its id is never used
+    /// again: later operations through it, or through descriptors of its regions, fail the
+    /// same way. Adding its address again makes a new peer with a new id (a restarted peer
+    /// has a new address anyway). Removing a removed peer is a no-op.
+    ///
+    /// Errors: [`Error::UnknownPeer`] for an id this engine never gave.
+    ///
+    /// # Cancel safety
+    ///
+    /// If dropped before completion the peer may still be removed.
+    pub async fn remove_peer(&self, peer: PeerId) -> Result<()> {
+        let (tx, rx) = futures::channel::oneshot::channel();
+        match self.shared().submit(Submission::RemovePeer { peer, reply: tx }) {
+            Ok(()) => ControlFuture::new(rx).await,
+            Err(_) => Err(Error::Shutdown),
+        }
+    }
+
+    /// A stream of peer changes: [`PeerEvent::Up`](crate::PeerEvent::Up) when a peer is
+    /// added, [`PeerEvent::Down`](crate::PeerEvent::Down)
+    /// when it is found gone (shm: its process exited; tcp: its connection failed; verbs:
+    /// its queue pair went to error; any transport: an operation outlived `op_timeout`),
+    /// [`PeerEvent::Removed`](crate::PeerEvent::Removed) after [`Engine::remove_peer`]. It starts with the current
+    /// state of every peer, so nothing is missed by subscribing late, and ends at shutdown.
+    /// Each call makes an independent stream. How fast each transport notices a dead peer:
+    /// `docs/faults.md`.
+    pub fn peer_events(&self) -> PeerEvents {
+        self.shared().peer_events.subscribe()
     }
 
     /// Registers `data` with every NIC of the engine; the region owns it from now on. The

@@ -25,7 +25,7 @@
 //!   transfers instead of letting an arrival overtake its data.
 //! * **Polling** ([`Domain::poll`]): drains completions into typed [`Completion`]s: a local
 //!   operation done, a local operation failed (with the provider's message), a remote
-//!   immediate arrived, a two-sided message received.
+//!   immediate arrived, a two-sided message received, a peer found dead.
 //! * **Sleeping** ([`Domain::wait_fd`], [`Domain::arm`], [`Domain::ack_wakeup`]): a backend that
 //!   can wake a sleeping thread offers a file descriptor that becomes readable when
 //!   completions may be available. The reactor calls `arm` right before sleeping; `arm`
@@ -141,6 +141,11 @@ pub enum Completion {
     /// The receive posted with `token` got a message of `len` bytes from `src` (the sender's
     /// handle, if the backend can tell).
     Recv { token: u64, len: usize, src: Option<PeerHandle> },
+    /// The backend learned that `peer` is gone (shm: its process exited), with or without
+    /// operations in flight to it. Those it had in flight were (or are, in the same poll)
+    /// each reported as [`Completion::Failed`]; the engine fails whatever it still holds for
+    /// the peer and marks it down.
+    PeerDown { peer: PeerHandle, message: String },
 }
 
 /// The contract every NIC backend implements. See the module docs.
@@ -184,6 +189,12 @@ pub trait Domain: Send + 'static {
     /// Makes a peer reachable from its [`Domain::address`] bytes.
     fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error>;
 
+    /// Forgets a peer added with [`Domain::add_peer`]: its handle is not used again by the
+    /// engine. The engine has already failed everything it had for the peer; operations
+    /// still in flight to it may complete or fail later as usual. The default does nothing
+    /// (the backend keeps the peer's resources until the domain closes).
+    fn remove_peer(&mut self, _peer: PeerHandle) {}
+
     /// Posts one operation. See [`PostError`] for what a refusal means.
     ///
     /// # Safety
@@ -225,6 +236,24 @@ pub trait Domain: Send + 'static {
     fn timer(&self) -> Option<std::time::Duration> {
         None
     }
+}
+
+/// Whether a completion's `errno` means its peer is unreachable (refused, reset, gone): the
+/// engine then marks the peer down. A backend whose provider reports such a cause only as
+/// its own error code (libfabric's `prov_errno`) passes that code on instead.
+pub(crate) fn is_peer_errno(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::ECONNREFUSED
+            | libc::ECONNRESET
+            | libc::ECONNABORTED
+            | libc::EHOSTUNREACH
+            | libc::ENETUNREACH
+            | libc::ETIMEDOUT
+            | libc::ENOTCONN
+            | libc::EPIPE
+            | libc::EHOSTDOWN
+    )
 }
 
 impl fmt::Display for MemoryLocation {

@@ -69,6 +69,7 @@ impl<D: Domain> Core<D> {
         #[cfg(feature = "cuda")]
         let gpu_keep = self.close_staging();
         self.shared.close_counters();
+        self.shared.peer_events.close();
         let waiters = {
             let mut inbox = lock(&self.shared.inbox);
             inbox.closed = true;

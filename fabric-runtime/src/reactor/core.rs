@@ -14,10 +14,11 @@ use super::ReactorConfig;
 use crate::counter::CounterCell;
 use crate::error::{Error, Result};
 use crate::provider::{
-    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+    is_peer_errno, Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
 use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::pure::slab::Slab;
+use crate::shared::events::PeerEvent;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::Notify;
 use crate::shared::queue::{OpKind, QueueState, Submission};
@@ -93,7 +94,11 @@ impl Pool {
 
 struct PeerState {
     handles: Vec<PeerHandle>,
+    /// Its address, as `peer_by_addr` knows it.
+    key: Vec<u8>,
     failed: Option<String>,
+    /// Removed by `Engine::remove_peer`: its handles are given back, its id is not reused.
+    removed: bool,
     /// Operations the NIC refused for now (full queue, connection still being set up), in
     /// order, with the time they were submitted.
     pending: VecDeque<(Instant, Submission)>,
@@ -260,21 +265,6 @@ impl<D: Domain> Core<D> {
     }
 }
 
-fn is_peer_errno(errno: i32) -> bool {
-    matches!(
-        errno,
-        libc::ECONNREFUSED
-            | libc::ECONNRESET
-            | libc::ECONNABORTED
-            | libc::EHOSTUNREACH
-            | libc::ENETUNREACH
-            | libc::ETIMEDOUT
-            | libc::ENOTCONN
-            | libc::EPIPE
-            | libc::EHOSTDOWN
-    )
-}
-
 impl<D: Domain> Core<D> {
     fn post_all_recvs(&mut self) -> Result<()> {
         for d in 0..self.domains.len() {
@@ -374,6 +364,9 @@ impl<D: Domain> Core<D> {
                 }
                 let _ = reply.send(r);
             }
+            Submission::RemovePeer { peer, reply } => {
+                let _ = reply.send(self.remove_peer(peer));
+            }
             #[cfg(feature = "cuda")]
             Submission::Gated { ordinal, copies, then, done, keep, after } => self.start_gate(
                 ordinal,
@@ -416,11 +409,84 @@ impl<D: Domain> Core<D> {
             self.handle_to_peer[d].insert(*h, id);
         }
         let stats = self.shared.stats.add_peer();
-        self.peers.push(PeerState { handles, failed: None, pending: VecDeque::new(), stats });
+        self.peers.push(PeerState {
+            handles,
+            key: key.clone(),
+            failed: None,
+            removed: false,
+            pending: VecDeque::new(),
+            stats,
+        });
         tracing::debug!(peer = id.0, "peer added");
         self.peer_by_addr.insert(key, id);
         self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
+        self.shared.peer_events.publish(PeerEvent::Up { peer: id });
         Ok(id)
+    }
+
+    /// `Engine::remove_peer`: fails what the engine still holds for the peer, gives its
+    /// handles back to the NICs and forgets its address (adding it again makes a new peer).
+    fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
+        match self.peers.get(peer.0 as usize) {
+            None => return Err(Error::UnknownPeer { peer: peer.0 }),
+            Some(p) if p.removed => return Ok(()),
+            Some(_) => {}
+        }
+        let message = "removed by Engine::remove_peer".to_owned();
+        self.fail_peer(peer, &message);
+        let p = &mut self.peers[peer.0 as usize];
+        p.failed = Some(message);
+        p.removed = true;
+        let key = std::mem::take(&mut p.key);
+        let handles = p.handles.clone();
+        for (d, h) in handles.into_iter().enumerate() {
+            self.handle_to_peer[d].remove(&h);
+            self.domains[d].remove_peer(h);
+        }
+        if self.peer_by_addr.get(&key) == Some(&peer) {
+            self.peer_by_addr.remove(&key);
+        }
+        tracing::info!(peer = peer.0, "peer removed");
+        self.shared.peer_events.publish(PeerEvent::Removed { peer });
+        Ok(())
+    }
+
+    /// Marks a peer down (once): every later operation to it fails at once, and
+    /// `peer_events` says so.
+    fn mark_down(&mut self, peer: PeerId, reason: &str) {
+        let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
+        if p.removed {
+            return;
+        }
+        if p.failed.is_none() {
+            p.failed = Some(reason.to_owned());
+        }
+        self.shared.peer_events.publish(PeerEvent::Down { peer, reason: reason.to_owned() });
+    }
+
+    /// Fails everything the engine holds for `peer`: operations waiting to be posted, and
+    /// the futures of those in flight (whose memory stays held until the NIC completes
+    /// them, as for `op_timeout`).
+    fn fail_peer(&mut self, peer: PeerId, message: &str) {
+        let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
+        let err = || Error::PeerUnreachable { peer: peer.0, message: message.to_owned() };
+        for (_, s) in p.pending.drain(..) {
+            self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
+            self.shared.stats.failed(s.nic(), Some(&p.stats), false);
+            s.fail(err());
+        }
+        let peers = &self.peers;
+        self.pending_peers.retain(|p| !peers[p.0 as usize].pending.is_empty());
+        for op in self.slab.iter_mut() {
+            if op.peer != peer || matches!(op.notify, Notify::None) {
+                continue;
+            }
+            let notify = std::mem::replace(&mut op.notify, Notify::None);
+            notify.fail(err());
+            op.expired = true;
+            let stats = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
+            self.shared.stats.failed(op.nic, stats, false);
+        }
     }
 
     /// Posts an operation. Returns it back if the NIC queue is full.
@@ -607,17 +673,21 @@ impl<D: Domain> Core<D> {
                 };
                 let e = if is_peer_errno(errno) {
                     let peer = op.peer;
-                    if let Some(p) = self.peers.get_mut(peer.0 as usize) {
-                        if p.failed.is_none() {
-                            tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
-                        }
-                        p.failed = Some(message.clone());
+                    if self.peers.get(peer.0 as usize).is_some_and(|p| p.failed.is_none()) {
+                        tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
                     }
+                    self.mark_down(peer, &message);
                     Error::PeerUnreachable { peer: peer.0, message }
                 } else {
                     Error::Completion { op: op.name, errno, message }
                 };
                 self.finish(op, Err(e));
+            }
+            Completion::PeerDown { peer: handle, message } => {
+                let Some(&peer) = self.handle_to_peer[d].get(&handle) else { return };
+                tracing::warn!(peer = peer.0, nic = d, %message, "peer down");
+                self.mark_down(peer, &message);
+                self.fail_peer(peer, &message);
             }
             Completion::Recv { token, len, src } => {
                 let slot = (token & 0xffff_ffff) as u32;
@@ -670,6 +740,7 @@ impl<D: Domain> Core<D> {
                 let message = format!("operations could not be posted within {limit:?}; peer marked failed");
                 tracing::warn!(peer = peer.0, %message, "operations timed out");
                 p.failed.get_or_insert_with(|| message.clone());
+                self.shared.peer_events.publish(PeerEvent::Down { peer, reason: message.clone() });
                 for (_, s) in p.pending.drain(..) {
                     self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
                     self.shared.stats.failed(s.nic(), Some(&p.stats), false);
@@ -687,6 +758,11 @@ impl<D: Domain> Core<D> {
             tracing::warn!(peer = op.peer.0, %message, "operation timed out");
             if let Some(p) = self.peers.get_mut(op.peer.0 as usize) {
                 p.failed.get_or_insert_with(|| message.clone());
+                if !p.removed {
+                    self.shared
+                        .peer_events
+                        .publish(PeerEvent::Down { peer: op.peer, reason: message.clone() });
+                }
             }
             let notify = std::mem::replace(&mut op.notify, Notify::None);
             notify.fail(Error::PeerUnreachable { peer: op.peer.0, message });

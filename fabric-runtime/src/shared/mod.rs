@@ -16,6 +16,7 @@
 //!   until no operation uses it;
 //! * [`stats`]: the relaxed counters behind `Engine::stats`.
 
+pub(crate) mod events;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod memory;
@@ -125,6 +126,8 @@ pub(crate) struct Shared {
     pub(crate) watchers: AtomicUsize,
     /// What `Engine::stats` reads: per NIC, per peer and reactor counters.
     pub(crate) stats: stats::Stats,
+    /// Peer up/down events (`Engine::peer_events`).
+    pub(crate) peer_events: events::PeerEventHub,
     /// GPU regions, CUDA IPC mappings and staging settings.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: gpu::GpuShared,
@@ -178,6 +181,7 @@ impl Shared {
             direct_posts: AtomicU64::new(0),
             watchers: AtomicUsize::new(0),
             stats: stats::Stats::new(nics),
+            peer_events: events::PeerEventHub::default(),
             #[cfg(feature = "cuda")]
             gpu: gpu::GpuShared::default(),
         })

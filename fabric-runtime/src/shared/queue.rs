@@ -64,6 +64,10 @@ pub(crate) enum Submission {
         address: EngineAddress,
         reply: Reply<PeerId>,
     },
+    RemovePeer {
+        peer: PeerId,
+        reply: Reply<()>,
+    },
     /// CUDA copies to run first (on the reactor's stream of device `ordinal`); once their
     /// event is ready, `then` is handled and `done` completed. `keep` holds the memory the
     /// copies touch until then.
@@ -221,6 +225,9 @@ impl Submission {
                 let _ = reply.send(Err(e));
             }
             Submission::AddPeer { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            Submission::RemovePeer { reply, .. } => {
                 let _ = reply.send(Err(e));
             }
             Submission::Deregister { .. } => {}
