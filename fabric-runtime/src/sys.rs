@@ -162,3 +162,27 @@ pub(crate) unsafe fn retire_mapping(ptr: *mut u8, len: usize) {
         );
     }
 }
+
+/// A pidfd (close-on-exec) for process `pid` of this pid namespace: it becomes readable when
+/// that process exits, and keeps naming that process even if its pid is reused later.
+pub(crate) fn pidfd_open(pid: libc::pid_t) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes two integers and no pointers; it returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by pidfd_open and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Which of `fds` are readable right now (a `poll` with a zero timeout): their indices.
+pub(crate) fn readable_now(fds: &[RawFd]) -> io::Result<Vec<usize>> {
+    let mut set: Vec<libc::pollfd> =
+        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    // SAFETY: `set` is a live slice of pollfd of the length passed; timeout 0 never blocks.
+    let n = syscall!(poll(set.as_mut_ptr(), set.len() as libc::nfds_t, 0))?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    Ok(set.iter().enumerate().filter(|(_, p)| p.revents != 0).map(|(i, _)| i).collect())
+}

@@ -132,12 +132,6 @@ fn kv_transfer_worker_joins_and_leaves_cleanly() {
 fn kv_transfer_worker_killed_requests_rerouted() {
     let test = "kv_transfer_worker_killed_requests_rerouted";
     let Some(p) = provider(test) else { return };
-    if p == "shm" {
-        // Over shm, a SIGKILLed peer stalls the prefill's writes to the live workers too
-        // (the example then fails within its deadlines instead of hanging).
-        skipped(test, "on shm a killed peer stalls writes to the other peers (library issue)");
-        return;
-    }
     let args = [
         "--requests",
         "40",

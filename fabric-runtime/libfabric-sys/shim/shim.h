@@ -37,6 +37,8 @@ int fabric_shim_fi_enable(struct fid_ep *ep);
 int fabric_shim_fi_getname(fid_t fid, void *addr, size_t *addrlen);
 int fabric_shim_fi_av_insert(struct fid_av *av, const void *addr, size_t count,
 			     fi_addr_t *fi_addr, uint64_t flags, void *context);
+int fabric_shim_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count,
+			     uint64_t flags);
 int fabric_shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len,
 			  uint64_t acs, uint64_t offset, uint64_t requested_key,
 			  uint64_t flags, struct fid_mr **mr, void *context);

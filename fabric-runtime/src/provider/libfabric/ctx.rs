@@ -7,6 +7,8 @@ use std::ptr::{self, NonNull};
 
 use libfabric_sys as sys;
 
+use crate::provider::{Op, PeerHandle};
+
 /// `OpCtx` slots allocated at a time; a chunk is never moved or freed before the domain is
 /// dropped, so a slot's address stays valid for the provider.
 const CTX_CHUNK: usize = 64;
@@ -19,6 +21,27 @@ pub(super) struct OpCtx {
     fi: sys::fi_context2,
     token: u64,
     in_flight: bool,
+    /// The operation as posted: its peer names whom it waits on (`shm.rs` fails a dead
+    /// peer's operations itself).
+    op: Op,
+}
+
+/// What an in-flight slot holds, for the shm bookkeeping (`shm.rs`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct InFlightOp {
+    pub(super) slot: NonNull<OpCtx>,
+    pub(super) token: u64,
+    pub(super) op: Op,
+}
+
+impl InFlightOp {
+    /// The peer the operation waits on (`None` for a posted receive).
+    pub(super) fn peer(&self) -> Option<PeerHandle> {
+        match self.op {
+            Op::Write { peer, .. } | Op::Read { peer, .. } | Op::Send { peer, .. } => Some(peer),
+            Op::Recv { .. } => None,
+        }
+    }
 }
 
 /// A pool of [`OpCtx`] slots in chunks that never move. Slots are only touched through raw
@@ -35,7 +58,12 @@ impl CtxPool {
 
     fn grow(&mut self) {
         let chunk: Box<[OpCtx]> = (0..CTX_CHUNK)
-            .map(|_| OpCtx { fi: sys::fi_context2::default(), token: 0, in_flight: false })
+            .map(|_| OpCtx {
+                fi: sys::fi_context2::default(),
+                token: 0,
+                in_flight: false,
+                op: Op::Recv { local: crate::provider::LocalSlice { addr: 0, len: 0, desc: 0 } },
+            })
             .collect();
         let base = Box::into_raw(chunk) as *mut OpCtx;
         // SAFETY: Box::into_raw never returns NULL.
@@ -47,8 +75,8 @@ impl CtxPool {
         }
     }
 
-    /// A slot for an operation with `token`, marked in flight.
-    pub(super) fn take(&mut self, token: u64) -> NonNull<OpCtx> {
+    /// A slot for operation `op` with `token`, marked in flight.
+    pub(super) fn take(&mut self, token: u64, op: &Op) -> NonNull<OpCtx> {
         if self.free.is_empty() {
             self.grow();
         }
@@ -58,8 +86,40 @@ impl CtxPool {
         unsafe {
             ptr::addr_of_mut!((*slot.as_ptr()).token).write(token);
             ptr::addr_of_mut!((*slot.as_ptr()).in_flight).write(true);
+            ptr::addr_of_mut!((*slot.as_ptr()).op).write(*op);
         }
         slot
+    }
+
+    /// Every slot in flight, with what it holds.
+    pub(super) fn in_flight(&self) -> Vec<InFlightOp> {
+        let mut out = Vec::new();
+        for c in &self.chunks {
+            for i in 0..CTX_CHUNK {
+                // SAFETY: i < CTX_CHUNK, inside a live chunk; the fields read are ours (the
+                // provider only uses the leading `fi_context2`), read through raw pointers.
+                unsafe {
+                    let p = c.as_ptr().add(i);
+                    if ptr::addr_of!((*p).in_flight).read() {
+                        out.push(InFlightOp {
+                            slot: NonNull::new_unchecked(p),
+                            token: ptr::addr_of!((*p).token).read(),
+                            op: ptr::addr_of!((*p).op).read(),
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Gives up on an in-flight slot whose completion may never come (its peer died, or was
+    /// removed): it is no longer in flight, so a late completion for it is ignored by
+    /// [`CtxPool::complete`], and it is never handed out again (a late completion must not
+    /// name a newer operation). Bounded: only operations caught by a peer's departure.
+    pub(super) fn abandon(&mut self, slot: NonNull<OpCtx>) {
+        // SAFETY: slot is one of ours (from `in_flight`); only our own field is written.
+        unsafe { ptr::addr_of_mut!((*slot.as_ptr()).in_flight).write(false) };
     }
 
     /// Returns a slot whose post failed (the provider never saw it).
@@ -117,8 +177,10 @@ mod tests {
     #[test]
     fn ctx_pool_round_trips_and_rejects_foreign_pointers() {
         let mut pool = CtxPool::new();
-        let a = pool.take(7);
-        let b = pool.take(8);
+        let op = Op::Recv { local: crate::provider::LocalSlice { addr: 0, len: 0, desc: 0 } };
+        let a = pool.take(7, &op);
+        let b = pool.take(8, &op);
+        assert_eq!(pool.in_flight().len(), 2);
         assert_ne!(a, b);
         assert_eq!(pool.complete(b.as_ptr().cast()), Some(8));
         // A second completion for the same slot is refused.
@@ -128,8 +190,13 @@ mod tests {
         // Unaligned pointer into a chunk.
         assert_eq!(pool.complete(a.as_ptr().cast::<u8>().wrapping_add(1).cast()), None);
         assert_eq!(pool.complete(a.as_ptr().cast()), Some(7));
+        assert!(pool.in_flight().is_empty());
+        // An abandoned slot is never completed nor handed out again.
+        let c = pool.take(9, &op);
+        pool.abandon(c);
+        assert_eq!(pool.complete(c.as_ptr().cast()), None);
         for t in 0..(3 * CTX_CHUNK as u64) {
-            let _ = pool.take(t);
+            assert_ne!(pool.take(t, &op), c);
         }
         assert!(pool.chunks.len() >= 3);
     }

@@ -12,10 +12,11 @@ use libfabric_sys as sys;
 
 use super::address::validate_peer_address;
 use super::error::{check, strerror, EAGAIN, EAVAIL};
+use super::liveness::{sockaddr_in, TRAILER};
 use super::LibfabricDomain;
 use crate::error::Error;
 use crate::provider::{
-    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+    is_peer_errno, Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
 
 /// Completions read from the CQ per `fi_cq_readfrom` call.
@@ -56,106 +57,13 @@ impl LibfabricDomain {
         }
     }
 
-    /// Reads one error entry (after `-FI_EAVAIL`).
-    fn read_error(&mut self, out: &mut VecDeque<Completion>) -> Result<bool, Error> {
-        let mut err = sys::fi_cq_err_entry::default();
-        // SAFETY: cq is open; err is a valid, zeroed entry (err_data NULL, err_data_size 0, so
-        // the provider uses its own buffer for err_data).
-        let ret = unsafe { sys::fabric_shim_fi_cq_readerr(self.cq.as_ptr(), &mut err, 0) };
-        if ret == EAGAIN {
-            return Ok(false);
-        }
-        check("fi_cq_readerr", ret as isize)?;
-        let mut buf = [0 as c_char; 256];
-        // SAFETY: cq is open; err_data is valid until the next CQ read; buf is writable for its
-        // length; the result is NULL or a NUL-terminated string (buf or a provider string).
-        let message = unsafe {
-            let p = sys::fabric_shim_fi_cq_strerror(
-                self.cq.as_ptr(),
-                err.prov_errno,
-                err.err_data,
-                buf.as_mut_ptr(),
-                buf.len(),
-            );
-            if p.is_null() {
-                strerror(err.err)
-            } else {
-                CStr::from_ptr(p).to_string_lossy().into_owned()
-            }
-        };
-        let token = if err.op_context.is_null() { None } else { self.ctxs.complete(err.op_context) };
-        match token {
-            Some(token) => out.push_back(Completion::Failed { token, errno: err.err, message }),
-            None => tracing::warn!(
-                errno = err.err,
-                prov_errno = err.prov_errno,
-                %message,
-                "libfabric error completion without one of our contexts (e.g. a failed remote write); skipped"
-            ),
-        }
-        Ok(true)
-    }
-}
-
-impl Domain for LibfabricDomain {
-    fn transport(&self) -> &str {
-        &self.transport
-    }
-
-    fn address(&self) -> Vec<u8> {
-        self.address.clone()
-    }
-
-    fn max_msg_size(&self) -> usize {
-        self.max_msg_size
-    }
-
-    fn delivery_complete(&self) -> bool {
-        self.delivery_complete
-    }
-
-    unsafe fn register(
-        &mut self,
-        addr: u64,
-        len: usize,
-        location: MemoryLocation,
-    ) -> Result<Registration, Error> {
-        // SAFETY: forwarded from the caller (the range stays allocated until deregister).
-        unsafe { self.register_memory(addr, len, location) }
-    }
-
-    fn deregister(&mut self, reg: Registration) {
-        self.deregister_memory(reg);
-    }
-
-    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error> {
-        let malformed = |reason: String| Error::Malformed { what: "peer address", reason };
-        validate_peer_address(self.addr_format, &self.address, addr, &self.transport)?;
-        let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
-        // SAFETY: av is open; addr holds exactly one address of this provider's format,
-        // checked above (fixed-size formats have our length, string formats end in a NUL, so
-        // the provider never reads past the slice); fi_addr receives one entry. With FI_AV_TABLE the insert is synchronous.
-        let ret = unsafe {
-            sys::fabric_shim_fi_av_insert(
-                self.av.as_ptr(),
-                addr.as_ptr().cast(),
-                1,
-                &mut fi_addr,
-                0,
-                ptr::null_mut(),
-            )
-        };
-        match check("fi_av_insert", ret as isize) {
-            Ok(1) if fi_addr != sys::FI_ADDR_NOTAVAIL => Ok(fi_addr),
-            Ok(_) => Err(malformed("the provider rejected the address".into())),
-            Err(Error::Provider { errno, message, .. }) if errno == sys::FI_EINVAL as i32 => {
-                Err(malformed(message))
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
+    /// Posts `op` with `token`: one-sided operations on shm's one-sided endpoint (`shm.rs`),
+    /// everything else on the main endpoint.
+    ///
+    /// # Safety
+    ///
+    /// As [`Domain::post`].
+    pub(super) unsafe fn post_on(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
         if let Op::Send { local, .. } = op {
             if local.len > self.max_msg_size {
                 return Err(PostError::Failed(Error::MessageTooLarge {
@@ -164,8 +72,13 @@ impl Domain for LibfabricDomain {
                 }));
             }
         }
-        let ep = self.ep.as_ptr();
-        let slot = self.ctxs.take(token);
+        let ep = match (&self.shm, op) {
+            (Some(shm), Op::Write { peer, .. } | Op::Read { peer, .. }) => {
+                shm.rma_ep(*peer).unwrap_or(self.ep.as_ptr())
+            }
+            _ => self.ep.as_ptr(),
+        };
+        let slot = self.ctxs.take(token, op);
         let ctx = slot.as_ptr().cast::<c_void>();
         let buf = |l: &LocalSlice| l.addr as *mut c_void;
         let desc = |l: &LocalSlice| l.desc as *mut c_void;
@@ -243,6 +156,155 @@ impl Domain for LibfabricDomain {
         }
     }
 
+    /// Reads one error entry (after `-FI_EAVAIL`).
+    fn read_error(&mut self, out: &mut VecDeque<Completion>) -> Result<bool, Error> {
+        let mut err = sys::fi_cq_err_entry::default();
+        // SAFETY: cq is open; err is a valid, zeroed entry (err_data NULL, err_data_size 0, so
+        // the provider uses its own buffer for err_data).
+        let ret = unsafe { sys::fabric_shim_fi_cq_readerr(self.cq.as_ptr(), &mut err, 0) };
+        if ret == EAGAIN {
+            return Ok(false);
+        }
+        check("fi_cq_readerr", ret as isize)?;
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: cq is open; err_data is valid until the next CQ read; buf is writable for its
+        // length; the result is NULL or a NUL-terminated string (buf or a provider string).
+        let message = unsafe {
+            let p = sys::fabric_shim_fi_cq_strerror(
+                self.cq.as_ptr(),
+                err.prov_errno,
+                err.err_data,
+                buf.as_mut_ptr(),
+                buf.len(),
+            );
+            if p.is_null() {
+                strerror(err.err)
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        };
+        let token = if err.op_context.is_null() { None } else { self.ctxs.complete(err.op_context) };
+        match token {
+            Some(token) => {
+                // rxm fails what was in flight on a connection that closed with ECANCELED,
+                // the cause (ENOTCONN, ECONNRESET) being the provider's own code: pass on
+                // the cause, so that the engine knows the peer is gone.
+                let errno = if is_peer_errno(err.prov_errno) { err.prov_errno } else { err.err };
+                out.push_back(Completion::Failed { token, errno, message })
+            }
+            None => tracing::warn!(
+                errno = err.err,
+                prov_errno = err.prov_errno,
+                %message,
+                "libfabric error completion without one of our contexts (e.g. a failed remote write); skipped"
+            ),
+        }
+        Ok(true)
+    }
+}
+
+impl Domain for LibfabricDomain {
+    fn transport(&self) -> &str {
+        &self.transport
+    }
+
+    fn address(&self) -> Vec<u8> {
+        self.address.clone()
+    }
+
+    fn max_msg_size(&self) -> usize {
+        self.max_msg_size
+    }
+
+    fn delivery_complete(&self) -> bool {
+        self.delivery_complete
+    }
+
+    unsafe fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        location: MemoryLocation,
+    ) -> Result<Registration, Error> {
+        // SAFETY: forwarded from the caller (the range stays allocated until deregister).
+        unsafe { self.register_memory(addr, len, location) }
+    }
+
+    fn deregister(&mut self, reg: Registration) {
+        self.deregister_memory(reg);
+    }
+
+    fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle, Error> {
+        let malformed = |reason: String| Error::Malformed { what: "peer address", reason };
+        validate_peer_address(self.addr_format, &self.address, addr, &self.transport)?;
+        // A tcp address ends in the liveness port (`liveness.rs`); libfabric gets the rest.
+        let (addr, trailer) = match self.tcp_live {
+            Some(_) => {
+                let (a, t) = addr.split_at(addr.len() - TRAILER);
+                (a, Some([t[0], t[1]]))
+            }
+            None => (addr, None),
+        };
+        let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
+        // SAFETY: av is open; addr holds exactly one address of this provider's format,
+        // checked above (fixed-size formats have our length, string formats end in a NUL, so
+        // the provider never reads past the slice); fi_addr receives one entry. With FI_AV_TABLE the insert is synchronous.
+        let ret = unsafe {
+            sys::fabric_shim_fi_av_insert(
+                self.av.as_ptr(),
+                addr.as_ptr().cast(),
+                1,
+                &mut fi_addr,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        match check("fi_av_insert", ret as isize) {
+            Ok(1) if fi_addr != sys::FI_ADDR_NOTAVAIL => {
+                if self.shm.is_some() {
+                    if let Err(e) = self.shm_add_peer(fi_addr, addr) {
+                        let mut a = fi_addr;
+                        // SAFETY: av is open; one fi_addr_t is read from `a`.
+                        unsafe { sys::fabric_shim_fi_av_remove(self.av.as_ptr(), &mut a, 1, 0) };
+                        return Err(e);
+                    }
+                }
+                if let (Some(live), Some(t), Some(sa)) = (self.tcp_live.as_mut(), trailer, sockaddr_in(addr))
+                {
+                    live.watch(fi_addr, sa.ip(), t);
+                }
+                Ok(fi_addr)
+            }
+            Ok(_) => Err(malformed("the provider rejected the address".into())),
+            Err(Error::Provider { errno, message, .. }) if errno == sys::FI_EINVAL as i32 => {
+                Err(malformed(message))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.post_on(token, op) }
+    }
+
+    fn remove_peer(&mut self, peer: PeerHandle) {
+        if self.shm.is_some() {
+            let mut out = std::mem::take(&mut self.overflow);
+            self.shm_drop_peer(peer, libc::ECANCELED, "the peer was removed", &mut out);
+            self.overflow = out;
+        }
+        if let Some(live) = self.tcp_live.as_mut() {
+            live.unwatch(peer);
+        }
+        let mut addr = peer;
+        // SAFETY: av is open; one fi_addr_t is read from `addr`.
+        let ret = unsafe { sys::fabric_shim_fi_av_remove(self.av.as_ptr(), &mut addr, 1, 0) };
+        if let Err(e) = check("fi_av_remove", ret as isize) {
+            tracing::debug!(peer, error = %e, "removing a peer's address failed; it stays in the AV");
+        }
+    }
+
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error> {
         let mut got = 0;
         let mut pending = std::mem::take(&mut self.overflow);
@@ -286,6 +348,12 @@ impl Domain for LibfabricDomain {
             }
             Ok(())
         })();
+        // A peer's death, retired endpoints, re-posts: after the CQ was read, so that a
+        // completion already there is not reported as a failure.
+        if (self.shm.is_some() || self.tcp_live.is_some()) && self.tick.due() {
+            self.shm_maintenance(&mut pending);
+            self.tcp_maintenance(&mut pending);
+        }
         // Whatever did not fit in `max` (or was read before an error) is kept for next time.
         self.overflow = pending;
         result.map(|()| got)

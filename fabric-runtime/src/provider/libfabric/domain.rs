@@ -14,6 +14,8 @@ use super::ctx::CtxPool;
 use super::error::{check, provider_error};
 use super::fid::{Fid, FidObject, Info};
 use super::info::{getinfo_failure, Extras, Query};
+use super::liveness::{sockaddr_in, TcpLiveness};
+use super::shm::{ShmState, Tick};
 use super::IMM_BYTES;
 use crate::error::Error;
 use crate::provider::Completion;
@@ -26,6 +28,12 @@ use crate::provider::Completion;
 /// and CQ are closed).
 pub struct LibfabricDomain {
     pub(super) ep: Fid<sys::fid_ep>,
+    /// shm only: peer liveness and the endpoint for one-sided operations (`shm.rs`).
+    pub(super) shm: Option<ShmState>,
+    /// tcp only: the liveness listener and connections (`liveness.rs`).
+    pub(super) tcp_live: Option<TcpLiveness>,
+    /// Paces the liveness work of `poll`.
+    pub(super) tick: Tick,
     pub(super) cq: Fid<sys::fid_cq>,
     pub(super) av: Fid<sys::fid_av>,
     pub(super) domain: Fid<sys::fid_domain>,
@@ -190,24 +198,25 @@ impl LibfabricDomain {
 
         let (cq, wait_fd) = open_cq(&domain)?;
 
-        let mut ep = ptr::null_mut();
-        // SAFETY: domain is open, info is the fi_info it was opened from.
-        let ret = unsafe { sys::fabric_shim_fi_endpoint(domain.as_ptr(), i, &mut ep, ptr::null_mut()) };
-        check("fi_endpoint", ret as isize)?;
-        let ep = Fid::new(ep, "fi_endpoint")?;
+        let ep = open_endpoint(&domain, &info, &av, &cq, (sys::FI_TRANSMIT | sys::FI_RECV) as u64)?;
+        let shm = (resolved == "shm").then(ShmState::new);
 
-        // SAFETY: ep, av and cq are open objects of the same domain.
-        unsafe {
-            check("fi_ep_bind(av)", sys::fabric_shim_fi_ep_bind(ep.as_ptr(), av.fid(), 0) as isize)?;
-            let flags = (sys::FI_TRANSMIT | sys::FI_RECV) as u64;
-            check("fi_ep_bind(cq)", sys::fabric_shim_fi_ep_bind(ep.as_ptr(), cq.fid(), flags) as isize)?;
-            check("fi_enable", sys::fabric_shim_fi_enable(ep.as_ptr()) as isize)?;
-        }
-
-        let address = getname(&ep)?;
+        let mut address = getname(&ep)?;
+        // tcp: a liveness port beside the endpoint, on the same IP (`liveness.rs`).
+        let tcp_live = match sockaddr_in(&address) {
+            Some(sa) if resolved.starts_with("tcp") => {
+                let live = TcpLiveness::listen(sa.ip())?;
+                address.extend_from_slice(&live.trailer());
+                Some(live)
+            }
+            _ => None,
+        };
 
         Ok(LibfabricDomain {
             ep,
+            shm,
+            tcp_live,
+            tick: Tick::new(),
             cq,
             av,
             domain,
@@ -225,6 +234,11 @@ impl LibfabricDomain {
             wait_fd,
             overflow: VecDeque::new(),
         })
+    }
+
+    /// Opens another endpoint on this domain's AV and CQ (`flags`: what the CQ serves it).
+    pub(super) fn open_endpoint(&self, flags: u64) -> Result<Fid<sys::fid_ep>, Error> {
+        open_endpoint(&self.domain, &self._info, &self.av, &self.cq, flags)
     }
 
     /// The `mr_mode` bits the provider asked for (a subset of the offered EFA set).
@@ -271,6 +285,30 @@ fn open_cq(domain: &Fid<sys::fid_domain>) -> Result<(Fid<sys::fid_cq>, Option<Ra
         Err(e) => tracing::debug!(error = %e, "CQ with FI_WAIT_FD refused; busy-polling"),
     }
     Ok((open(sys::FI_WAIT_NONE)?, None))
+}
+
+/// Opens an `FI_EP_RDM` endpoint bound to `av` and to `cq` (for `flags`: `FI_TRANSMIT`,
+/// `FI_RECV`) and enables it.
+fn open_endpoint(
+    domain: &Fid<sys::fid_domain>,
+    info: &Info,
+    av: &Fid<sys::fid_av>,
+    cq: &Fid<sys::fid_cq>,
+    flags: u64,
+) -> Result<Fid<sys::fid_ep>, Error> {
+    let mut ep = ptr::null_mut();
+    // SAFETY: domain is open, info is the fi_info it was opened from.
+    let ret =
+        unsafe { sys::fabric_shim_fi_endpoint(domain.as_ptr(), info.as_ptr(), &mut ep, ptr::null_mut()) };
+    check("fi_endpoint", ret as isize)?;
+    let ep = Fid::new(ep, "fi_endpoint")?;
+    // SAFETY: ep, av and cq are open objects of the same domain.
+    unsafe {
+        check("fi_ep_bind(av)", sys::fabric_shim_fi_ep_bind(ep.as_ptr(), av.fid(), 0) as isize)?;
+        check("fi_ep_bind(cq)", sys::fabric_shim_fi_ep_bind(ep.as_ptr(), cq.fid(), flags) as isize)?;
+        check("fi_enable", sys::fabric_shim_fi_enable(ep.as_ptr()) as isize)?;
+    }
+    Ok(ep)
 }
 
 /// `fi_getname` of the endpoint.

@@ -35,6 +35,8 @@
 //! | `memory.rs` | memory registration under the provider's `mr_mode` |
 //! | `address.rs` | checking a peer's address before `fi_av_insert` |
 //! | `datapath.rs` | the [`Domain`] impl: post, poll (CQ entries and error entries), arm |
+//! | `shm.rs` | shm only: peers' liveness (pidfds) and the replaceable one-sided endpoint |
+//! | `liveness.rs` | tcp only: a TCP connection per peer whose closing says the peer died |
 //! | `error.rs` | return codes as [`Error`]s (`fi_strerror` text) |
 //!
 //! All `unsafe` of the libfabric backend lives in this folder (and the `-sys` crate).
@@ -52,7 +54,9 @@ mod domain;
 mod error;
 mod fid;
 mod info;
+mod liveness;
 mod memory;
+mod shm;
 
 pub use config::{LibfabricConfig, DEFAULT_MAX_MSG_SIZE};
 pub use domain::LibfabricDomain;
