@@ -49,7 +49,7 @@ impl fmt::Debug for BenchReactor {
 impl BenchReactor {
     /// The state `Engine::start` builds for one domain, without starting a reactor.
     pub fn new() -> Result<BenchReactor> {
-        let address = EngineAddress { transport: "bench".into(), domains: vec![Vec::new()] };
+        let address = EngineAddress { transport: "bench".into(), domains: vec![Vec::new()], incarnation: 1 };
         let shared = Arc::new(Shared::new("bench".into(), address, 0, 1, TransferOpts::default(), true)?);
         Ok(BenchReactor {
             shared,

@@ -42,6 +42,12 @@ pub enum Error {
     #[error("malformed {what}: {reason}")]
     Malformed { what: &'static str, reason: String },
 
+    /// A descriptor or address of a peer that is gone: its process was found dead, it was
+    /// removed (`Engine::remove_peer`), or a later incarnation of it (a restarted process at
+    /// the same transport address) has been added since. Nothing was written.
+    #[error("stale {what}: {reason}")]
+    Stale { what: &'static str, reason: String },
+
     /// A well-formed descriptor or address from a transport this engine does not speak.
     #[error("foreign {what}: made by transport {found:?}, this engine uses {expected:?}")]
     Foreign { what: &'static str, found: String, expected: String },

@@ -135,6 +135,7 @@ impl Engine {
         let address = EngineAddress {
             transport: transport.clone(),
             domains: domains.iter().map(|d| d.address()).collect(),
+            incarnation: crate::pure::descriptor::new_incarnation(),
         };
         // Every message carries a kind byte (user or engine control, `pure::control`); a slot
         // also fits the engine's control messages.
@@ -365,6 +366,7 @@ impl Engine {
         let owner = EngineAddress {
             transport: desc.transport.clone(),
             domains: desc.domains.iter().map(|d| d.address.clone()).collect(),
+            incarnation: desc.incarnation,
         };
         let peer = self.add_peer(&owner.to_bytes()).await?;
         #[cfg(feature = "cuda")]

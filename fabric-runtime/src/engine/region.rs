@@ -145,6 +145,7 @@ impl MemoryRegion {
             gpu: self.gpu_descriptor(),
             #[cfg(not(feature = "cuda"))]
             gpu: None,
+            incarnation: shared.address.incarnation,
         }
     }
 }

@@ -14,7 +14,7 @@
 //! make it allocate more than the input plus a few kilobytes), and anything that is not
 //! exactly a valid encoding is [`Error::Malformed`] with a reason saying what was wrong.
 //!
-//! # Wire format (addresses: version 1; descriptors: version 2, version 1 still read)
+//! # Wire format (addresses: version 2, 1 still read; descriptors: version 3, 2 and 1 still read)
 //!
 //! All integers are little-endian. `str16` is a `u16` length followed by that many UTF-8 bytes;
 //! `bytes32` is a `u32` length followed by that many bytes.
@@ -23,15 +23,15 @@
 //! EngineAddress                         RegionDescriptor
 //! +---------------------------+         +---------------------------+
 //! | magic   "FABA"   4 bytes  |         | magic   "FABR"   4 bytes  |
-//! | version 1        u8       |         | version 2 (or 1) u8       |
+//! | version 2 (or 1) u8       |         | version 3 (2, 1) u8       |
 //! | transport        str16    |         | transport        str16    |
 //! | domain count     u16      |         | region length    u64      |
 //! | per domain:               |         | domain count     u16      |
 //! |   address        bytes32  |         | per domain:               |
-//! +---------------------------+         |   address        bytes32  |
-//!                                       |   base           u64      |
-//!                                       |   key            u64      |
-//!                                       | version 2 only:           |
+//! | version 2:                |         |   address        bytes32  |
+//! |   incarnation    u64      |         |   base           u64      |
+//! +---------------------------+         |   key            u64      |
+//!                                       | version 2 and 3:          |
 //!                                       | location u8 (0 host,      |
 //!                                       |              1 CUDA)      |
 //!                                       | CUDA only:                |
@@ -40,8 +40,16 @@
 //!                                       |             2 IPC export) |
 //!                                       |   [IPC export   80 bytes] |
 //!                                       |   host id        bytes8   |
+//!                                       | version 3:                |
+//!                                       |   incarnation    u64      |
 //!                                       +---------------------------+
 //! ```
+//!
+//! The **incarnation** names one run of an engine: its start time in nanoseconds since the
+//! Unix epoch, its low 16 bits random. A restarted peer has a new one even where its
+//! transport address is the same, so descriptors of the process that died are told apart
+//! from the new one's (`Error::Stale`); later incarnations compare greater. Version 1
+//! addresses and versions 1-2 descriptors (older builds) read with incarnation 0, unknown.
 //!
 //! A version 1 descriptor (from an older build) reads as host memory. `bytes8` is a `u8`
 //! length then that many bytes, at most [`MAX_HOST_ID_LEN`]; flag bits other than 1 and 2
@@ -64,11 +72,12 @@ pub const MAX_ADDRESS_LEN: usize = 4096;
 /// The longest transport name, in bytes.
 pub const MAX_TRANSPORT_LEN: usize = 64;
 
-/// The wire format version of engine addresses, written and read by this crate.
-pub const WIRE_VERSION: u8 = 1;
+/// The wire format version of engine addresses written by this crate; it also reads version
+/// 1 (no incarnation).
+pub const WIRE_VERSION: u8 = 2;
 /// The wire format version of region descriptors written by this crate; it also reads
-/// version 1 (host memory).
-pub const DESCRIPTOR_VERSION: u8 = 2;
+/// version 2 (no incarnation) and 1 (host memory, no incarnation).
+pub const DESCRIPTOR_VERSION: u8 = 3;
 /// The longest host identity a descriptor carries.
 pub const MAX_HOST_ID_LEN: usize = 64;
 /// Bytes of a CUDA IPC export (`cuda::IpcExport::WIRE_LEN`).
@@ -93,6 +102,8 @@ pub struct EngineAddress {
     pub transport: String,
     /// One backend address per domain, in the engine's domain order.
     pub domains: Vec<Vec<u8>>,
+    /// The engine's incarnation (see the [module docs](self)); 0: unknown.
+    pub incarnation: u64,
 }
 
 /// One domain's part of a [`RegionDescriptor`]: what a peer needs to write through that NIC.
@@ -117,6 +128,8 @@ pub struct RegionDescriptor {
     pub domains: Vec<DomainKey>,
     /// `Some` for a region in GPU memory.
     pub gpu: Option<GpuRegion>,
+    /// The owning engine's incarnation (see the [module docs](self)); 0: unknown.
+    pub incarnation: u64,
 }
 
 /// The GPU part of a [`RegionDescriptor`].
@@ -151,15 +164,27 @@ impl EngineAddress {
     /// Call [`validate`](Self::validate) first if the value may exceed the limits: the bytes of
     /// an address that does not validate are rejected by [`from_bytes`](Self::from_bytes).
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.encode(WIRE_VERSION)
+    }
+
+    pub(crate) fn encode(&self, version: u8) -> Vec<u8> {
         let mut out = Vec::with_capacity(
-            4 + 1 + 2 + self.transport.len() + 2 + self.domains.iter().map(|d| 4 + d.len()).sum::<usize>(),
+            4 + 1
+                + 2
+                + self.transport.len()
+                + 2
+                + self.domains.iter().map(|d| 4 + d.len()).sum::<usize>()
+                + 8,
         );
         out.extend_from_slice(&ADDRESS_MAGIC);
-        out.push(WIRE_VERSION);
+        out.push(version);
         put_str16(&mut out, &self.transport);
         put_u16(&mut out, self.domains.len());
         for address in &self.domains {
             put_bytes32(&mut out, address);
+        }
+        if version >= 2 {
+            out.extend_from_slice(&self.incarnation.to_le_bytes());
         }
         out
     }
@@ -171,14 +196,15 @@ impl EngineAddress {
     /// [`Error::Malformed`] with `what = "engine address"`. Never panics.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
         decode(ADDRESS_WHAT, bytes, |r| {
-            r.header(ADDRESS_MAGIC, DESCRIPTOR_MAGIC, DESCRIPTOR_WHAT, &[WIRE_VERSION])?;
+            let version = r.header(ADDRESS_MAGIC, DESCRIPTOR_MAGIC, DESCRIPTOR_WHAT, &[1, WIRE_VERSION])?;
             let transport = r.transport()?;
             let count = r.domain_count()?;
             let mut domains = Vec::with_capacity(count);
             for i in 0..count {
                 domains.push(r.address(i)?);
             }
-            Ok(EngineAddress { transport, domains })
+            let incarnation = if version >= 2 { r.u64("incarnation")? } else { 0 };
+            Ok(EngineAddress { transport, domains, incarnation })
         })
     }
 }
@@ -239,7 +265,7 @@ impl RegionDescriptor {
         self.encode(DESCRIPTOR_VERSION)
     }
 
-    fn encode(&self, version: u8) -> Vec<u8> {
+    pub(crate) fn encode(&self, version: u8) -> Vec<u8> {
         let per_domain: usize = self.domains.iter().map(|d| 4 + d.address.len() + 16).sum();
         let mut out = Vec::with_capacity(4 + 1 + 2 + self.transport.len() + 8 + 2 + per_domain + 100);
         out.extend_from_slice(&DESCRIPTOR_MAGIC);
@@ -270,11 +296,14 @@ impl RegionDescriptor {
                 out.extend_from_slice(&g.host);
             }
         }
+        if version >= 3 {
+            out.extend_from_slice(&self.incarnation.to_le_bytes());
+        }
         out
     }
 
-    /// Decodes bytes made by [`to_bytes`](Self::to_bytes), or a version 1 descriptor of an
-    /// older build (host memory).
+    /// Decodes bytes made by [`to_bytes`](Self::to_bytes), or a version 1 or 2 descriptor
+    /// of an older build (version 1: host memory; both: incarnation 0).
     ///
     /// Any input that is not exactly one valid encoding (truncated, trailing bytes, wrong
     /// magic, another version, a limit exceeded, a transport that is not UTF-8, unknown
@@ -283,7 +312,7 @@ impl RegionDescriptor {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
         decode(DESCRIPTOR_WHAT, bytes, |r| {
             let version =
-                r.header(DESCRIPTOR_MAGIC, ADDRESS_MAGIC, ADDRESS_WHAT, &[1, DESCRIPTOR_VERSION])?;
+                r.header(DESCRIPTOR_MAGIC, ADDRESS_MAGIC, ADDRESS_WHAT, &[1, 2, DESCRIPTOR_VERSION])?;
             let transport = r.transport()?;
             let len = r.u64("region length")?;
             let count = r.domain_count()?;
@@ -295,9 +324,23 @@ impl RegionDescriptor {
                 domains.push(DomainKey { address, base, key });
             }
             let gpu = if version < 2 { None } else { r.gpu()? };
-            Ok(RegionDescriptor { transport, len, domains, gpu })
+            let incarnation = if version < 3 { 0 } else { r.u64("incarnation")? };
+            Ok(RegionDescriptor { transport, len, domains, gpu, incarnation })
         })
     }
+}
+
+/// A new incarnation for an engine starting now: nanoseconds since the Unix epoch with the
+/// low 16 bits random, so that later incarnations compare greater and two engines started
+/// in the same instant still differ. Never 0 (which means unknown).
+pub fn new_incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+    // std's RandomState is seeded from the OS once per process and advanced per instance.
+    let r = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    ((now & !0xffff) | (r & 0xffff)).max(1)
 }
 
 fn check_transport(what: &'static str, found: &str, expected: &str) -> Result<(), Error> {
@@ -455,351 +498,5 @@ impl Reader<'_> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn address() -> EngineAddress {
-        EngineAddress {
-            transport: "tcp;ofi_rxm".into(),
-            domains: vec![vec![1, 2, 3, 4], vec![], vec![0xff; 40]],
-        }
-    }
-
-    fn descriptor() -> RegionDescriptor {
-        RegionDescriptor {
-            transport: "verbs".into(),
-            len: 1 << 33,
-            domains: vec![
-                DomainKey { address: vec![9; 16], base: 0x7f00_dead_beef, key: 0x1234 },
-                DomainKey { address: vec![], base: 0, key: u64::MAX },
-            ],
-            gpu: None,
-        }
-    }
-
-    fn gpu_descriptor() -> RegionDescriptor {
-        RegionDescriptor {
-            gpu: Some(GpuRegion {
-                ordinal: 3,
-                staged: true,
-                ipc: Some(vec![0xab; IPC_EXPORT_LEN]),
-                host: b"2f3c-boot".to_vec(),
-            }),
-            ..descriptor()
-        }
-    }
-
-    fn malformed_reason(err: Error, expected_what: &str) -> String {
-        match err {
-            Error::Malformed { what, reason } => {
-                assert_eq!(what, expected_what);
-                reason
-            }
-            other => panic!("expected Malformed, got {other:?}"),
-        }
-    }
-
-    #[test]
-    fn serde_traits_are_derived() {
-        fn assert_serde<T: Serialize + for<'de> Deserialize<'de>>() {}
-        assert_serde::<EngineAddress>();
-        assert_serde::<RegionDescriptor>();
-        assert_serde::<DomainKey>();
-    }
-
-    #[test]
-    fn round_trips() {
-        let cases = [
-            address(),
-            EngineAddress { transport: String::new(), domains: vec![] },
-            EngineAddress {
-                transport: "x".repeat(MAX_TRANSPORT_LEN),
-                domains: vec![vec![7; MAX_ADDRESS_LEN]; MAX_DOMAINS],
-            },
-        ];
-        for a in cases {
-            a.validate().unwrap();
-            assert_eq!(EngineAddress::from_bytes(&a.to_bytes()).unwrap(), a);
-        }
-        let d = descriptor();
-        d.validate().unwrap();
-        assert_eq!(RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
-        let empty = RegionDescriptor { transport: "shm".into(), len: 0, domains: vec![], gpu: None };
-        assert_eq!(RegionDescriptor::from_bytes(&empty.to_bytes()).unwrap(), empty);
-    }
-
-    #[test]
-    fn encoding_is_compact_and_starts_with_magic() {
-        let bytes = address().to_bytes();
-        assert_eq!(&bytes[..5], b"FABA\x01");
-        assert_eq!(bytes.len(), 5 + 2 + 11 + 2 + (4 + 4) + 4 + (4 + 40));
-        let bytes = descriptor().to_bytes();
-        assert_eq!(&bytes[..5], b"FABR\x02");
-        assert_eq!(bytes.len(), 5 + 2 + 5 + 8 + 2 + (4 + 16 + 16) + (4 + 16) + 1);
-        let bytes = gpu_descriptor().to_bytes();
-        assert_eq!(bytes.len(), 5 + 2 + 5 + 8 + 2 + (4 + 16 + 16) + (4 + 16) + 1 + 4 + 1 + 80 + 1 + 9);
-    }
-
-    #[test]
-    fn every_truncation_is_an_error() {
-        let bytes = address().to_bytes();
-        for n in 0..bytes.len() {
-            let reason = malformed_reason(EngineAddress::from_bytes(&bytes[..n]).unwrap_err(), ADDRESS_WHAT);
-            assert!(reason.contains("truncated"), "{n}: {reason}");
-        }
-        let bytes = descriptor().to_bytes();
-        for n in 0..bytes.len() {
-            let reason =
-                malformed_reason(RegionDescriptor::from_bytes(&bytes[..n]).unwrap_err(), DESCRIPTOR_WHAT);
-            assert!(reason.contains("truncated"), "{n}: {reason}");
-        }
-    }
-
-    #[test]
-    fn trailing_bytes_are_an_error() {
-        let mut bytes = descriptor().to_bytes();
-        bytes.push(0);
-        let reason = malformed_reason(RegionDescriptor::from_bytes(&bytes).unwrap_err(), DESCRIPTOR_WHAT);
-        assert!(reason.contains("1 trailing byte"), "{reason}");
-    }
-
-    #[test]
-    fn bad_magic_and_version() {
-        let mut bytes = address().to_bytes();
-        bytes[0] = b'X';
-        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
-        assert!(reason.contains("bad magic"), "{reason}");
-
-        let mut bytes = address().to_bytes();
-        bytes[4] = 2;
-        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
-        assert!(reason.contains("unknown version 2"), "{reason}");
-
-        let mut bytes = descriptor().to_bytes();
-        bytes[4] = 0;
-        let reason = malformed_reason(RegionDescriptor::from_bytes(&bytes).unwrap_err(), DESCRIPTOR_WHAT);
-        assert!(reason.contains("unknown version 0"), "{reason}");
-    }
-
-    #[test]
-    fn mixing_up_address_and_descriptor_says_so() {
-        let reason = malformed_reason(
-            RegionDescriptor::from_bytes(&address().to_bytes()).unwrap_err(),
-            DESCRIPTOR_WHAT,
-        );
-        assert!(reason.contains("encoded engine address"), "{reason}");
-        let reason =
-            malformed_reason(EngineAddress::from_bytes(&descriptor().to_bytes()).unwrap_err(), ADDRESS_WHAT);
-        assert!(reason.contains("encoded region descriptor"), "{reason}");
-    }
-
-    #[test]
-    fn absurd_lengths_are_rejected_before_reading() {
-        // Domain count over the limit.
-        let mut bytes = b"FABA\x01".to_vec();
-        bytes.extend_from_slice(&0u16.to_le_bytes());
-        bytes.extend_from_slice(&65u16.to_le_bytes());
-        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
-        assert!(reason.contains("domain count 65"), "{reason}");
-
-        // Transport length over the limit.
-        let mut bytes = b"FABR\x01".to_vec();
-        bytes.extend_from_slice(&65u16.to_le_bytes());
-        bytes.extend_from_slice(&[b'a'; 65]);
-        let reason = malformed_reason(RegionDescriptor::from_bytes(&bytes).unwrap_err(), DESCRIPTOR_WHAT);
-        assert!(reason.contains("transport name length 65"), "{reason}");
-
-        // Address length u32::MAX: must not try to allocate or read 4 GiB.
-        let mut bytes = b"FABA\x01".to_vec();
-        bytes.extend_from_slice(&0u16.to_le_bytes());
-        bytes.extend_from_slice(&1u16.to_le_bytes());
-        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
-        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
-        assert!(reason.contains("4294967295 bytes"), "{reason}");
-    }
-
-    #[test]
-    fn transport_must_be_utf8() {
-        let mut bytes = b"FABA\x01".to_vec();
-        bytes.extend_from_slice(&2u16.to_le_bytes());
-        bytes.extend_from_slice(&[0xc3, 0x28]);
-        bytes.extend_from_slice(&0u16.to_le_bytes());
-        let reason = malformed_reason(EngineAddress::from_bytes(&bytes).unwrap_err(), ADDRESS_WHAT);
-        assert!(reason.contains("not UTF-8"), "{reason}");
-    }
-
-    #[test]
-    fn values_over_the_limits_fail_validate_and_decode() {
-        let too_many = EngineAddress { transport: "t".into(), domains: vec![vec![]; MAX_DOMAINS + 1] };
-        assert!(matches!(too_many.validate(), Err(Error::Malformed { .. })));
-        assert!(EngineAddress::from_bytes(&too_many.to_bytes()).is_err());
-
-        let long_transport =
-            RegionDescriptor { transport: "t".repeat(70_000), len: 1, domains: vec![], gpu: None };
-        assert!(matches!(long_transport.validate(), Err(Error::Malformed { .. })));
-        assert!(RegionDescriptor::from_bytes(&long_transport.to_bytes()).is_err());
-
-        let long_address = RegionDescriptor {
-            transport: "t".into(),
-            len: 1,
-            domains: vec![DomainKey { address: vec![0; MAX_ADDRESS_LEN + 1], base: 0, key: 0 }],
-            gpu: None,
-        };
-        assert!(matches!(long_address.validate(), Err(Error::Malformed { .. })));
-        assert!(RegionDescriptor::from_bytes(&long_address.to_bytes()).is_err());
-    }
-
-    #[test]
-    fn check_transport_and_domains() {
-        let d = descriptor();
-        d.check_transport("verbs").unwrap();
-        match d.check_transport("tcp;ofi_rxm").unwrap_err() {
-            Error::Foreign { what, found, expected } => {
-                assert_eq!(what, DESCRIPTOR_WHAT);
-                assert_eq!(found, "verbs");
-                assert_eq!(expected, "tcp;ofi_rxm");
-            }
-            other => panic!("{other:?}"),
-        }
-        let a = address();
-        a.check_transport("tcp;ofi_rxm").unwrap();
-        assert!(matches!(a.check_transport("verbs"), Err(Error::Foreign { what: ADDRESS_WHAT, .. })));
-
-        d.check_domains(2).unwrap();
-        match d.check_domains(4).unwrap_err() {
-            Error::Foreign { what, found, expected } => {
-                assert_eq!(what, DESCRIPTOR_WHAT);
-                assert_eq!(found, "verbs with 2 domain(s)");
-                assert_eq!(expected, "verbs with 4 domain(s)");
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    use super::super::test_rng::Rng;
-
-    /// Decodes `input` both ways; whatever is accepted must re-encode to the same bytes.
-    fn check_input(input: &[u8]) -> usize {
-        let mut accepted = 0;
-        if let Ok(a) = EngineAddress::from_bytes(input) {
-            assert_eq!(a.to_bytes(), input);
-            accepted += 1;
-        }
-        if let Ok(d) = RegionDescriptor::from_bytes(input) {
-            // Version 1 input reads as host memory and re-encodes as version 1.
-            let version = input[4];
-            assert_eq!(d.encode(version), input);
-            if version == 1 {
-                assert!(d.gpu.is_none());
-            }
-            accepted += 1;
-        }
-        accepted
-    }
-
-    #[test]
-    fn gpu_descriptors_round_trip_and_version_1_still_reads() {
-        for d in [
-            gpu_descriptor(),
-            RegionDescriptor {
-                gpu: Some(GpuRegion { ordinal: 0, staged: false, ipc: None, host: vec![] }),
-                ..descriptor()
-            },
-        ] {
-            d.validate().unwrap();
-            assert_eq!(RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
-            assert_eq!(
-                d.location(),
-                crate::provider::MemoryLocation::Cuda { ordinal: d.gpu.as_ref().unwrap().ordinal }
-            );
-        }
-        // An older build's descriptor (version 1, no location) reads as host memory.
-        let v1 = descriptor().encode(1);
-        assert_eq!(&v1[..5], b"FABR\x01");
-        let d = RegionDescriptor::from_bytes(&v1).unwrap();
-        assert_eq!(d, descriptor());
-        assert_eq!(d.location(), crate::provider::MemoryLocation::Host);
-        // Every truncation of a GPU descriptor is an error.
-        let bytes = gpu_descriptor().to_bytes();
-        for n in 0..bytes.len() {
-            let reason =
-                malformed_reason(RegionDescriptor::from_bytes(&bytes[..n]).unwrap_err(), DESCRIPTOR_WHAT);
-            assert!(reason.contains("truncated"), "{n}: {reason}");
-        }
-    }
-
-    #[test]
-    fn bad_gpu_fields_are_malformed() {
-        let plain = descriptor().to_bytes();
-        let loc = plain.len() - 1;
-        let mut b = plain.clone();
-        b[loc] = 7;
-        assert!(malformed_reason(RegionDescriptor::from_bytes(&b).unwrap_err(), DESCRIPTOR_WHAT)
-            .contains("unknown location 7"));
-        let mut b = gpu_descriptor().to_bytes();
-        b[loc + 5] |= 0x80;
-        assert!(malformed_reason(RegionDescriptor::from_bytes(&b).unwrap_err(), DESCRIPTOR_WHAT)
-            .contains("unknown GPU flags"));
-        let mut b = gpu_descriptor().to_bytes();
-        b[loc + 6 + 80] = 200;
-        assert!(malformed_reason(RegionDescriptor::from_bytes(&b).unwrap_err(), DESCRIPTOR_WHAT)
-            .contains("host id length 200"));
-        let long_host = RegionDescriptor {
-            gpu: Some(GpuRegion { ordinal: 0, staged: true, ipc: None, host: vec![1; MAX_HOST_ID_LEN + 1] }),
-            ..descriptor()
-        };
-        assert!(long_host.validate().is_err());
-        assert!(RegionDescriptor::from_bytes(&long_host.to_bytes()).is_err());
-        let short_ipc = RegionDescriptor {
-            gpu: Some(GpuRegion { ordinal: 0, staged: true, ipc: Some(vec![1; 3]), host: vec![] }),
-            ..descriptor()
-        };
-        assert!(short_ipc.validate().is_err());
-        assert!(RegionDescriptor::from_bytes(&short_ipc.to_bytes()).is_err());
-    }
-
-    /// 100,000 inputs, each through both decoders.
-    #[test]
-    fn fuzz_never_panics() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        let seeds = [address().to_bytes(), descriptor().to_bytes(), gpu_descriptor().to_bytes()];
-        let mut accepted = 0;
-        let mut input = Vec::new();
-        for i in 0..100_000 {
-            input.clear();
-            match i % 4 {
-                // Pure noise.
-                0 => {
-                    let len = rng.below(128);
-                    input.extend((0..len).map(|_| rng.next() as u8));
-                }
-                // A valid header, then noise: exercises the length checks.
-                1 => {
-                    input.extend_from_slice(if rng.next() & 1 == 0 { b"FABA\x01" } else { b"FABR\x01" });
-                    let len = rng.below(128);
-                    input.extend((0..len).map(|_| rng.next() as u8));
-                }
-                // A valid encoding with a few bytes replaced or bits flipped, then cut or extended.
-                _ => {
-                    input.extend_from_slice(&seeds[rng.below(seeds.len())]);
-                    for _ in 0..=rng.below(4) {
-                        let at = rng.below(input.len());
-                        if rng.next() & 1 == 0 {
-                            input[at] = rng.next() as u8;
-                        } else {
-                            input[at] ^= 1 << rng.below(8);
-                        }
-                    }
-                    match rng.below(4) {
-                        0 => input.truncate(rng.below(input.len() + 1)),
-                        1 => input.extend((0..rng.below(8)).map(|_| rng.next() as u8)),
-                        _ => {}
-                    }
-                }
-            }
-            accepted += check_input(&input);
-        }
-        // Some mutations (of base, key, address bytes) stay valid; make sure the loop reached them.
-        assert!(accepted > 0);
-    }
-}
+#[path = "descriptor_tests.rs"]
+mod tests;

@@ -94,11 +94,11 @@ impl Pool {
 
 struct PeerState {
     handles: Vec<PeerHandle>,
-    /// Its address, as `peer_by_addr` knows it.
-    key: Vec<u8>,
     failed: Option<String>,
     /// Removed by `Engine::remove_peer`: its handles are given back, its id is not reused.
     removed: bool,
+    /// Its engine's incarnation (0: unknown, an older build's address).
+    incarnation: u64,
     /// Operations the NIC refused for now (full queue, connection still being set up), in
     /// order, with the time they were submitted.
     pending: VecDeque<(Instant, Submission)>,
@@ -396,9 +396,37 @@ impl<D: Domain> Core<D> {
     }
 
     fn add_peer(&mut self, address: crate::pure::descriptor::EngineAddress) -> Result<PeerId> {
-        let key = address.to_bytes();
+        let incarnation = address.incarnation;
+        // Peers are found by their transport addresses; the incarnation tells runs apart.
+        let key = crate::pure::descriptor::EngineAddress { incarnation: 0, ..address.clone() }.to_bytes();
         if let Some(&id) = self.peer_by_addr.get(&key) {
-            return Ok(id);
+            let p = &self.peers[id.0 as usize];
+            let stale = |reason: String| Err(Error::Stale { what: "engine address", reason });
+            let known = (incarnation != 0 && p.incarnation != 0).then_some(p.incarnation);
+            match known {
+                Some(k) if incarnation < k => {
+                    return stale(format!(
+                        "an earlier incarnation of peer {id}, which restarted at the same address"
+                    ));
+                }
+                Some(k) if incarnation > k => {
+                    // The process we knew at this address is gone: a new one runs there.
+                    let reason = "a later incarnation of it was added (it restarted at the same address)";
+                    self.mark_down(id, reason);
+                    self.fail_peer(id, reason);
+                }
+                _ if p.removed && known.is_some() => {
+                    return stale(format!("peer {id} was removed (Engine::remove_peer)"));
+                }
+                _ if p.removed => {} // an older build's address: a new peer
+                _ => {
+                    // A peer down stays down: descriptors of this incarnation are stale.
+                    if let (Some(why), Some(_)) = (&p.failed, known) {
+                        return stale(format!("peer {id} is gone: {why}"));
+                    }
+                    return Ok(id);
+                }
+            }
         }
         let mut handles = Vec::with_capacity(self.domains.len());
         for (d, a) in self.domains.iter_mut().zip(&address.domains) {
@@ -411,9 +439,9 @@ impl<D: Domain> Core<D> {
         let stats = self.shared.stats.add_peer();
         self.peers.push(PeerState {
             handles,
-            key: key.clone(),
             failed: None,
             removed: false,
+            incarnation,
             pending: VecDeque::new(),
             stats,
         });
@@ -437,14 +465,14 @@ impl<D: Domain> Core<D> {
         let p = &mut self.peers[peer.0 as usize];
         p.failed = Some(message);
         p.removed = true;
-        let key = std::mem::take(&mut p.key);
+        // Its address stays known (a tombstone): a descriptor of this incarnation is stale.
         let handles = p.handles.clone();
         for (d, h) in handles.into_iter().enumerate() {
-            self.handle_to_peer[d].remove(&h);
-            self.domains[d].remove_peer(h);
-        }
-        if self.peer_by_addr.get(&key) == Some(&peer) {
-            self.peer_by_addr.remove(&key);
+            // A later incarnation at the same address may have the same handle by now.
+            if self.handle_to_peer[d].get(&h) == Some(&peer) {
+                self.handle_to_peer[d].remove(&h);
+                self.domains[d].remove_peer(h);
+            }
         }
         tracing::info!(peer = peer.0, "peer removed");
         self.shared.peer_events.publish(PeerEvent::Removed { peer });

@@ -242,7 +242,9 @@ impl VerbsDomain {
         )?;
         a.qp_state = sys::ibv_qp_state::IBV_QPS_RTS;
         a.timeout = 14; // 4.096 µs * 2^14 ≈ 67 ms per try
-        a.retry_cnt = 7;
+                        // 6, not 7: Soft-RoCE (rxe) takes a retry count of 7 as "retry forever" (as the
+                        // spec does for rnr_retry only), and a dead peer would then never fail.
+        a.retry_cnt = 6;
         a.rnr_retry = 7; // infinite: a receiver out of receives slows the sender, never fails it
         a.sq_psn = q.psn;
         a.max_rd_atomic = self.max_rd_atomic;
