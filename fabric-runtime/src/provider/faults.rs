@@ -15,8 +15,10 @@
 //! * An injected failure keeps exactly one completion per token: the operation is really
 //!   posted and runs to completion, and only its local `Done` is replaced by
 //!   [`Completion::Failed`] with errno `EIO` and a message saying it was injected. The data
-//!   (and the immediate) of such a write **may have landed** at the target: only the local
-//!   outcome changes. `EIO` is not a peer errno, so the peer is not marked failed.
+//!   (and the immediate) of such a write **land at the target** as for any success, since
+//!   the real completion was one: only the local outcome changes, as after a real failure
+//!   whose write had already been placed. `EIO` is not a peer errno, so the peer is not
+//!   marked failed.
 //! * Receives ([`Op::Recv`]), their completions and remote immediates ([`Completion::Imm`])
 //!   are never touched; sends may be refused with `Again` but never failed (the engine's
 //!   own control messages travel as sends). A real failure of a doomed operation is passed
