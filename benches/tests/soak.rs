@@ -8,12 +8,16 @@ const BENCH: &str = env!("CARGO_BIN_EXE_fabric-bench");
 
 /// Runs the soak with `args`; returns its stdout after checking it passed.
 fn soak(args: &[&str]) -> String {
-    let out = Command::new(BENCH)
-        .arg("soak")
-        .args(args)
-        .env("FI_TCP_IFACE", "lo")
-        .output()
-        .expect("run fabric-bench soak");
+    soak_env(args, None)
+}
+
+/// [`soak`] with `FABRIC_FAULTS` set to `faults`.
+fn soak_env(args: &[&str], faults: Option<&str>) -> String {
+    let mut cmd = Command::new(BENCH);
+    if let Some(f) = faults {
+        cmd.env("FABRIC_FAULTS", f);
+    }
+    let out = cmd.arg("soak").args(args).env("FI_TCP_IFACE", "lo").output().expect("run fabric-bench soak");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "soak {args:?} failed ({}):\n{stdout}\n{stderr}", out.status);
@@ -47,6 +51,14 @@ fn ten_seconds_with_kills_drops_and_faults() {
     assert!(figure(&out, "peers") >= 2, "peers were killed:\n{out}");
     assert!(figure(&out, "verified") > 0, "bytes were verified:\n{out}");
     assert!(out.contains("faults injected"), "{out}");
+}
+
+#[test]
+fn faults_from_the_environment() {
+    let out = soak_env(&["--seconds", "3", "--kill-every", "0"], Some("again=0.2,fail=0.05,seed=9"));
+    let line = out.lines().find(|l| l.starts_with("faults injected")).unwrap_or_else(|| panic!("{out}"));
+    let n: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    assert!(n.len() == 2 && n[0] > 0 && n[1] > 0, "both kinds injected: {line}");
 }
 
 #[test]

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::faults::{FaultHandle, FaultPlan};
-use fabric_async::{Engine, MemoryRegion};
+use fabric_async::faults::{FaultHandle, FaultPlan, INJECTED_ERRNO, INJECTED_MESSAGE};
+use fabric_async::{Engine, Error, MemoryRegion};
 
 use crate::session::Res;
 use ledger::{Counts, Target};
@@ -151,7 +151,7 @@ struct Totals {
     probes_ok: u64,
     /// Operations in flight or queued in the engine to a peer when it was killed.
     pending_at_kill: u64,
-    /// Moving average of a round's traffic phase, ms.
+    /// Moving average of the traffic phase of rounds without a kill, ms.
     traffic_ms: f64,
     bytes_verified: u64,
     bytes_lost: u64,
@@ -197,6 +197,12 @@ async fn leader(a: SoakArgs) -> Res<bool> {
     let store_addr = server.local_addr();
     let store = TcpStore::connect(store_addr).await?;
     let mut b = Engine::builder().provider(&a.provider).op_timeout(Some(Duration::from_secs(a.op_timeout)));
+    // `--faults`, else FABRIC_FAULTS (which the engine would read itself): set here so that
+    // the summary can say what was injected.
+    let mut a = a;
+    if a.faults.is_none() {
+        a.faults = FaultPlan::from_env()?;
+    }
     let faults: Option<FaultHandle> = a.faults.as_ref().map(|p| p.handle.clone());
     if let Some(plan) = a.faults.clone() {
         b = b.faults(plan);
@@ -263,7 +269,7 @@ async fn leader(a: SoakArgs) -> Res<bool> {
             next_kill = next_kill.map(|k| k + Duration::from_secs(a.kill_every));
         }
         l.settle(killed).await?;
-        if Instant::now() >= next_report || Instant::now() >= end {
+        if Instant::now() >= next_report && Instant::now() < end {
             next_report += Duration::from_secs(a.report_every.max(1));
             l.sample(t0);
         }
@@ -342,8 +348,12 @@ impl Leader {
         for t in tasks {
             traffic::merge(&self.violations, t.await?);
         }
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        self.t.traffic_ms = if self.t.rounds == 0 { ms } else { 0.8 * self.t.traffic_ms + 0.2 * ms };
+        // Rounds with a kill last until the dead peer's operations time out: not counted.
+        if killed.is_none() {
+            let ms = started.elapsed().as_secs_f64() * 1e3;
+            self.t.traffic_ms =
+                if self.t.traffic_ms == 0.0 { ms } else { 0.8 * self.t.traffic_ms + 0.2 * ms };
+        }
         if let Some(p) = probe {
             let (errs, oks, v) = p.await?;
             self.t.probes_failed += errs;
@@ -448,9 +458,10 @@ impl Leader {
                 let f = self.engine.read(&self.readback, off, &t.remote, off, n);
                 match tokio::time::timeout(Duration::from_secs(self.a.op_timeout + 10), f).await {
                     Ok(Ok(())) => break,
-                    Ok(Err(e)) if tries < 20 && self.a.faults.is_some() => {
+                    Ok(Err(Error::Completion { errno, message, .. }))
+                        if tries < 20 && errno == INJECTED_ERRNO && message.starts_with(INJECTED_MESSAGE) =>
+                    {
                         tries += 1;
-                        let _ = e;
                     }
                     Ok(Err(e)) => return Err(format!("reading back {}: {e}", t.name).into()),
                     Err(_) => return Err(format!("hang: reading back {}", t.name).into()),

@@ -271,7 +271,7 @@ impl<D: Domain> Domain for Faulty<D> {
                         token: *token,
                         errno: INJECTED_ERRNO,
                         message: format!(
-                            "{INJECTED_MESSAGE} (feature `faults`): the operation ran and may have taken effect at the target"
+                            "{INJECTED_MESSAGE} (feature `faults`): the operation itself succeeded; only this report is failed"
                         ),
                     };
                 }
