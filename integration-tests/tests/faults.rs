@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use fabric_async::faults::{FaultHandle, FaultPlan, INJECTED_ERRNO, INJECTED_MESSAGE};
 use fabric_async::{Engine, Error, MemoryRegion, RemoteRegion};
-use integration_tests::{fill_pattern, pattern_byte, providers};
+use integration_tests::{fill_pattern, pattern_byte, primary, providers};
 
 const IMM: u32 = 31;
 /// Slot size of every write: one slot per operation, so no two writes overlap.
@@ -186,7 +186,7 @@ async fn operations_survive_refused_posts_and_failed_completions() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_plans_are_refused_at_build() {
-    let e = Engine::builder().provider("tcp").faults(FaultPlan::new(1.5, 0.0)).build().unwrap_err();
+    let e = Engine::builder().provider(primary()).faults(FaultPlan::new(1.5, 0.0)).build().unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
     assert!(matches!("again=0.1,bogus=1".parse::<FaultPlan>(), Err(Error::Config(_))));
     let p: FaultPlan = "again=0.1,fail=0.01,seed=7".parse().expect("the documented form");

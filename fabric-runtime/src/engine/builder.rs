@@ -262,7 +262,7 @@ impl EngineBuilder {
     /// fails completions at the plan's rates (`docs/operations.md`, "Fault injection").
     /// Without this call, `FABRIC_FAULTS=again=0.1,fail=0.01,seed=7` sets the plan; with
     /// neither, the NICs are opened unwrapped. Probabilities outside `0..=1` fail the build
-    /// with [`Error::Config`].
+    /// with [`Error::Config`] before any NIC is opened.
     #[cfg(feature = "faults")]
     pub fn faults(mut self, plan: crate::provider::faults::FaultPlan) -> Self {
         self.faults = Some(plan);
@@ -355,6 +355,10 @@ impl EngineBuilder {
     /// Opens the NIC(s) and starts the reactor thread.
     pub fn build(self) -> Result<Engine> {
         self.staging_slots()?;
+        #[cfg(feature = "faults")]
+        if let Some(plan) = &self.faults {
+            plan.validate()?;
+        }
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
         }
@@ -439,7 +443,6 @@ fn start<D: crate::provider::Domain>(domains: Vec<D>, cfg: EngineBuilder) -> Res
         None => FaultPlan::from_env()?,
     };
     let Some(plan) = plan else { return Engine::start(domains, cfg) };
-    plan.validate()?;
     tracing::warn!(again = plan.again, fail = plan.fail, seed = plan.seed, "fault injection on");
     let wrapped = domains.into_iter().enumerate().map(|(i, d)| Faulty::new(d, &plan, i as u64)).collect();
     Engine::start(wrapped, cfg)
