@@ -54,6 +54,9 @@ pub struct Counts {
     pub injected: u64,
     pub failed: u64,
     pub dropped: u64,
+    /// Futures raced against a short timeout, and those that lost it (also in `dropped`).
+    pub raced: u64,
+    pub raced_lost: u64,
     /// Awaited futures that did not resolve within the bound (each one is a violation).
     pub hung: u64,
 }
@@ -67,6 +70,8 @@ impl Counts {
         self.injected += o.injected;
         self.failed += o.failed;
         self.dropped += o.dropped;
+        self.raced += o.raced;
+        self.raced_lost += o.raced_lost;
         self.hung += o.hung;
     }
 

@@ -517,12 +517,16 @@ impl Leader {
             c.created[2]
         );
         println!(
-            "ops completed    {} ok, {} failed (injected {}, typed errors {}), {} dropped, {} hung",
+            "ops completed    {} ok, {} failed (injected {}, typed errors {}), {} dropped ({:.1}%; {} raced a \
+             timeout of up to 0.5 ms, {} of them lost), {} hung",
             c.ok,
             c.injected + c.failed,
             c.injected,
             c.failed,
             c.dropped,
+            100.0 * c.dropped as f64 / c.created_total().max(1) as f64,
+            c.raced,
+            c.raced_lost,
             c.hung
         );
         if let Some(h) = &faults {

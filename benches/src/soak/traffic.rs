@@ -129,10 +129,14 @@ pub async fn run(
             drop(fut);
             t.resolved(rec, arrivals, Outcome::Dropped);
         } else if roll < p.drop_pct {
+            t.ledger().counts.raced += 1;
             let wait = Duration::from_micros(rng.below(500));
             let outcome = match tokio::time::timeout(wait, fut).await {
                 Ok(r) => classify(r, t, kind, &mut violations),
-                Err(_) => Outcome::Dropped,
+                Err(_) => {
+                    t.ledger().counts.raced_lost += 1;
+                    Outcome::Dropped
+                }
             };
             t.resolved(rec, arrivals, outcome);
         } else {
