@@ -22,7 +22,11 @@
 //! * Receives ([`Op::Recv`]), their completions and remote immediates ([`Completion::Imm`])
 //!   are never touched; sends may be refused with `Again` but never failed (the engine's
 //!   own control messages travel as sends). A real failure of a doomed operation is passed
-//!   on unchanged, and every completion variant this file does not know is forwarded as is.
+//!   on unchanged, and every other completion ([`Completion::PeerDown`] included) is
+//!   forwarded as is.
+//!
+//! Every method of [`Domain`] is forwarded, those with a default included: a method added to
+//! the trait must be added here too.
 //!
 //! Nothing here is compiled without the feature, and with it an engine built without a
 //! [`FaultPlan`] opens its domains unwrapped: no cost either way.
@@ -231,6 +235,10 @@ impl<D: Domain> Domain for Faulty<D> {
 
     fn add_peer(&mut self, addr: &[u8]) -> Result<PeerHandle> {
         self.inner.add_peer(addr)
+    }
+
+    fn remove_peer(&mut self, peer: PeerHandle) {
+        self.inner.remove_peer(peer)
     }
 
     /// # Safety
