@@ -6,8 +6,9 @@
 //!  --tasks traffic tasks ── write / write_imm / imm ──► region + ImmCounter(IMM)
 //!    ~20% of futures dropped                          publishes its IMM count (TcpStore)
 //!  every --kill-every s: SIGKILL one peer ─► probes must fail typed, never hang
-//!  every round (--round-secs): quiesce, read each live region back, compare; restart
-//!    the killed peer as a new incarnation (new process, address, descriptor)
+//!  every round (--round-secs): quiesce, read each live region back, compare; remove the
+//!    killed peer (remove_peer) and restart it as a new incarnation (new process, address,
+//!    descriptor)
 //! ```
 //!
 //! Checks (any failure is a violation and a non-zero exit): no awaited future hangs; no
@@ -34,7 +35,7 @@ use fabric_async::{Engine, Error, MemoryRegion};
 
 use crate::session::Res;
 use ledger::{Counts, Target};
-use peer::{Incarnation, PeerArgs};
+use peer::{Incarnation, PeerArgs, IMM};
 use traffic::{Rng, TaskPlan};
 
 /// `fabric-bench soak` and its hidden peer.
@@ -99,9 +100,9 @@ struct SoakArgs {
     faults: Option<FaultPlan>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Do not count a probe of a killed peer that completes Ok as a violation. For shm, which
-    /// does not detect a dead peer yet (issue 12, item 1): a write to a killed shm peer can
-    /// complete Ok (its shared-memory queue outlives the process).
+    /// Do not count a probe of a killed peer that completes Ok as a violation. For shm, where
+    /// a small write posted right after the peer died, before the engine noticed, can still
+    /// complete Ok (docs/operations.md, "Soak").
     #[arg(long)]
     allow_dead_ok: bool,
     /// Test hook: misrecord one write and one immediate, so the run must fail.
@@ -149,6 +150,8 @@ struct Totals {
     restarted: u64,
     probes_failed: u64,
     probes_ok: u64,
+    /// Removed incarnations whose next operation failed at once with `PeerUnreachable`.
+    removed_refused: u64,
     /// Operations in flight or queued in the engine to a peer when it was killed.
     pending_at_kill: u64,
     /// Moving average of the traffic phase of rounds without a kill, ms.
@@ -375,6 +378,14 @@ impl Leader {
             self.check(&target).await?;
         }
         if let Some(place) = killed {
+            // Remove the dead incarnation (its probes have resolved); an operation through it
+            // must then fail at once.
+            let dead = self.places[place].1.clone();
+            self.engine.remove_peer(dead.peer).await?;
+            match tokio::time::timeout(Duration::from_secs(1), self.engine.imm(&dead.remote, IMM)).await {
+                Ok(Err(Error::PeerUnreachable { .. })) => self.t.removed_refused += 1,
+                other => self.violation(format!("an imm to the removed {}: {other:?}", dead.name)),
+            }
             let gen = self.places[place].2 + 1;
             let fresh = self.start(place, gen).await?;
             let (_, old, _) = std::mem::replace(&mut self.places[place], fresh);
@@ -538,8 +549,8 @@ impl Leader {
         }
         println!(
             "peers            {} killed ({} operations to them unresolved at the kill), {} restarted; \
-             probes of killed peers: {} typed errors, {} ok",
-            t.killed, t.pending_at_kill, t.restarted, t.probes_failed, t.probes_ok
+             probes of killed peers: {} typed errors, {} ok; {} removed, then refused at once",
+            t.killed, t.pending_at_kill, t.restarted, t.probes_failed, t.probes_ok, t.removed_refused
         );
         println!(
             "verified         {} B in {} writes, {} immediates (live incarnations)",
