@@ -34,6 +34,7 @@ mod raw;
 mod report;
 mod scale;
 mod session;
+mod soak;
 mod wake;
 
 use std::path::PathBuf;
@@ -56,7 +57,9 @@ use fabric_async::ReactorMode;
     after_help = "Baselines: the raw provider loop (the provider's domain driven by a plain thread), \
                   iperf3 on tcp, ib_write_bw / ib_write_lat (perftest) on verbs.\n\
                   The options go before or after the test's name. Progress goes to stderr, the \
-                  table to stdout."
+                  table to stdout.\n\
+                  `fabric-bench soak --help`: the soak (peers killed and restarted, every byte and \
+                  immediate checked), a command of its own."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -331,6 +334,10 @@ fn parse_size(s: &str) -> Option<usize> {
 }
 
 fn main() {
+    // `soak` and its peers have their own command line (soak/mod.rs).
+    if let Some(code) = soak::main_if_soak() {
+        std::process::exit(code);
+    }
     let cli = Cli::parse();
     if cli.tracing == Tracing::On {
         tracing_subscriber::fmt()

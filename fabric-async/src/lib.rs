@@ -37,6 +37,10 @@ pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
 /// The CUDA layer (driver loaded at run time): devices, memory, streams, events, kernels
 /// (`docs/gpu.md`); [`Engine::after`] takes its events.
 pub use fabric_runtime::cuda;
+/// Test-only fault injection (feature `faults`): [`faults::FaultPlan`] for
+/// `EngineBuilder::faults` (docs/operations.md, "Fault injection").
+#[cfg(feature = "faults")]
+pub use fabric_runtime::provider::faults;
 /// GPU/NIC topology from sysfs: which NICs and cores each GPU should use
 /// (`docs/topology.md`).
 pub use fabric_runtime::topology;

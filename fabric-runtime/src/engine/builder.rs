@@ -33,6 +33,9 @@ pub struct EngineBuilder {
     pub(crate) staging_pool: u64,
     /// Write same-host GPU destinations through CUDA IPC.
     pub(crate) cuda_ipc: bool,
+    /// Fault injection (tests only).
+    #[cfg(feature = "faults")]
+    pub(crate) faults: Option<crate::provider::faults::FaultPlan>,
 }
 
 impl Default for EngineBuilder {
@@ -58,6 +61,8 @@ impl Default for EngineBuilder {
             staging_chunk: 4 << 20,
             staging_pool: 64 << 20,
             cuda_ipc: true,
+            #[cfg(feature = "faults")]
+            faults: None,
         }
     }
 }
@@ -252,6 +257,18 @@ impl EngineBuilder {
         self
     }
 
+    /// Test only (cargo feature `faults`): wraps every NIC of the engine in
+    /// [`Faulty`](crate::provider::faults::Faulty), which refuses posts with `Again` and
+    /// fails completions at the plan's rates (`docs/operations.md`, "Fault injection").
+    /// Without this call, `FABRIC_FAULTS=again=0.1,fail=0.01,seed=7` sets the plan; with
+    /// neither, the NICs are opened unwrapped. Probabilities outside `0..=1` fail the build
+    /// with [`Error::Config`] before any NIC is opened.
+    #[cfg(feature = "faults")]
+    pub fn faults(mut self, plan: crate::provider::faults::FaultPlan) -> Self {
+        self.faults = Some(plan);
+        self
+    }
+
     /// The NICs and reactor core that `topology` plans for GPU `gpu` (see
     /// `docs/topology.md`): sets the provider (`verbs` for ConnectX and software RoCE NICs,
     /// `efa` for EFA, whose libfabric domains are named `<device>-rdm`), the NIC list, and
@@ -338,6 +355,10 @@ impl EngineBuilder {
     /// Opens the NIC(s) and starts the reactor thread.
     pub fn build(self) -> Result<Engine> {
         self.staging_slots()?;
+        #[cfg(feature = "faults")]
+        if let Some(plan) = &self.faults {
+            plan.validate()?;
+        }
         if self.max_msg_size == 0 || self.recv_depth == 0 || self.send_depth == 0 {
             return Err(Error::Config("message size and queue depths must be non-zero".into()));
         }
@@ -382,7 +403,7 @@ impl EngineBuilder {
                     };
                     domains.push(crate::provider::verbs::VerbsDomain::open(&cfg)?);
                 }
-                return Engine::start(domains, self);
+                return start(domains, self);
             }
             #[cfg(not(feature = "verbs"))]
             return Err(Error::ProviderNotFound {
@@ -403,7 +424,7 @@ impl EngineBuilder {
                 };
                 domains.push(crate::provider::libfabric::LibfabricDomain::open(&cfg)?);
             }
-            Engine::start(domains, self)
+            start(domains, self)
         }
         #[cfg(not(feature = "libfabric"))]
         Err(Error::ProviderNotFound {
@@ -411,6 +432,26 @@ impl EngineBuilder {
             reason: "fabric-runtime was built without the `libfabric` feature".into(),
         })
     }
+}
+
+/// Starts the engine over `domains`, each wrapped in a fault injector when a plan is set.
+#[cfg(feature = "faults")]
+fn start<D: crate::provider::Domain>(domains: Vec<D>, cfg: EngineBuilder) -> Result<Engine> {
+    use crate::provider::faults::{FaultPlan, Faulty};
+    let plan = match &cfg.faults {
+        Some(plan) => Some(plan.clone()),
+        None => FaultPlan::from_env()?,
+    };
+    let Some(plan) = plan else { return Engine::start(domains, cfg) };
+    tracing::warn!(again = plan.again, fail = plan.fail, seed = plan.seed, "fault injection on");
+    let wrapped = domains.into_iter().enumerate().map(|(i, d)| Faulty::new(d, &plan, i as u64)).collect();
+    Engine::start(wrapped, cfg)
+}
+
+/// Starts the engine over `domains`.
+#[cfg(not(feature = "faults"))]
+fn start<D: crate::provider::Domain>(domains: Vec<D>, cfg: EngineBuilder) -> Result<Engine> {
+    Engine::start(domains, cfg)
 }
 
 #[cfg(test)]

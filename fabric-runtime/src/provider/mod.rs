@@ -47,6 +47,8 @@ use std::os::fd::RawFd;
 
 use crate::error::Error;
 
+#[cfg(feature = "faults")]
+pub mod faults;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
 #[cfg(feature = "verbs")]
