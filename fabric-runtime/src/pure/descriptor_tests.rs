@@ -369,20 +369,8 @@ fn fuzz_never_panics() {
             }
             // A valid encoding with a few bytes replaced or bits flipped, then cut or extended.
             _ => {
-                input.extend_from_slice(&seeds[rng.below(seeds.len())]);
-                for _ in 0..=rng.below(4) {
-                    let at = rng.below(input.len());
-                    if rng.next() & 1 == 0 {
-                        input[at] = rng.next() as u8;
-                    } else {
-                        input[at] ^= 1 << rng.below(8);
-                    }
-                }
-                match rng.below(4) {
-                    0 => input.truncate(rng.below(input.len() + 1)),
-                    1 => input.extend((0..rng.below(8)).map(|_| rng.next() as u8)),
-                    _ => {}
-                }
+                let seed = &seeds[rng.below(seeds.len())];
+                rng.mutate(seed, &mut input);
             }
         }
         accepted += check_input(&input);

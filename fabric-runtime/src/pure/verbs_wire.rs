@@ -323,22 +323,7 @@ mod tests {
                 let len = rng.below(max_len + 1 - header);
                 input.extend((0..len).map(|_| rng.next() as u8));
             }
-            _ => {
-                input.extend_from_slice(seed);
-                for _ in 0..=rng.below(4) {
-                    let at = rng.below(input.len());
-                    if rng.next() & 1 == 0 {
-                        input[at] = rng.next() as u8;
-                    } else {
-                        input[at] ^= 1 << rng.below(8);
-                    }
-                }
-                match rng.below(4) {
-                    0 => input.truncate(rng.below(input.len() + 1)),
-                    1 => input.extend((0..rng.below(8)).map(|_| rng.next() as u8)),
-                    _ => {}
-                }
-            }
+            _ => rng.mutate(seed, input),
         }
     }
 
