@@ -156,6 +156,16 @@ impl LibfabricDomain {
         }
     }
 
+    /// Takes `peer`'s address out of the AV (`fi_av_remove`); a failure is only logged.
+    fn av_remove(&mut self, peer: PeerHandle) {
+        let mut addr = peer;
+        // SAFETY: av is open; one fi_addr_t is read from `addr`.
+        let ret = unsafe { sys::fabric_shim_fi_av_remove(self.av.as_ptr(), &mut addr, 1, 0) };
+        if let Err(e) = check("fi_av_remove", ret as isize) {
+            tracing::debug!(peer, error = %e, "removing a peer's address failed; it stays in the AV");
+        }
+    }
+
     /// Reads one error entry (after `-FI_EAVAIL`).
     fn read_error(&mut self, out: &mut VecDeque<Completion>) -> Result<bool, Error> {
         let mut err = sys::fi_cq_err_entry::default();
@@ -263,9 +273,7 @@ impl Domain for LibfabricDomain {
             Ok(1) if fi_addr != sys::FI_ADDR_NOTAVAIL => {
                 if self.shm.is_some() {
                     if let Err(e) = self.shm_add_peer(fi_addr, addr) {
-                        let mut a = fi_addr;
-                        // SAFETY: av is open; one fi_addr_t is read from `a`.
-                        unsafe { sys::fabric_shim_fi_av_remove(self.av.as_ptr(), &mut a, 1, 0) };
+                        self.av_remove(fi_addr);
                         return Err(e);
                     }
                 }
@@ -297,12 +305,7 @@ impl Domain for LibfabricDomain {
         if let Some(live) = self.tcp_live.as_mut() {
             live.unwatch(peer);
         }
-        let mut addr = peer;
-        // SAFETY: av is open; one fi_addr_t is read from `addr`.
-        let ret = unsafe { sys::fabric_shim_fi_av_remove(self.av.as_ptr(), &mut addr, 1, 0) };
-        if let Err(e) = check("fi_av_remove", ret as isize) {
-            tracing::debug!(peer, error = %e, "removing a peer's address failed; it stays in the AV");
-        }
+        self.av_remove(peer);
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, Error> {
