@@ -28,10 +28,12 @@ mod gpu;
 mod lat;
 mod measure;
 mod perftest;
+mod pin;
 mod progress;
 mod rate;
 mod raw;
 mod report;
+mod rtt;
 mod scale;
 mod session;
 mod soak;
@@ -134,6 +136,9 @@ struct Cli {
     /// (EngineBuilder::staging_chunk; default 4M).
     #[arg(long, global = true, value_name = "BYTES", value_parser = one_size)]
     staging_chunk: Option<usize>,
+    /// rtt: interleaved rounds, each running every path once [default: 7; --quick: 2].
+    #[arg(long, global = true, value_name = "N", value_parser = positive)]
+    rounds: Option<usize>,
     /// Install a tracing subscriber (fmt to stderr at level info) in both processes.
     ///
     /// fabric's per-transfer events are at debug, so with `on` they are disabled by the
@@ -188,7 +193,16 @@ pub enum Test {
     /// 1-peer figure, RSS per peer); then n imm futures created at once (rate against the raw
     /// loop's imm rate, RSS per future).
     Scale,
-    /// Every test: bw, lat, rate, wake, scale.
+    /// The latency-critical 8 B round trip against the raw loop, interleaved and pinned.
+    ///
+    /// The raw loop, the Inline spin path, Inline futures, Event futures and Event futures
+    /// with a CompletionWatch (providers with a CQ wait fd), each run in every one of
+    /// --rounds rounds (order rotated each round), each side's measuring thread pinned to a
+    /// physical core of its own (not cpu 0's; no pinning below three cores). Rows: the median
+    /// p50 over the rounds, and the median of the per-round ratios to the raw loop with
+    /// their range. 2000 round trips per path per round (--iters).
+    Rtt,
+    /// Every test: bw, lat, rate, wake, scale, rtt.
     All,
 }
 
@@ -200,6 +214,7 @@ impl Test {
             Test::Rate => "rate",
             Test::Wake => "wake",
             Test::Scale => "scale",
+            Test::Rtt => "rtt",
             Test::All => "all",
         }
     }
@@ -254,6 +269,8 @@ pub struct Opts {
     /// `--staging-pool`, `--staging-chunk` (engine defaults when absent).
     pub staging_pool: Option<usize>,
     pub staging_chunk: Option<usize>,
+    /// `--rounds`: rtt's interleaved rounds (default 7, quick 2).
+    pub rounds: Option<usize>,
 }
 
 impl Opts {
@@ -285,6 +302,7 @@ impl From<Cli> for Opts {
             location: c.location,
             staging_pool: c.staging_pool,
             staging_chunk: c.staging_chunk,
+            rounds: c.rounds,
         }
     }
 }

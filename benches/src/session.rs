@@ -22,7 +22,7 @@ use fabric_async::{Engine, EngineBuilder, MemoryRegion, ReactorMode, RemoteRegio
 use crate::progress::Progress;
 use crate::raw::Raw;
 use crate::report::Report;
-use crate::{bw, lat, perftest, rate, scale, wake, Opts, Test};
+use crate::{bw, lat, perftest, rate, rtt, scale, wake, Opts, Test};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = std::result::Result<T, BoxError>;
@@ -156,6 +156,9 @@ pub async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     }
     if scale {
         scale::run(ctx, rep).await?;
+    }
+    if ctx.o.runs(Test::Rtt) {
+        rtt::run(ctx, rep).await?;
     }
     Ok(())
 }

@@ -16,7 +16,7 @@ use crate::session::{
 };
 
 /// The synchronous path: post_write_imm into an OpBatch, spin_wait on the counter.
-fn spin_ping(s: &Side, size: usize, iters: usize, lead: bool) -> Res<Vec<Duration>> {
+pub fn spin_ping(s: &Side, size: usize, iters: usize, lead: bool) -> Res<Vec<Duration>> {
     let batch = OpBatch::new();
     let (wait, send) = if lead { (IMM_PONG, IMM_PING) } else { (IMM_PING, IMM_PONG) };
     let counter = s.engine.imm_counter(wait);

@@ -1,0 +1,110 @@
+//! Pinning a measuring thread to a core of its own, for `rtt`: both processes compute the
+//! same plan from sysfs, the leader takes the first core and the peer the second.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::marker::PhantomData;
+
+/// The CPUs the two sides' measuring threads run on: the first CPU of two physical cores,
+/// neither of them core 0's (it takes most interrupts). `None` with fewer than three
+/// physical cores in this process's affinity mask: pinning would then share a core with
+/// everything else, and the figures are as good unpinned.
+pub fn plan() -> Option<[usize; 2]> {
+    let allowed = allowed()?;
+    let mut cores: BTreeMap<(u32, u32), usize> = BTreeMap::new();
+    let mut core0 = None;
+    for &cpu in &allowed {
+        let read = |f: &str| -> Option<u32> {
+            fs::read_to_string(format!("/sys/devices/system/cpu/cpu{cpu}/topology/{f}"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        let key = (read("physical_package_id").unwrap_or(0), read("core_id")?);
+        if cpu == 0 {
+            core0 = Some(key);
+        }
+        cores.entry(key).or_insert(cpu);
+    }
+    let free: Vec<usize> = cores.iter().filter(|(k, _)| Some(**k) != core0).map(|(_, &cpu)| cpu).collect();
+    (cores.len() >= 3 && free.len() >= 2).then(|| [free[0], free[1]])
+}
+
+/// The CPUs this thread may run on.
+fn allowed() -> Option<Vec<usize>> {
+    // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return None;
+    }
+    // SAFETY: every index is below CPU_SETSIZE, inside `set`.
+    Some((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+}
+
+/// While alive, the calling thread runs on `cpu` only; dropping it restores the mask it had
+/// (these are blocking-pool threads, reused by later tests).
+pub struct Pinned {
+    old: libc::cpu_set_t,
+    /// Not `Send`: the mask is restored on the thread that set it.
+    _thread: PhantomData<*const ()>,
+}
+
+impl Pinned {
+    /// Pins the calling thread to `cpu` (`None`: leaves it as it is).
+    pub fn to(cpu: Option<usize>) -> Option<Pinned> {
+        let cpu = cpu.filter(|&c| c < libc::CPU_SETSIZE as usize)?;
+        // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
+        let (mut old, mut new): (libc::cpu_set_t, libc::cpu_set_t) = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        // SAFETY: pid 0 is the calling thread; `old` is a live cpu_set_t of the size passed.
+        if unsafe { libc::sched_getaffinity(0, size, &mut old) } != 0 {
+            return None;
+        }
+        // SAFETY: `cpu` is below CPU_SETSIZE (filtered above), so CPU_SET stays inside `new`.
+        unsafe { libc::CPU_SET(cpu, &mut new) };
+        // SAFETY: as above, with `new`.
+        (unsafe { libc::sched_setaffinity(0, size, &new) } == 0)
+            .then_some(Pinned { old, _thread: PhantomData })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: pid 0 is the calling thread, the one that made this `Pinned` (not `Send`);
+        // `old` is the mask read from it.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.old) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_names_two_distinct_cores_other_than_cpu0() {
+        // On a machine of fewer than three physical cores there is no plan; either way the
+        // call must not fail.
+        if let Some([a, b]) = plan() {
+            assert_ne!(a, b);
+            assert!(a != 0 && b != 0);
+        }
+    }
+
+    #[test]
+    fn pinning_moves_the_thread_and_dropping_restores_it() {
+        std::thread::spawn(|| {
+            let before = allowed().unwrap();
+            let cpu = *before.last().unwrap();
+            {
+                let _p = Pinned::to(Some(cpu)).expect("pin to an allowed cpu");
+                assert_eq!(allowed().unwrap(), vec![cpu]);
+            }
+            assert_eq!(allowed().unwrap(), before);
+            assert!(Pinned::to(None).is_none());
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -1,0 +1,237 @@
+//! `rtt`: the latency-critical round trip against the raw loop, interleaved and pinned.
+//!
+//! `wake` measures each path once, one after the other, against one raw run. On the 16-core
+//! device machine a pair of spinning threads moves by ±30% between runs, so a ratio of two
+//! figures taken at different moments says little. Here every path runs in each of
+//! `--rounds` rounds, in an order rotated by one each round; each side's measuring thread is
+//! pinned to a physical core of its own, the same two for every path (`pin.rs`); every round
+//! gives each path's p50 over the raw loop's p50 of the same round, and the rows give the
+//! median of those per-round ratios with their range.
+//!
+//! Paths (8 B write_imm ping-pong): the raw loop; the synchronous spin path
+//! (`post_write_imm` + `spin_wait`) on an `Inline` engine; futures on that `Inline` engine;
+//! futures on an `Event` engine, without and with a `CompletionWatch` (where the provider
+//! has a completion wait fd). Futures run on the pinned thread in a current-thread runtime,
+//! as docs/performance.md tells users of `Inline` to do.
+
+use std::sync::Arc;
+
+use fabric_async::{CompletionWatch, ReactorMode};
+
+use crate::lat::{engine_ping, engine_pong};
+use crate::measure::{median, percentiles};
+use crate::pin::{self, Pinned};
+use crate::raw::Raw;
+use crate::report::{Report, Row};
+use crate::session::{builder, engine_side_with, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG};
+use crate::wake::spin_ping;
+use crate::Opts;
+
+const SIZE: usize = 8;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    Raw,
+    InlineSpin,
+    InlineFutures,
+    EventFutures,
+    EventWatch,
+}
+
+impl Path {
+    /// Its name in `FABRIC_BENCH_RTT_PATHS`.
+    fn key(self) -> &'static str {
+        match self {
+            Path::Raw => "raw",
+            Path::InlineSpin => "spin",
+            Path::InlineFutures => "futures",
+            Path::EventFutures => "event",
+            Path::EventWatch => "watch",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Path::Raw => "raw loop",
+            Path::InlineSpin => "Inline spin path",
+            Path::InlineFutures => "Inline futures",
+            Path::EventFutures => "Event futures",
+            Path::EventWatch => "Event futures + CompletionWatch",
+        }
+    }
+}
+
+/// Round `r`'s order: the paths rotated left by `r`, so that each runs first in some round.
+fn order(paths: &[Path], r: usize) -> Vec<Path> {
+    let mut v = paths.to_vec();
+    let k = r % v.len().max(1);
+    v.rotate_left(k);
+    v
+}
+
+/// Rounds: `--rounds`, else 7 (quick: 2).
+pub fn rounds(o: &Opts) -> usize {
+    o.rounds.unwrap_or(if o.quick { 2 } else { 7 })
+}
+
+/// Round trips per path per round: `--iters`, else 2000 (quick: 200).
+fn iters(o: &Opts) -> usize {
+    o.iters.unwrap_or(if o.quick { 200 } else { 2000 })
+}
+
+/// The median of `v` and its range.
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (median(v.to_vec()), lo, hi)
+}
+
+struct Sides {
+    raw: Option<Raw>,
+    inline: Arc<Side>,
+    event: Arc<Side>,
+}
+
+/// One path's round trips on this side (the peer's list is empty), on a thread pinned to `cpu`.
+async fn run_path(path: Path, lead: bool, cpu: Option<usize>, n: usize, s: &mut Sides) -> Res<Vec<f64>> {
+    let rtts = match path {
+        Path::Raw => {
+            let (r, rtts) = on_thread(s.raw.take().expect("raw side"), move |r| {
+                let _pin = Pinned::to(cpu);
+                if lead {
+                    r.ping(SIZE, n, IMM_PING, IMM_PONG)
+                } else {
+                    r.pong(SIZE, n, IMM_PING, IMM_PONG).map(|()| Vec::new())
+                }
+            })
+            .await?;
+            s.raw = Some(r);
+            rtts
+        }
+        Path::InlineSpin => {
+            let side = s.inline.clone();
+            tokio::task::spawn_blocking(move || {
+                let _pin = Pinned::to(cpu);
+                spin_ping(&side, SIZE, n, lead)
+            })
+            .await??
+        }
+        Path::InlineFutures | Path::EventFutures | Path::EventWatch => {
+            let side = if path == Path::InlineFutures { s.inline.clone() } else { s.event.clone() };
+            let watch = path == Path::EventWatch;
+            tokio::task::spawn_blocking(move || -> Res<Vec<_>> {
+                let _pin = Pinned::to(cpu);
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                rt.block_on(async {
+                    // The watch lives on this runtime, beside the awaiting task.
+                    let _watch = if watch { Some(CompletionWatch::spawn(&side.engine)?) } else { None };
+                    if lead {
+                        engine_ping(&side, SIZE, n).await
+                    } else {
+                        engine_pong(&side, SIZE, n).await.map(|()| Vec::new())
+                    }
+                })
+            })
+            .await??
+        }
+    };
+    let p50 = if rtts.is_empty() { Vec::new() } else { vec![percentiles(&rtts).0] };
+    Ok(p50)
+}
+
+pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
+    let (rounds, n) = (rounds(&ctx.o), iters(&ctx.o));
+    let plan = pin::plan();
+    let cpu = plan.map(|p| if ctx.lead { p[0] } else { p[1] });
+    if ctx.lead {
+        ctx.note(&match plan {
+            Some([a, b]) => format!("rtt: measuring threads pinned to cpu {a} (leader) and cpu {b} (peer)"),
+            None => "rtt: not pinned (fewer than three physical cores)".to_string(),
+        });
+    }
+    let raw = Some(raw_side(ctx, 1 << 20).await?);
+    let inline = Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(ReactorMode::Inline), 1 << 20).await?);
+    let event = Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(ReactorMode::Event), 1 << 20).await?);
+    let mut paths = vec![Path::Raw, Path::InlineSpin, Path::InlineFutures, Path::EventFutures];
+    // A watch needs a completion wait fd on every NIC (not shm): both sides have the same
+    // provider, so they decide alike.
+    match CompletionWatch::spawn(&event.engine) {
+        Ok(_) => paths.push(Path::EventWatch),
+        Err(e) if ctx.lead => ctx.note(&format!("rtt: {} skipped: {e}", Path::EventWatch.name())),
+        Err(_) => {}
+    }
+    // Profiling one path (perf record on a run of it alone): FABRIC_BENCH_RTT_PATHS=raw,spin,
+    // futures,event,watch keeps those; the raw loop always runs, as every ratio's baseline.
+    if let Ok(keep) = std::env::var("FABRIC_BENCH_RTT_PATHS") {
+        let keep: Vec<&str> = keep.split(',').map(str::trim).collect();
+        paths.retain(|p| *p == Path::Raw || keep.contains(&p.key()));
+    }
+    let mut sides = Sides { raw, inline, event };
+    // p50 per path per round (leader only).
+    let mut p50: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
+    let steps = (rounds * paths.len()) as f64;
+    for r in 0..rounds {
+        for (k, path) in order(&paths, r).into_iter().enumerate() {
+            ctx.progress(
+                "rtt",
+                (r * paths.len() + k) as f64 / steps,
+                &format!("round {}/{rounds}: {} x{n}", r + 1, path.name()),
+            );
+            ctx.barrier("rtt").await?;
+            let got = run_path(path, ctx.lead, cpu, n, &mut sides).await?;
+            let i = paths.iter().position(|&p| p == path).expect("a listed path");
+            p50[i].extend(got);
+        }
+    }
+    ctx.barrier("rtt-end").await?;
+    if !ctx.lead {
+        return Ok(());
+    }
+    let raw50 = &p50[0];
+    let pinned = if plan.is_some() { "pinned" } else { "unpinned" };
+    for (i, path) in paths.iter().enumerate() {
+        let (med, lo, hi) = spread(&p50[i]);
+        let case =
+            format!("{} 8 B p50, median of {rounds} rounds ({pinned}; range {lo:.2}-{hi:.2})", path.name());
+        let mut row = Row::new("rtt", &case, "us", med).size(SIZE);
+        if *path != Path::Raw {
+            row = row.baseline("raw", spread(raw50).0);
+            let ratios: Vec<f64> = p50[i].iter().zip(raw50).map(|(e, b)| e / b).collect();
+            let (rm, rlo, rhi) = spread(&ratios);
+            rep.push(row);
+            rep.push(
+                Row::new(
+                    "rtt",
+                    &format!(
+                        "{} / raw loop, median of per-round ratios (range {rlo:.2}-{rhi:.2})",
+                        path.name()
+                    ),
+                    "x",
+                    rm,
+                )
+                .size(SIZE),
+            );
+        } else {
+            rep.push(row);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_leads_one_round_in_turn() {
+        let p = [Path::Raw, Path::InlineSpin, Path::InlineFutures];
+        assert_eq!(order(&p, 0), p);
+        assert_eq!(order(&p, 1), [Path::InlineSpin, Path::InlineFutures, Path::Raw]);
+        assert_eq!(order(&p, 3), p);
+    }
+
+    #[test]
+    fn spread_is_median_and_range() {
+        assert_eq!(spread(&[3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+    }
+}
