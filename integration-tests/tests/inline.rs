@@ -177,3 +177,89 @@ async fn inline_wait_times_out_and_shuts_down() {
     b.engine.shutdown();
     assert!(matches!(waiter.await, Err(fabric_async::Error::Shutdown)));
 }
+
+/// An `Inline` engine posts each write on the caller's thread when it is submitted, in
+/// order with what was queued; and a write that nobody polls, submitted while the reactor
+/// thread sleeps, to a peer that stopped answering, still fails at its deadline: the
+/// reactor thread finds it (its sleep is cut short where it would not cover the deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_writes_post_at_submit_and_a_hung_peer_still_times_out() {
+    if primary() != "tcp" {
+        // shm: no hung peer (a stopped process's memory still takes the write); verbs (rxe):
+        // the peer's kernel acknowledges writes while the process is stopped.
+        let name = "inline_writes_post_at_submit_and_a_hung_peer_still_times_out";
+        return integration_tests::skipped(name, "needs tcp");
+    }
+    let (_server, store, addr) = store().await;
+    let peer = Peer::spawn(PEER, addr, "tcp", &["target", "--size", "4096", "--wait", "5=64"]);
+    let a = Engine::builder()
+        .provider("tcp")
+        .mode(ReactorMode::Inline)
+        .op_timeout(Some(Duration::from_secs(1)))
+        .build()
+        .unwrap();
+    let src = a.alloc(4096).await.unwrap();
+    src.write_at(0, &[0xa5; 4096]).unwrap();
+    let dst = a.remote_region(&integration_tests::get(&store, "target/desc").await).await.unwrap();
+    // 64 writes with immediates, awaited one by one: the caller drives, so each is posted
+    // at submit (unless the reactor thread happens to be in a pass), and all arrive.
+    let before = a.direct_posts();
+    for i in 0..64u64 {
+        tokio::time::timeout(Duration::from_secs(30), a.write_imm(&src, i * 64, &dst, i * 64, 64, 5))
+            .await
+            .expect("answered")
+            .unwrap();
+    }
+    assert!(a.direct_posts() > before, "no write was posted at submit");
+    assert_eq!(get_str(&store, "target/extra").await, "5=0", "exactly 64 arrivals");
+    // Order: rounds of 64 writes of 0..64 into the same 8 bytes, submitted back to back
+    // while another thread drives the engine (imm-only writes, awaited in a loop), so that
+    // some are posted at submit and some are queued behind that thread's pass: the last
+    // lands last.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let driver = std::thread::spawn({
+        let (a, dst, stop) = (a.clone(), dst.clone(), stop.clone());
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                while !stop.load(Ordering::Relaxed) {
+                    a.imm(&dst, 7).await.unwrap();
+                }
+            })
+        }
+    });
+    let vals = a.alloc(64 * 8).await.unwrap();
+    for i in 0..64u64 {
+        vals.write_at(i * 8, &i.to_le_bytes()).unwrap();
+    }
+    let back = a.alloc(8).await.unwrap();
+    for round in 0..600u64 {
+        // Short rounds: only the order of the last writes shows in the bytes.
+        let n = 2 + round % 3;
+        let writes: Vec<_> = (0..n).map(|i| a.write(&vals, i * 8, &dst, 4000, 8)).collect();
+        for w in writes {
+            tokio::time::timeout(Duration::from_secs(30), w).await.expect("answered").unwrap();
+        }
+        let mut last = [0u8; 8];
+        tokio::time::timeout(Duration::from_secs(30), a.read(&back, 0, &dst, 4000, 8))
+            .await
+            .expect("answered")
+            .unwrap();
+        back.read_at(0, &mut last).unwrap();
+        assert_eq!(u64::from_le_bytes(last), n - 1, "round {round}: the writes were posted in order");
+    }
+    stop.store(true, Ordering::Relaxed);
+    driver.join().unwrap();
+    peer.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(300)).await; // the reactor thread goes to sleep
+    let hung = a.write_imm(&src, 0, &dst, 0, 64, 6);
+    // Nobody polls `hung`: the reactor thread alone must fail it.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let s = a.stats();
+    // (Still in flight for the NIC: its memory is kept until the provider gives it back.)
+    assert_eq!(s.peers[0].errors, 1, "failed by the reactor thread: {s:?}");
+    let e = tokio::time::timeout(Duration::from_secs(1), hung).await.expect("already failed").unwrap_err();
+    assert!(matches!(e, fabric_async::Error::PeerUnreachable { .. }), "{e}");
+    drop(peer); // continued, then killed
+    let _ = store.put("target/exit", vec![]).await;
+}

@@ -115,6 +115,13 @@ impl EngineBuilder {
     /// always go to the reactor thread. Used only where every NIC has a completion wait fd (tcp, verbs): on
     /// a provider without one (shm, EFA), only the reactor thread's poll window moves a
     /// transfer, so it is woken as before. `FABRIC_DIRECT_POST=0` sets the default to off.
+    ///
+    /// In [`ReactorMode::Inline`] it means more, on every provider: each write (a future's,
+    /// or the synchronous path's) is posted on the caller's thread when it is submitted,
+    /// whenever no other thread is in a pass, instead of being queued for the caller's next
+    /// pass; the caller already drives the NICs there. Operations keep their order: what was
+    /// queued before is posted first. [`Engine::direct_posts`](crate::Engine::direct_posts)
+    /// counts both kinds.
     pub fn direct_post(mut self, on: bool) -> Self {
         self.direct_post = on;
         self

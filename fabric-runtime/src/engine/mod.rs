@@ -182,6 +182,20 @@ impl Engine {
         self.inner.driver.as_ref()
     }
 
+    /// Hands one operation to the reactor: on an `Inline` engine posted at once on this
+    /// thread when no other thread is in a pass (`Progress::submit_here`), else queued.
+    /// Gives it back if the engine is shutting down.
+    pub(crate) fn submit_op(&self, s: Submission) -> std::result::Result<(), Submission> {
+        let s = match self.driver() {
+            Some(d) => match d.submit_here(s) {
+                Ok(()) => return Ok(()),
+                Err(s) => s,
+            },
+            None => s,
+        };
+        self.shared().submit(s)
+    }
+
     /// Whether awaiting this engine's futures drives its NICs on the caller's thread
     /// ([`ReactorMode::Inline`]).
     pub fn is_inline(&self) -> bool {
@@ -591,6 +605,6 @@ impl Engine {
             let _ = batch.state.driver.set(d.clone());
         }
         let notify = Notify::Batch(Arc::<BatchState>::clone(&batch.state));
-        self.shared().submit(Submission::Op { req, keep, notify }).map_err(|_| Error::Shutdown)
+        self.submit_op(Submission::Op { req, keep, notify }).map_err(|_| Error::Shutdown)
     }
 }

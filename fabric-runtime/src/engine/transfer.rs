@@ -328,6 +328,49 @@ impl<'a> Transfers<'a> {
         Ok(plan)
     }
 
+    /// A write (with or without an immediate) that is one operation on one NIC: posted
+    /// with one allocation, its future's state, where a plan costs four (its shard list,
+    /// its operations, its submissions, the state). `None` where it is not one operation
+    /// (sharded over several NICs, `Arrivals::One`'s follow-up, a CUDA event gate), or the
+    /// checks failed: the plan path then reports the same error.
+    fn one_write(
+        &self,
+        src: &MemoryRegion,
+        src_off: u64,
+        dst: &RemoteRegion,
+        dst_off: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Option<OpFuture> {
+        #[cfg(feature = "cuda")]
+        if self.after.is_some() {
+            return None;
+        }
+        let shared = self.shared();
+        // (Zero bytes and no immediate is nothing to post: the plan path's done future.)
+        if imm.is_some() && self.opts.arrivals == Arrivals::One
+            || len == 0 && imm.is_none()
+            || self.opts.shard_count(len, shared.nics).ok()? != 1
+        {
+            return None;
+        }
+        self.check_remote(dst).ok()?;
+        dst.check(dst_off, len).ok()?;
+        let (local_addr, keep) = self.local(Some((src, src_off)), len).ok()?;
+        let nic = self.opts.nic_of(0, shared.nics, shared.next_start());
+        let local_addr = if len == 0 { 0 } else { local_addr };
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(peer = dst.peer.0, shards = 1, follow_ups = 0, bytes = len, "transfer submitted");
+        }
+        let req = Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, imm);
+        let state = Arc::new(OpState::default());
+        let notify = Notify::Future(state.clone());
+        Some(match self.engine.submit_op(Submission::Op { req, keep, notify }) {
+            Ok(()) => OpFuture::pending(state).driven_by(self.engine.driver()),
+            Err(_) => OpFuture::failed(Error::Shutdown),
+        })
+    }
+
     pub(super) fn run(&self, plan: Result<Plan>) -> OpFuture {
         match plan {
             Ok(p) => self.submit(p),
@@ -354,6 +397,9 @@ impl<'a> Transfers<'a> {
         if let Some(f) = self.gpu_write(src, src_off, dst, dst_off, len, None) {
             return f;
         }
+        if let Some(f) = self.one_write(src, src_off, dst, dst_off, len, None) {
+            return f;
+        }
         self.run(self.contiguous(Some((src, src_off)), dst, dst_off, len, None, OpKind::Write))
     }
 
@@ -378,6 +424,9 @@ impl<'a> Transfers<'a> {
     ) -> OpFuture {
         #[cfg(feature = "cuda")]
         if let Some(f) = self.gpu_write(src, src_off, dst, dst_off, len, Some(imm)) {
+            return f;
+        }
+        if let Some(f) = self.one_write(src, src_off, dst, dst_off, len, Some(imm)) {
             return f;
         }
         self.run(self.contiguous(Some((src, src_off)), dst, dst_off, len, Some(imm), OpKind::Write))

@@ -59,10 +59,11 @@ impl CompletionWakeups {
 }
 
 impl Engine {
-    /// How many times a submitter found the reactor thread asleep and posted on its own
-    /// thread instead of waking it ([`EngineBuilder::direct_post`](crate::EngineBuilder::direct_post)),
-    /// since the engine started. A diagnostic: 0 on an engine that never sleeps (BusyPoll),
-    /// on shm, or with direct posting off.
+    /// How many times a submitter posted on its own thread
+    /// ([`EngineBuilder::direct_post`](crate::EngineBuilder::direct_post)) since the engine
+    /// started: it found the reactor thread asleep and did not wake it, or (`Inline`) it
+    /// posted its operation at submit. A diagnostic: 0 on an engine that never sleeps
+    /// (BusyPoll), on shm outside `Inline`, or with direct posting off.
     pub fn direct_posts(&self) -> u64 {
         self.inner.shared.direct_posts.load(std::sync::atomic::Ordering::Relaxed)
     }

@@ -13,6 +13,7 @@
 
 pub mod control;
 pub mod descriptor;
+pub(crate) mod int_map;
 mod reader;
 pub mod route;
 #[doc(hidden)]

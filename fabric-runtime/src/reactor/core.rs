@@ -17,6 +17,7 @@ use crate::provider::{
     is_peer_errno, Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
 use crate::pure::control::{MsgKind, HEADER_LEN};
+use crate::pure::int_map::IntMap;
 use crate::pure::slab::Slab;
 use crate::shared::events::PeerEvent;
 use crate::shared::memory::{Backing, RegionShared};
@@ -25,6 +26,7 @@ use crate::shared::queue::{OpKind, QueueState, Submission};
 use crate::shared::stats::{bump, OpCounters};
 use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
+use crate::sys;
 
 // The staged-GPU half of the reactor (gates on CUDA events, the pull protocol): a child
 // module, so it works on `Core`'s fields directly.
@@ -120,18 +122,20 @@ pub(crate) struct Core<D: Domain> {
     peers: Vec<PeerState>,
     peer_by_addr: HashMap<Vec<u8>, PeerId>,
     /// Per domain: backend handle → peer id (to name the sender of a message).
-    handle_to_peer: Vec<HashMap<PeerHandle, PeerId>>,
+    handle_to_peer: Vec<IntMap<PeerHandle, PeerId>>,
     counters: HashMap<u32, Arc<CounterCell>>,
+    /// The counter of the last arrival (`arrive`); entries of `counters` are never removed.
+    last_counter: Option<(u32, Arc<CounterCell>)>,
     /// Registrations of live user regions, per domain, by handle: closed at shutdown.
-    live: Vec<HashMap<u64, Registration>>,
+    live: Vec<IntMap<u64, Registration>>,
     recv_pools: Vec<Pool>,
     send_pools: Vec<Pool>,
     /// Something was posted since the domains were last flushed.
     unflushed: bool,
     /// The `ppoll` set of a sleep, kept between sleeps (no allocation per sleep).
     pub(crate) pollfds: Vec<libc::pollfd>,
-    /// When operation deadlines are checked next.
-    next_deadline_check: Instant,
+    /// When operation deadlines are checked next (`sys::coarse_now_ns`).
+    next_deadline_check: u64,
     /// While the reactor thread sleeps: the latest it wakes (`None`: no timeout).
     armed_until: Option<Instant>,
     /// The reactor thread's fallback sleep while a watcher has the wait fds (`sleep.rs`).
@@ -177,14 +181,15 @@ impl<D: Domain> Core<D> {
             completions: Vec::with_capacity(POLL_BATCH),
             peers: Vec::new(),
             peer_by_addr: HashMap::new(),
-            handle_to_peer: vec![HashMap::new(); n],
+            handle_to_peer: vec![IntMap::default(); n],
             counters: HashMap::new(),
-            live: vec![HashMap::new(); n],
+            last_counter: None,
+            live: vec![IntMap::default(); n],
             recv_pools,
             send_pools,
             unflushed: false,
             pollfds: Vec::with_capacity(1 + n),
-            next_deadline_check: Instant::now(),
+            next_deadline_check: 0,
             armed_until: None,
             watch_fallback: sleep::WATCH_FALLBACK,
             closing: false,
@@ -229,10 +234,12 @@ impl<D: Domain> Core<D> {
         bump(&self.shared.stats.reactor.passes, 1);
         if let Some(limit) = self.cfg.op_timeout {
             if !self.slab.is_empty() || self.has_pending() || self.staging_waits() {
-                let now = Instant::now();
-                if now >= self.next_deadline_check {
-                    self.expire(now, limit);
-                    self.next_deadline_check = now + DEADLINE_TICK;
+                // The coarse clock gates the precise one: a spinning caller runs this on
+                // every pass, with an operation in flight.
+                let coarse = sys::coarse_now_ns();
+                if coarse >= self.next_deadline_check {
+                    self.expire(Instant::now(), limit);
+                    self.next_deadline_check = coarse + DEADLINE_TICK.as_nanos() as u64;
                 }
             }
         }
@@ -266,6 +273,28 @@ impl<D: Domain> Core<D> {
 }
 
 impl<D: Domain> Core<D> {
+    /// An `Inline` caller's operation, posted now on its thread (`Progress::submit_here`),
+    /// after whatever was queued before it. `Ok(true)`: the reactor thread sleeps and its
+    /// sleep does not cover the new operation (it needs a timed pass sooner), so the caller
+    /// wakes it. Gives `s` back if shutdown was requested (the queue then refuses it too).
+    pub(crate) fn submit_here(&mut self, s: Submission) -> std::result::Result<bool, Submission> {
+        if self.closing {
+            return Err(s);
+        }
+        if self.shared.has_items.load(Ordering::Acquire) && self.take_submissions() {
+            self.closing = true;
+            return Err(s);
+        }
+        self.handle(s);
+        if self.unflushed {
+            self.unflushed = false;
+            for d in self.domains.iter_mut() {
+                d.flush();
+            }
+        }
+        Ok(self.armed_until.is_some() && !self.sleep_covers_posts())
+    }
+
     fn post_all_recvs(&mut self) -> Result<()> {
         for d in 0..self.domains.len() {
             let slots: Vec<u32> = std::mem::take(&mut self.recv_pools[d].free);
@@ -677,12 +706,24 @@ impl<D: Domain> Core<D> {
         any
     }
 
+    /// One arrival of `imm`. The counter of the last immediate seen is kept at hand: the
+    /// map's SipHash (kept, since a peer chooses the keys) is paid only when it changes.
+    fn arrive(&mut self, imm: u32) {
+        if let Some((last, cell)) = &self.last_counter {
+            if *last == imm {
+                cell.arrive(1);
+                return;
+            }
+        }
+        let shared = &self.shared;
+        let cell = self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).clone();
+        cell.arrive(1);
+        self.last_counter = Some((imm, cell));
+    }
+
     fn complete(&mut self, d: usize, c: Completion) {
         match c {
-            Completion::Imm { imm } => {
-                let shared = &self.shared;
-                self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).arrive(1);
-            }
+            Completion::Imm { imm } => self.arrive(imm),
             Completion::Done { token } => {
                 if let Some(op) = self.slab.remove(token) {
                     self.finish(op, Ok(()));

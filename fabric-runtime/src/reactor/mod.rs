@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use self::core::{Core, EVENT_NO_FD_SPIN};
 use crate::error::{Error, Result};
 use crate::provider::Domain;
+use crate::shared::queue::Submission;
 use crate::shared::Shared;
 use crate::sync::{lock, DirectPost, Driver, Progress};
 use crate::sys;
@@ -110,17 +111,36 @@ struct Inline<D: Domain> {
     core: Arc<Mutex<Core<D>>>,
     shared: Arc<Shared>,
     spin: Duration,
+    /// `EngineBuilder::direct_post`: operations are posted at submit (`submit_here`).
+    direct: bool,
 }
 
 impl<D: Domain> Progress for Inline<D> {
     fn progress(&self) -> bool {
-        // Tells the reactor thread that a caller drives (it stands by).
-        self.shared.inline_polls.fetch_add(1, Ordering::Relaxed);
+        // Tells the reactor thread that a caller drives (it stands by). A load and a store,
+        // not a read-modify-write: callers racing here may lose an increment, but the value
+        // still changes, which is all the reactor thread looks at.
+        let polls = &self.shared.inline_polls;
+        polls.store(polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         try_core(&self.core).is_some_and(|mut c| c.turn())
     }
 
     fn spin_budget(&self) -> Duration {
         self.spin
+    }
+
+    fn submit_here(&self, s: Submission) -> std::result::Result<(), Submission> {
+        if !self.direct || self.shared.closing() || !matches!(s, Submission::Op { .. }) {
+            return Err(s);
+        }
+        let Some(mut c) = try_core(&self.core) else { return Err(s) };
+        let wake = c.submit_here(s)?;
+        drop(c);
+        self.shared.direct_posts.fetch_add(1, Ordering::Relaxed);
+        if wake {
+            self.shared.wake.notify();
+        }
+        Ok(())
     }
 }
 
@@ -160,7 +180,9 @@ pub(crate) struct Started {
 pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Started> {
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
     let driver = (cfg.mode == ReactorMode::Inline).then(|| {
-        Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin }) as Driver
+        let direct = cfg.direct_post;
+        Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin, direct })
+            as Driver
     });
     // A pass on a caller's thread needs every domain to wake a sleeping reactor by itself.
     let direct = (!lock(&core).has_fdless_domain()).then(|| {

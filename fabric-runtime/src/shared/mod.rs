@@ -111,8 +111,8 @@ pub(crate) struct Shared {
     pub(crate) rotation: AtomicUsize,
     /// Every NIC's write completions are delivery-complete ([`Domain::delivery_complete`](crate::provider::Domain::delivery_complete)).
     pub(crate) delivery_complete: bool,
-    /// Passes run by callers of an `Inline` engine so far (the reactor thread stands by
-    /// while this moves).
+    /// Moves while callers of an `Inline` engine run passes (the reactor thread stands by
+    /// while it does). Not an exact count: racing callers may each store the same value.
     pub(crate) inline_polls: AtomicU64,
     /// Shutdown was requested.
     closing: AtomicBool,

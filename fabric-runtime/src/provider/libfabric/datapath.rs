@@ -5,6 +5,7 @@
 
 use std::collections::VecDeque;
 use std::ffi::{c_char, c_void, CStr};
+use std::mem::MaybeUninit;
 use std::os::fd::RawFd;
 use std::ptr;
 
@@ -318,11 +319,15 @@ impl Domain for LibfabricDomain {
                     got += 1;
                     continue;
                 }
-                let mut entries = [sys::fi_cq_data_entry::default(); CQ_BATCH];
+                // Entries left uninitialised: this runs on every poll of a spinning caller,
+                // and zeroing 640 bytes each time showed in its profile (memset, ~7%). The
+                // sources stay set: util CQs opened without FI_SOURCE do not write them.
+                let mut entries = [const { MaybeUninit::<sys::fi_cq_data_entry>::uninit() }; CQ_BATCH];
                 let mut srcs = [sys::FI_ADDR_NOTAVAIL; CQ_BATCH];
                 let want = (max - got).min(CQ_BATCH);
                 // SAFETY: cq is open with FI_CQ_FORMAT_DATA, so each entry is an
-                // fi_cq_data_entry; both arrays hold at least `want` entries.
+                // fi_cq_data_entry; both arrays hold at least `want` entries, which libfabric
+                // only writes.
                 let ret = unsafe {
                     sys::fabric_shim_fi_cq_readfrom(
                         self.cq.as_ptr(),
@@ -339,8 +344,11 @@ impl Domain for LibfabricDomain {
                         }
                     }
                     _ => {
-                        let n = check("fi_cq_readfrom", ret)? as usize;
+                        let n = (check("fi_cq_readfrom", ret)? as usize).min(want);
                         for (e, &src) in entries.iter().zip(srcs.iter()).take(n) {
+                            // SAFETY: fi_cq_readfrom returned `n`: it wrote the first `n`
+                            // entries.
+                            let e = unsafe { e.assume_init_ref() };
                             self.classify(e, src, &mut pending);
                         }
                         if n < want && pending.is_empty() {

@@ -22,7 +22,6 @@
 //! waits in the response queue. A message over 4 KiB in flight to a peer that dies can hold
 //! back later large messages until `op_timeout` (see `docs/faults.md`).
 
-use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
@@ -31,6 +30,7 @@ use libfabric_sys as sys;
 use super::fid::Fid;
 use super::LibfabricDomain;
 use crate::provider::{Completion, PeerHandle};
+use crate::pure::int_map::IntMap;
 
 /// The CQ binding of a one-sided endpoint: shm refuses to enable an endpoint without a
 /// receive CQ, though this one never has a receive posted nor an address anyone writes to.
@@ -88,7 +88,7 @@ struct Watched {
 #[derive(Default)]
 pub(super) struct ShmState {
     /// Each peer's one-sided endpoint.
-    rma_eps: HashMap<PeerHandle, Fid<sys::fid_ep>>,
+    rma_eps: IntMap<PeerHandle, Fid<sys::fid_ep>>,
     watched: Vec<Watched>,
     liveness_off: bool,
 }
