@@ -5,7 +5,8 @@ usage: python3 benches/check_json.py FILE
 
 Fails (exit 1, with the reasons) unless the file is a JSON object with a non-empty string
 `provider` and a non-empty list `results`; every result has a string `test`; every bw row has
-`engine_gbps`, `baseline_gbps` and `ratio` (numbers, or null where a figure is missing); and
+`engine_gbps`, `baseline_gbps` and `ratio` (numbers, or null where a figure is missing), and
+where it names them a `pattern` ("hot" or "cold") and `domains` (a whole number above 0); and
 at least one bw row has a finite, positive ratio.
 """
 
@@ -42,6 +43,11 @@ def check(doc):
                 errs.append(f"results[{i}] ({r.get('case')}): no '{k}'")
             elif not num_or_null(r[k]):
                 errs.append(f"results[{i}] ({r.get('case')}): '{k}' is {r[k]!r}, not a number or null")
+        if "pattern" in r and r["pattern"] not in ("hot", "cold"):
+            errs.append(f"results[{i}] ({r.get('case')}): pattern {r['pattern']!r}, not hot or cold")
+        d = r.get("domains", 1)
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            errs.append(f"results[{i}] ({r.get('case')}): domains {d!r}, not a whole number above 0")
         ratio = r.get("ratio")
         if isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0:
             good.append(f"{r.get('case')} {ratio:.2f}")

@@ -5,6 +5,8 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde_json::{json, Map, Value};
 
+use crate::pattern::Pattern;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One measured figure beside its baseline. `unit` names the JSON keys
@@ -19,6 +21,10 @@ pub struct Row {
     baseline: Option<(String, f64)>,
     /// Further ceilings measured beside the row (JSON `ceilings_<unit>`: name → value).
     ceilings: Vec<(&'static str, f64)>,
+    /// bw: the access pattern (`--buffer`).
+    pattern: Option<Pattern>,
+    /// bw: the engine's domain count (`--domains`).
+    domains: Option<usize>,
 }
 
 impl Row {
@@ -31,7 +37,19 @@ impl Row {
             engine,
             baseline: None,
             ceilings: Vec::new(),
+            pattern: None,
+            domains: None,
         }
+    }
+
+    pub fn pattern(mut self, p: Pattern) -> Row {
+        self.pattern = Some(p);
+        self
+    }
+
+    pub fn domains(mut self, n: usize) -> Row {
+        self.domains = Some(n);
+        self
     }
 
     pub fn size(mut self, size: usize) -> Row {
@@ -120,9 +138,18 @@ impl Report {
         self.rows.iter().find(|r| r.test == test && r.case == case).map(|r| r.engine)
     }
 
-    /// The engine's bandwidth at `size` from the sweep (or the nearest size above it).
+    /// The engine's bandwidth at `size` from the sweep (or the nearest size above it): a
+    /// one-domain row, `hot` where there is one (iperf3 sends from one buffer too).
     pub fn bw_at(&self, size: usize) -> Option<f64> {
-        self.bw_rows().filter(|r| r.size >= Some(size)).min_by_key(|r| r.size).map(|r| r.engine)
+        let rows = || self.bw_rows().filter(|r| r.size >= Some(size) && r.domains.unwrap_or(1) == 1);
+        let hot = rows().filter(|r| r.pattern == Some(Pattern::Hot)).min_by_key(|r| r.size);
+        hot.or_else(|| rows().min_by_key(|r| r.size)).map(|r| r.engine)
+    }
+
+    /// The rows the plot draws: the sweep of the first row's pattern and domain count.
+    fn plot_rows(&self) -> Vec<&Row> {
+        let first = self.bw_rows().next().map(|r| (r.pattern, r.domains));
+        self.bw_rows().filter(|r| Some((r.pattern, r.domains)) == first).collect()
     }
 
     pub fn print(&self) {
@@ -182,6 +209,12 @@ impl Report {
                     m.insert(format!("baseline_{}", r.unit), num(*v));
                     m.insert("ratio".into(), r.ratio().map_or(Value::Null, |x| json!(x)));
                 }
+                if let Some(p) = r.pattern {
+                    m.insert("pattern".into(), json!(p.name()));
+                }
+                if let Some(n) = r.domains {
+                    m.insert("domains".into(), json!(n));
+                }
                 if !r.ceilings.is_empty() {
                     let c: Map<String, Value> =
                         r.ceilings.iter().map(|(n, v)| (n.to_string(), num(*v))).collect();
@@ -220,8 +253,10 @@ impl Report {
     /// mode, e.g. `futures, Event`). Text labels need a TrueType font: DejaVu Sans (Debian
     /// `fonts-dejavu-core`) if present, else no labels.
     pub fn plot_bw(&self, path: &Path, engine: &str) -> Result<(), BoxError> {
-        let pts: Vec<(f64, f64, f64)> = self
-            .bw_rows()
+        let rows = self.plot_rows();
+        let pattern = rows.first().and_then(|r| r.pattern).map_or(String::new(), |p| format!(", {p} buffer"));
+        let pts: Vec<(f64, f64, f64)> = rows
+            .iter()
             .map(|r| {
                 let b = r.baseline.as_ref().map_or(f64::NAN, |(_, v)| *v);
                 ((r.size.unwrap_or(1) as f64).log2(), r.engine, b)
@@ -253,9 +288,12 @@ impl Report {
         b.margin(20);
         if labels {
             let vs = if perf.is_empty() { "raw provider loop" } else { "raw provider loop, ib_write_bw" };
-            b.caption(format!("write_imm bandwidth, {} (engine vs {vs})", self.provider), ("sans-serif", 22))
-                .x_label_area_size(40)
-                .y_label_area_size(60);
+            b.caption(
+                format!("write_imm bandwidth, {}{pattern} (engine vs {vs})", self.provider),
+                ("sans-serif", 22),
+            )
+            .x_label_area_size(40)
+            .y_label_area_size(60);
         }
         let mut chart = b.build_cartesian_2d(xmin..xmax.max(xmin + 1.0), 0.0..ymax)?;
         let mut mesh = chart.configure_mesh();
@@ -331,6 +369,40 @@ mod tests {
         tcp.push(Row::new("bw", "1 MiB", "gbps", 1.0).size(1 << 20).baseline("raw", 1.0));
         tcp.push(Row::new("bw", "1 MiB vs iperf3 -l 1M", "gbps", 1.0).size(1 << 20).baseline("iperf3", 2.0));
         assert!(tcp.perftest_bw().is_empty());
+    }
+
+    /// A hot,cold sweep with two domain counts.
+    fn sweep_report() -> Report {
+        let mut rep = Report::new("shm");
+        for d in [1, 2] {
+            for p in [Pattern::Hot, Pattern::Cold] {
+                for (i, size) in [64usize << 10, 1 << 20].into_iter().enumerate() {
+                    let e = 10.0 + i as f64 + d as f64 + if p == Pattern::Hot { 5.0 } else { 0.0 };
+                    let row = Row::new("bw", "x", "gbps", e).size(size).pattern(p).domains(d);
+                    rep.push(row.baseline("raw", 20.0));
+                }
+            }
+        }
+        rep
+    }
+
+    #[test]
+    fn patterns_and_domains_in_rows_json_and_plot() {
+        let rep = sweep_report();
+        assert_eq!(rep.plot_rows().len(), 2, "one pattern and domain count in the plot");
+        assert!(rep.plot_rows().iter().all(|r| r.pattern == Some(Pattern::Hot) && r.domains == Some(1)));
+        assert_eq!(rep.bw_at(1 << 20), Some(17.0), "the hot one-domain row");
+        let path = std::env::temp_dir().join(format!("fabric-bench-sweep-json-{}.json", std::process::id()));
+        rep.write_json(&path).unwrap();
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let res = v["results"].as_array().unwrap();
+        assert_eq!((&res[0]["pattern"], &res[0]["domains"]), (&json!("hot"), &json!(1)));
+        assert_eq!(res[2]["pattern"], "cold");
+        assert_eq!(res[4]["domains"], 2);
+        let png = path.with_extension("png");
+        rep.plot_bw(&png, "futures, Event").unwrap();
+        let _ = std::fs::remove_file(&png);
     }
 
     #[test]
