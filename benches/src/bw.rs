@@ -1,7 +1,7 @@
 //! `bw`: write_imm bandwidth over a size sweep, `--window` writes in flight, for each
 //! `--buffer` pattern (hot, cold) and each `--domains` count, beside the raw provider loop
-//! (same sizes, window, pattern and acknowledgement; one domain), iperf3 on tcp and perftest's
-//! `ib_write_bw` on verbs.
+//! (same sizes, window, pattern and acknowledgement; one domain), fabtests' `fi_rma_bw` with
+//! `--fabtests DIR`, iperf3 on tcp and perftest's `ib_write_bw` on verbs.
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use fabric_async::ReactorMode;
 
+use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
 use crate::measure::{gbps, human, median};
 use crate::pattern::{self, Pattern};
 use crate::perftest;
-use crate::report::{Report, Row};
+use crate::report::{FtRef, Report, Row};
 use crate::session::{
     builder_domains, engine_absorb, engine_side_with, engine_stream, mode_name, on_thread, perftest_target,
     raw_side, Ctx, Res, IMM_ACK, IMM_DATA,
@@ -65,7 +66,7 @@ fn region_len(o: &Opts, sizes: &[usize]) -> usize {
 }
 
 /// One pass over patterns x sizes x repetitions: an engine of `engine` domains, and/or the
-/// raw loop (with perftest after its bursts).
+/// raw loop (with perftest and fabtests after its bursts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Pass {
     engine: Option<usize>,
@@ -88,8 +89,8 @@ fn passes(counts: &[usize], interleave: bool) -> Vec<Pass> {
     v
 }
 
-/// The pattern whose raw bursts the external baseline (ib_write_bw, hot) follows: hot when it
-/// is measured, else the first.
+/// The pattern whose raw bursts the external baselines (fi_rma_bw, ib_write_bw, both hot)
+/// follow: hot when it is measured, else the first.
 fn external_pattern(patterns: &[Pattern]) -> Pattern {
     if patterns.contains(&Pattern::Hot) {
         Pattern::Hot
@@ -116,9 +117,15 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let mut b: HashMap<(Pattern, usize), Vec<f64>> = HashMap::new();
     // On verbs, perftest's ib_write_bw too, run by the leader after each raw burst (so that
     // drift hits all three alike), with as many bytes and as many writes in flight (`-t`).
+    // fabtests' fi_rma_bw likewise, with `--fabtests DIR` (tcp, shm).
     let verbs = on_verbs(&ctx.o);
     let perftest = if verbs && ctx.lead { perftest_target(ctx, "ib_write_bw").await? } else { None };
-    let mut p = vec![Vec::new(); sizes.len()];
+    let with_ft = ctx.o.fabtests.is_some();
+    let ft = match &ctx.o.fabtests {
+        Some(dir) if ctx.lead => Some(Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?),
+        _ => None,
+    };
+    let (mut p, mut f) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
     let (mut raw, mut side) = (None, None);
     let steps = (passes.len() * patterns.len() * sizes.len() * reps) as f64;
     let mut step = 0;
@@ -194,12 +201,25 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         }
                         ctx.barrier("bw-perftest").await?;
                     }
+                    if with_ft {
+                        if let Some(t) = ft.clone() {
+                            ctx.progress(
+                                "bw",
+                                step as f64 / steps,
+                                &format!("{what}: fi_rma_bw -W {window} -S {size} -I {ops}"),
+                            );
+                            let run = move || t.rma_bw(size, ops, window);
+                            f[k].push(tokio::task::spawn_blocking(run).await??);
+                        }
+                        ctx.barrier("bw-fabtests").await?;
+                    }
                 }
             }
         }
     }
     if ctx.lead {
         let several = counts.len() > 1 || counts[0] > 1;
+        let ft_tool = format!("fi_rma_bw -e rdm -o writedata -W {window} (hot), Gbit/s");
         for &d in &counts {
             for &pat in &patterns {
                 for (k, &size) in sizes.iter().enumerate() {
@@ -215,7 +235,13 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         .pattern(pat)
                         .domains(d)
                         .baseline("raw", med(b.get(&(pat, k))));
-                    rep.push(row);
+                    rep.push(match (verbs, with_ft) {
+                        (true, _) => row,
+                        (false, true) => {
+                            row.fabtests(FtRef::Value { tool: ft_tool.clone(), v: med(Some(&f[k])) })
+                        }
+                        (false, false) => row.fabtests(FtRef::Skipped(fabtests::SKIPPED.into())),
+                    });
                 }
             }
         }

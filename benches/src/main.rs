@@ -4,6 +4,7 @@
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
 //!     [--domains N|1,2,4] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
 //!     [--mode event|adaptive|busypoll|inline] [--location host|cuda|cuda:N,M] [--buffer hot,cold]
+//!     [--fabtests DIR]
 //! ```
 //!
 //! `--help` (and `fabric-bench TEST --help`) explains every option; the options go before or
@@ -13,8 +14,9 @@
 //! through a `TcpStore` on 127.0.0.1 and then run the same sequence of phases, each side
 //! playing its role (`session.rs`). Every engine figure is printed beside a baseline measured
 //! in the same run: the raw provider loop (`raw.rs`: the provider's domain driven through the
-//! `Domain` trait by a plain thread), iperf3 for tcp bandwidth when it is installed, and
-//! perftest's `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests
+//! `Domain` trait by a plain thread), libfabric's own fabtests when `--fabtests DIR` is given
+//! (`fabtests.rs`: `fi_rma_bw`, `fi_rdm_pingpong`), iperf3 for tcp bandwidth when it is
+//! installed, and perftest's `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests
 //! move less data ([`on_verbs`]): the only verbs device here is Soft-RoCE in an emulated VM,
 //! ~20-45 MB/s.
 //!
@@ -25,6 +27,7 @@
 //! `progress.rs` (the progress display). This file parses the command line and dispatches.
 
 mod bw;
+mod fabtests;
 mod gpu;
 mod lat;
 mod measure;
@@ -57,6 +60,7 @@ use fabric_async::ReactorMode;
     arg_required_else_help = true,
     args_override_self = true,
     after_help = "Baselines: the raw provider loop (the provider's domain driven by a plain thread), \
+                  fabtests 1.17 with --fabtests DIR (fi_rma_bw, fi_rdm_pingpong; tcp and shm), \
                   iperf3 on tcp, ib_write_bw / ib_write_lat (perftest) on verbs.\n\
                   The options go before or after the test's name. Progress goes to stderr, the \
                   table to stdout.\n\
@@ -90,6 +94,16 @@ struct Cli {
     /// 1 GiB; verbs 64 MiB). Every row names its pattern [default: hot,cold; --quick: cold].
     #[arg(long, global = true, value_name = "hot|cold|hot,cold", value_parser = buffer_list)]
     buffer: Option<Buffers>,
+    /// A directory of fabtests 1.17 binaries: run them beside the engine and the raw loop.
+    ///
+    /// bw: fi_rma_bw -e rdm -o writedata -W WINDOW -S SIZE -I OPS per size and repetition
+    /// (RMA writes with remote CQ data, always from/to offset 0: hot). lat: fi_rdm_pingpong -S
+    /// SIZE at lat's sizes, wake: at 8 B (send/recv; it prints one-way latency, the rows show
+    /// 2x, a mean round trip). Rows get columns fabtests, engine/ft and raw/ft. Server and
+    /// client on 127.0.0.1, -p tcp (tcp;ofi_rxm) or -p shm; not on verbs. Without it the rows
+    /// say "skipped: no --fabtests DIR".
+    #[arg(long, global = true, value_name = "DIR")]
+    fabtests: Option<PathBuf>,
     /// The bw sweep's sizes, comma-separated (4096, 4K, 4KiB, 1M, 64MiB, 1G).
     ///
     /// Default 4 KiB..64 MiB by factors of 4 (--quick: 4K,64K,1M,4M; verbs: 4 KiB..1 MiB,
@@ -275,6 +289,8 @@ pub struct Opts {
     pub domain_counts: Vec<usize>,
     /// bw's access patterns (`--buffer`, or its default).
     pub buffers: Vec<pattern::Pattern>,
+    /// `--fabtests DIR`.
+    pub fabtests: Option<PathBuf>,
     /// `--location`: host, or GPU regions in bw.
     pub location: gpu::Location,
     /// `--staging-pool`, `--staging-chunk` (engine defaults when absent).
@@ -288,7 +304,8 @@ impl Opts {
         self.test == Test::All || self.test == test
     }
 
-    /// What the parser alone cannot refuse: a `--domains` list outside bw.
+    /// What the parser alone cannot refuse: a `--domains` list outside bw, `--fabtests` on a
+    /// provider fabtests is not run on.
     pub fn check(&self) -> Result<(), String> {
         if self.domain_counts.len() > 1 && self.test != Test::Bw {
             return Err(format!(
@@ -296,6 +313,9 @@ impl Opts {
                 self.domain_counts.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(","),
                 self.test.name()
             ));
+        }
+        if self.fabtests.is_some() {
+            fabtests::provider_arg(&self.provider)?;
         }
         Ok(())
     }
@@ -326,6 +346,7 @@ impl From<Cli> for Opts {
                 None if c.quick => vec![pattern::Pattern::Cold],
                 None => vec![pattern::Pattern::Hot, pattern::Pattern::Cold],
             },
+            fabtests: c.fabtests,
             location: c.location,
             staging_pool: c.staging_pool,
             staging_chunk: c.staging_chunk,
@@ -457,23 +478,28 @@ mod tests {
     }
 
     #[test]
-    fn buffers_and_domains() {
+    fn buffers_domains_and_fabtests() {
         use pattern::Pattern::{Cold, Hot};
         let o = opts(&["bw"]).unwrap();
-        assert_eq!((o.buffers.as_slice(), o.domain_counts.as_slice()), (&[Hot, Cold][..], &[1][..]));
+        assert_eq!(
+            (o.buffers.as_slice(), o.domain_counts.as_slice(), &o.fabtests),
+            (&[Hot, Cold][..], &[1][..], &None)
+        );
         assert_eq!(opts(&["bw", "--quick"]).unwrap().buffers, [Cold]);
         assert_eq!(opts(&["bw", "--quick", "--buffer", "hot,cold"]).unwrap().buffers, [Hot, Cold]);
         assert_eq!(opts(&["bw", "--buffer", "hot"]).unwrap().buffers, [Hot]);
-        let o = opts(&["bw", "--domains", "1,2,4"]).unwrap();
+        let o = opts(&["bw", "--domains", "1,2,4", "--fabtests", "/x"]).unwrap();
         assert_eq!((o.domains, o.domain_counts.as_slice()), (1, &[1, 2, 4][..]));
+        assert_eq!(o.fabtests, Some(PathBuf::from("/x")));
         assert!(o.check().is_ok());
         let o = opts(&["bw", "--domains", "2"]).unwrap();
         assert_eq!((o.domains, o.domain_counts.as_slice()), (2, &[2][..]));
         assert_eq!(opts(&["bw", "--domains", "2,2,1"]).unwrap().domain_counts, [2, 1]);
-        // A list outside bw: refused with a reason.
+        // A list outside bw, fabtests on verbs: refused with a reason.
         for (args, why) in [
             (&["lat", "--domains", "1,2"][..], "accepted by bw only"),
             (&["all", "--domains", "1,2"], "give all one count"),
+            (&["bw", "--provider", "verbs", "--fabtests", "/x"], "verbs is not supported"),
         ] {
             let e = opts(args).unwrap().check().unwrap_err();
             assert!(e.contains(why), "{args:?}: {e}");

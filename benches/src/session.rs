@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, EngineBuilder, MemoryRegion, ReactorMode, RemoteRegion};
 
+use crate::fabtests::{self, Fabtests};
 use crate::pattern::Pattern;
 use crate::progress::Progress;
 use crate::raw::Raw;
@@ -71,6 +72,17 @@ impl Ctx {
 }
 
 pub async fn leader_main(o: Opts) -> Res<()> {
+    // A `--fabtests DIR` without the binaries the run needs fails here, before any test.
+    if let Some(dir) = &o.fabtests {
+        let mut tools = Vec::new();
+        if o.runs(Test::Bw) {
+            tools.push(fabtests::RMA_BW);
+        }
+        if o.runs(Test::Lat) || o.runs(Test::Wake) {
+            tools.push(fabtests::PINGPONG);
+        }
+        Fabtests::new(dir, &o.provider, &tools)?;
+    }
     let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
     let store = TcpStore::connect(server.local_addr()).await?.with_timeout(Duration::from_secs(300));
     let mut args: Vec<String> = std::env::args().skip(1).collect();

@@ -1,8 +1,9 @@
 //! `fabric-bench bw` over the real tcp transport (loopback), as a user starts it: `--buffer`
-//! rows for the engine and the raw loop, and `--domains` lists. Every run is killed after
-//! [`LIMIT`].
+//! rows for the engine and the raw loop, `--domains` lists, and `--fabtests DIR` (a DIR
+//! without the binaries must fail clearly; the real fabtests only where
+//! `FABRIC_FABTESTS_DIR` names them). Every run is killed after [`LIMIT`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -90,6 +91,8 @@ fn hot_and_cold_rows_for_engine_and_raw() {
             assert_eq!(r["baseline"], "raw", "{r}");
             assert!(positive(r, "baseline_gbps"), "{r}");
             assert_eq!(r["domains"], 1, "{r}");
+            // Without --fabtests the rows say so.
+            assert_eq!(r["fabtests"], "skipped: no --fabtests DIR", "{r}");
         }
     }
     assert_eq!(rows.len(), 4, "{rows:?}");
@@ -115,6 +118,62 @@ fn a_list_of_domain_counts() {
     }
     let (ok, _, err) = bench(&["lat", "--quick", "--domains", "1,2"]);
     assert!(!ok && err.contains("a list is accepted by bw only"), "{err}");
+}
+
+#[test]
+fn fabtests_dir_without_the_binaries_is_a_clear_error() {
+    let dir = temp_path("empty-fabtests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let t0 = Instant::now();
+    let (ok, out, err) = bench(&["bw", "--quick", "--sizes", "64K", "--fabtests", dir.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "accepted an empty --fabtests dir:\n{out}");
+    assert!(err.contains("no executable fi_rma_bw"), "the missing binary is named:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "it failed before running anything");
+    let (ok, _, err) = bench(&["bw", "--provider", "verbs", "--fabtests", "/nonexistent"]);
+    assert!(!ok && err.contains("verbs is not supported"), "{err}");
+}
+
+/// With the real fabtests 1.17 binaries (`FABRIC_FABTESTS_DIR`, e.g. target/ship-fabtests).
+#[test]
+fn beside_the_real_fabtests() {
+    let Some(dir) = std::env::var_os("FABRIC_FABTESTS_DIR") else {
+        println!("skipped: FABRIC_FABTESTS_DIR not set (a directory of fabtests 1.17 binaries)");
+        return;
+    };
+    let dir = Path::new(&dir).to_str().unwrap().to_string();
+    for provider in ["tcp", "shm"] {
+        let args =
+            ["--quick", "--buffer", "hot,cold", "--provider", provider, "--sizes", "64K", "--fabtests", &dir];
+        let rows = bw_rows(&format!("ft-{provider}"), &args);
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        for r in &rows {
+            assert!(
+                r["fabtests"].as_str().unwrap().starts_with("fi_rma_bw -e rdm -o writedata -W 16"),
+                "{r}"
+            );
+            for k in ["fabtests_gbps", "ratio_engine_fabtests", "ratio_raw_fabtests"] {
+                assert!(positive(r, k), "{provider} {k}: {r}");
+            }
+        }
+    }
+    let json = temp_path("ft-lat.json");
+    let (ok, out, err) =
+        bench(&["lat", "--quick", "--iters", "100", "--fabtests", &dir, "--json", json.to_str().unwrap()]);
+    assert!(ok, "{out}\n{err}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let p50: Vec<&Value> = doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["case"].as_str().unwrap().contains("p50"))
+        .collect();
+    assert_eq!(p50.len(), 3, "{doc}");
+    for r in p50 {
+        assert!(positive(r, "fabtests_us"), "{r}");
+    }
 }
 
 fn crate_dir() -> PathBuf {
