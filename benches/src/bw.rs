@@ -219,7 +219,8 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     }
     if ctx.lead {
         let several = counts.len() > 1 || counts[0] > 1;
-        let ft_tool = format!("fi_rma_bw -e rdm -o writedata -W {window} (hot), Gbit/s");
+        let ft_tool =
+            format!("fi_rma_bw -e rdm -o writedata -W {window}{} (hot), Gbit/s", fabtests::extra_label());
         for &d in &counts {
             for &pat in &patterns {
                 for (k, &size) in sizes.iter().enumerate() {

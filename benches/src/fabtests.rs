@@ -35,6 +35,20 @@ pub const RMA_BW: &str = "fi_rma_bw";
 pub const PINGPONG: &str = "fi_rdm_pingpong";
 /// What rows say when `--fabtests` was not given.
 pub const SKIPPED: &str = "skipped: no --fabtests DIR";
+/// Options appended to every fabtests command, server and client (experiments: `-U` asks
+/// for delivery-complete, which the engine and the raw loop use on tcp unless
+/// `FABRIC_DELIVERY_COMPLETE=0`).
+pub const EXTRA_ARGS_VAR: &str = "FABRIC_BENCH_FABTESTS_ARGS";
+
+/// The options of [`EXTRA_ARGS_VAR`], split on whitespace.
+pub fn extra_args() -> Vec<String> {
+    std::env::var(EXTRA_ARGS_VAR).unwrap_or_default().split_whitespace().map(String::from).collect()
+}
+
+/// `" -U"` when [`EXTRA_ARGS_VAR`] is `-U`: for the rows' labels.
+pub fn extra_label() -> String {
+    extra_args().iter().map(|a| format!(" {a}")).collect()
+}
 
 /// The fabtests binaries in a directory, for one provider.
 #[derive(Debug, Clone)]
@@ -117,20 +131,15 @@ impl Fabtests {
     fn run_pair(&self, tool: &str, args: &[String]) -> Res<String> {
         let prog = self.dir.join(tool);
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
-        let common = ["-p".to_string(), self.provider.to_string()];
-        let sargs: Vec<String> = common
-            .iter()
-            .cloned()
-            .chain(["-B".into(), port.clone(), "-s".into(), "127.0.0.1".into()])
-            .chain(args.iter().cloned())
-            .collect();
-        let cargs: Vec<String> = common
-            .iter()
-            .cloned()
-            .chain(["-P".into(), port])
-            .chain(args.iter().cloned())
-            .chain(["127.0.0.1".into()])
-            .collect();
+        // -p PROV, the test's options and FABRIC_BENCH_FABTESTS_ARGS, on both sides.
+        let mut opts = vec!["-p".to_string(), self.provider.to_string()];
+        opts.extend(args.iter().cloned());
+        opts.extend(extra_args());
+        let mut sargs = vec!["-B".into(), port.clone(), "-s".into(), "127.0.0.1".into()];
+        sargs.extend(opts.iter().cloned());
+        let mut cargs = vec!["-P".into(), port];
+        cargs.extend(opts);
+        cargs.push("127.0.0.1".into());
         let deadline = Instant::now() + RUN_LIMIT;
         let mut server = Spawned::start(&prog, &sargs)?;
         // The client retries until the server is up (tcp and shm alike); a head start only

@@ -171,7 +171,9 @@ pub async fn fabtests_rt(
             ctx.progress(test, 1.0, &what);
             let t = ft.clone();
             let one_way = tokio::task::spawn_blocking(move || t.pingpong(size, iters as u64)).await??;
-            let tool = "fi_rdm_pingpong -S SIZE: mean round trip (2 x its one-way usec/xfer), us".into();
+            let extra = fabtests::extra_label();
+            let tool =
+                format!("fi_rdm_pingpong -S SIZE{extra}: mean round trip (2 x its one-way usec/xfer), us");
             v.push(FtRef::Value { tool, v: 2.0 * one_way });
         }
     }
