@@ -244,15 +244,26 @@ pub(crate) struct Spawned {
 
 impl Spawned {
     /// Starts `program` (a name looked up in `PATH`, or a path) with `args`.
+    ///
+    /// The child gets SIGKILL when the thread that started it ends (`PR_SET_PDEATHSIG`): a
+    /// bench killed while a server waits for its client (fabtests' servers spin on their CQ)
+    /// leaves no process behind. The thread outlives the child in every caller: it waits for
+    /// the child in [`Spawned::finish`].
     pub(crate) fn start(program: impl AsRef<std::ffi::OsStr>, args: &[String]) -> Res<Spawned> {
+        use std::os::unix::process::CommandExt;
         let program = program.as_ref();
-        let mut child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", program.to_string_lossy()))?;
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // SAFETY: the closure runs in the forked child before exec and only calls prctl, which
+        // is async-signal-safe; it allocates nothing and touches no lock.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child =
+            cmd.spawn().map_err(|e| format!("cannot start {}: {e}", program.to_string_lossy()))?;
         let mut readers = Vec::new();
         let pipes: [Option<Box<dyn Read + Send>>; 2] = [
             child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
