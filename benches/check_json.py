@@ -5,8 +5,11 @@ usage: python3 benches/check_json.py FILE
 
 Fails (exit 1, with the reasons) unless the file is a JSON object with a non-empty string
 `provider` and a non-empty list `results`; every result has a string `test`; every bw row has
-`engine_gbps`, `baseline_gbps` and `ratio` (numbers, or null where a figure is missing); and
-at least one bw row has a finite, positive ratio.
+`engine_gbps`, `baseline_gbps` and `ratio` (numbers, or null where a figure is missing), and
+where it names them a `pattern` ("hot" or "cold") and `domains` (a whole number above 0); every
+row with a `fabtests` string (the fabtests command, or "skipped: ...") has
+`fabtests_<unit>`, `ratio_engine_fabtests` and `ratio_raw_fabtests` (numbers or null); and at
+least one bw row has a finite, positive ratio.
 """
 
 import json
@@ -16,6 +19,21 @@ import sys
 
 def num_or_null(v):
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def check_fabtests(i, r):
+    """The fabtests columns of one row."""
+    errs = []
+    if not isinstance(r["fabtests"], str) or not r["fabtests"]:
+        errs.append(f"results[{i}] ({r.get('case')}): fabtests {r['fabtests']!r}, not a non-empty string")
+    units = [k[len("engine_"):] for k in r if k.startswith("engine_")]
+    keys = [f"fabtests_{u}" for u in units] + ["ratio_engine_fabtests", "ratio_raw_fabtests"]
+    for k in keys:
+        if k not in r:
+            errs.append(f"results[{i}] ({r.get('case')}): no '{k}' beside 'fabtests'")
+        elif not num_or_null(r[k]):
+            errs.append(f"results[{i}] ({r.get('case')}): '{k}' is {r[k]!r}, not a number or null")
+    return errs
 
 
 def check(doc):
@@ -34,6 +52,8 @@ def check(doc):
         if not isinstance(r, dict) or not isinstance(r.get("test"), str):
             errs.append(f"results[{i}]: want an object with a string 'test', got {r!r}")
             continue
+        if "fabtests" in r:
+            errs += check_fabtests(i, r)
         if r["test"] != "bw":
             continue
         bw += 1
@@ -42,6 +62,11 @@ def check(doc):
                 errs.append(f"results[{i}] ({r.get('case')}): no '{k}'")
             elif not num_or_null(r[k]):
                 errs.append(f"results[{i}] ({r.get('case')}): '{k}' is {r[k]!r}, not a number or null")
+        if "pattern" in r and r["pattern"] not in ("hot", "cold"):
+            errs.append(f"results[{i}] ({r.get('case')}): pattern {r['pattern']!r}, not hot or cold")
+        d = r.get("domains", 1)
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            errs.append(f"results[{i}] ({r.get('case')}): domains {d!r}, not a whole number above 0")
         ratio = r.get("ratio")
         if isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0:
             good.append(f"{r.get('case')} {ratio:.2f}")

@@ -1,19 +1,23 @@
-//! `bw`: write_imm bandwidth over a size sweep, `--window` writes in flight, beside the raw
-//! provider loop (same sizes, window and acknowledgement), iperf3 on tcp and perftest's
-//! `ib_write_bw` on verbs.
+//! `bw`: write_imm bandwidth over a size sweep, `--window` writes in flight, for each
+//! `--buffer` pattern (hot, cold) and each `--domains` count, beside the raw provider loop
+//! (same sizes, window, pattern and acknowledgement; one domain), fabtests' `fi_rma_bw` with
+//! `--fabtests DIR`, iperf3 on tcp and perftest's `ib_write_bw` on verbs.
 
+use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use fabric_async::ReactorMode;
 
+use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
 use crate::measure::{gbps, human, median};
+use crate::pattern::{self, Pattern};
 use crate::perftest;
-use crate::report::{Report, Row};
+use crate::report::{FtRef, Report, Row};
 use crate::session::{
-    engine_absorb, engine_side, engine_stream, mode_name, on_thread, perftest_target, raw_side, Ctx, Res,
-    IMM_ACK, IMM_DATA,
+    builder_domains, engine_absorb, engine_side_with, engine_stream, mode_name, on_thread, perftest_target,
+    raw_side, Ctx, Res, IMM_ACK, IMM_DATA,
 };
 use crate::{on_verbs, Opts};
 
@@ -53,12 +57,50 @@ fn bw_ops(o: &Opts, size: usize) -> u64 {
     (target / size).clamp(2 * o.window, max) as u64
 }
 
-/// Region per side: up to `window` slots of the largest size, capped at 256 MiB (verbs:
-/// 64 MiB; the test VM has 2 GiB for both processes, and writes in flight may share a slot).
+/// Bytes registered per side: the largest size for `--buffer hot`; with `cold`, a region
+/// several times the last-level cache ([`pattern::region_len`]).
 fn region_len(o: &Opts, sizes: &[usize]) -> usize {
     let max = sizes.iter().copied().max().unwrap_or(1 << 20);
-    let cap = if on_verbs(o) { 64 << 20 } else { 256 << 20 };
-    (max * o.window).min(cap).max(max).max(1 << 20)
+    let llc = pattern::llc_bytes();
+    pattern::region_len(&o.buffers, llc, o.window, max, pattern::region_cap(llc, on_verbs(o)))
+}
+
+/// One pass over patterns x sizes x repetitions: an engine of `engine` domains, and/or the
+/// raw loop (with perftest and fabtests after its bursts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pass {
+    engine: Option<usize>,
+    raw: bool,
+}
+
+/// Event mode: engine and raw loop alternate per size, so drift on this shared machine hits
+/// both (an idle Event reactor sleeps); the raw loop (one domain) beside the first domain
+/// count only. A spinning reactor would steal a core from the raw loop on 2 cores, so other
+/// modes run each engine sweep, drop the engine, then the raw one.
+fn passes(counts: &[usize], interleave: bool) -> Vec<Pass> {
+    let mut v: Vec<Pass> = counts
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| Pass { engine: Some(d), raw: interleave && i == 0 })
+        .collect();
+    if !interleave {
+        v.push(Pass { engine: None, raw: true });
+    }
+    v
+}
+
+/// The pattern whose raw bursts the external baselines (fi_rma_bw, ib_write_bw, both hot)
+/// follow: hot when it is measured, else the first.
+fn external_pattern(patterns: &[Pattern]) -> Pattern {
+    if patterns.contains(&Pattern::Hot) {
+        Pattern::Hot
+    } else {
+        patterns[0]
+    }
+}
+
+fn med(v: Option<&Vec<f64>>) -> f64 {
+    v.filter(|v| !v.is_empty()).map_or(f64::NAN, |v| median(v.clone()))
 }
 
 pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
@@ -66,66 +108,92 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let reps = if ctx.o.quick { 1 } else { 3 };
     let window = ctx.o.window;
     let len = region_len(&ctx.o, &sizes);
-    // Event mode: engine and raw loop alternate per size, so drift on this shared machine hits
-    // both (an idle Event reactor sleeps). A spinning reactor would steal a core from the raw
-    // loop on 2 cores, so other modes run the engine sweep, drop the engine, then the raw one.
-    let interleave = ctx.o.mode == ReactorMode::Event;
-    let passes: &[(bool, bool)] = if interleave { &[(true, true)] } else { &[(true, false), (false, true)] };
-    let (mut e, mut b) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
+    let patterns = ctx.o.buffers.clone();
+    let counts = ctx.o.domain_counts.clone();
+    let ext = external_pattern(&patterns);
+    let passes = passes(&counts, ctx.o.mode == ReactorMode::Event);
+    // (domains, pattern, size index) -> engine figures; (pattern, size index) -> raw ones.
+    let mut e: HashMap<(usize, Pattern, usize), Vec<f64>> = HashMap::new();
+    let mut b: HashMap<(Pattern, usize), Vec<f64>> = HashMap::new();
     // On verbs, perftest's ib_write_bw too, run by the leader after each raw burst (so that
     // drift hits all three alike), with as many bytes and as many writes in flight (`-t`).
+    // fabtests' fi_rma_bw likewise, with `--fabtests DIR` (tcp, shm).
     let verbs = on_verbs(&ctx.o);
     let perftest = if verbs && ctx.lead { perftest_target(ctx, "ib_write_bw").await? } else { None };
-    let mut p = vec![Vec::new(); sizes.len()];
-    let mut side = Some(engine_side(ctx, ctx.o.mode, len).await?);
-    let mut raw = if interleave { Some(raw_side(ctx, len).await?) } else { None };
-    let steps = (passes.len() * sizes.len() * reps) as f64;
-    for (pass, &(do_engine, do_raw)) in passes.iter().enumerate() {
-        if !do_engine && side.is_some() {
-            ctx.barrier("bw-engine-end").await?;
-            side = None;
+    let with_ft = ctx.o.fabtests.is_some();
+    let ft = match &ctx.o.fabtests {
+        Some(dir) if ctx.lead => Some(Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?),
+        _ => None,
+    };
+    let (mut p, mut f) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
+    let (mut raw, mut side) = (None, None);
+    let steps = (passes.len() * patterns.len() * sizes.len() * reps) as f64;
+    let mut step = 0;
+    for (i, pass) in passes.iter().enumerate() {
+        if i > 0 {
+            ctx.barrier("bw-pass-end").await?;
+        }
+        // Both sides are done with the previous engine: drop it before the next one opens.
+        drop(side.take());
+        side = match pass.engine {
+            Some(d) => Some(engine_side_with(ctx, builder_domains(&ctx.o, d).mode(ctx.o.mode), len).await?),
+            None => None,
+        };
+        if pass.raw && raw.is_none() {
             raw = Some(raw_side(ctx, len).await?);
         }
-        for (k, &size) in sizes.iter().enumerate() {
-            let ops = bw_ops(&ctx.o, size);
-            for r in 0..reps {
-                let side_of = match (do_engine, do_raw) {
-                    (true, true) => "",
-                    (true, false) => "engine ",
-                    _ => "raw ",
-                };
-                let what =
-                    format!("{side_of}{}/{} {} x{ops} rep {}/{reps}", k + 1, sizes.len(), human(size), r + 1);
-                let frac = ((pass * sizes.len() + k) * reps + r) as f64 / steps;
-                ctx.progress("bw", frac, &what);
-                if do_engine {
-                    let s = side.as_ref().expect("engine side");
-                    if ctx.lead {
-                        e[k].push(gbps(size as u64 * ops, engine_stream(s, size, ops, window).await?));
-                    } else {
-                        engine_absorb(s, ops, size).await?;
+        for &pat in &patterns {
+            for (k, &size) in sizes.iter().enumerate() {
+                let ops = bw_ops(&ctx.o, size);
+                for r in 0..reps {
+                    let side_of = match (pass.engine, pass.raw) {
+                        (Some(d), true) if counts.len() > 1 => format!("{d} dom + raw "),
+                        (Some(_), true) => String::new(),
+                        (Some(d), false) => format!("engine {d} dom "),
+                        (None, _) => "raw ".into(),
+                    };
+                    let what = format!(
+                        "{side_of}{pat} {}/{} {} x{ops} rep {}/{reps}",
+                        k + 1,
+                        sizes.len(),
+                        human(size),
+                        r + 1
+                    );
+                    ctx.progress("bw", step as f64 / steps, &what);
+                    step += 1;
+                    if let (Some(s), Some(d)) = (&side, pass.engine) {
+                        if ctx.lead {
+                            let t = engine_stream(s, size, ops, window, pat).await?;
+                            e.entry((d, pat, k)).or_default().push(gbps(size as u64 * ops, t));
+                        } else {
+                            engine_absorb(s, ops, size).await?;
+                        }
                     }
-                }
-                if do_raw {
+                    if !pass.raw {
+                        continue;
+                    }
                     let w = window as u64;
                     if ctx.lead {
                         let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
-                            r.stream(size, ops, w, IMM_DATA, IMM_ACK)
+                            r.stream(size, ops, w, (IMM_DATA, IMM_ACK), pat)
                         })
                         .await?;
                         raw = Some(r2);
-                        b[k].push(gbps(size as u64 * ops, t));
+                        b.entry((pat, k)).or_default().push(gbps(size as u64 * ops, t));
                     } else {
                         let (r2, ()) =
                             on_thread(raw.take().expect("raw"), move |r| r.absorb(ops, IMM_DATA, IMM_ACK))
                                 .await?;
                         raw = Some(r2);
                     }
+                    if pat != ext {
+                        continue;
+                    }
                     if verbs {
                         if let Some(t) = perftest.clone() {
                             ctx.progress(
                                 "bw",
-                                frac,
+                                step as f64 / steps,
                                 &format!("{what}: ib_write_bw -s {size} -n {ops} -t {window}"),
                             );
                             let run = move || perftest::write_bw(&t, size, ops, window);
@@ -133,30 +201,64 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         }
                         ctx.barrier("bw-perftest").await?;
                     }
+                    if with_ft {
+                        if let Some(t) = ft.clone() {
+                            ctx.progress(
+                                "bw",
+                                step as f64 / steps,
+                                &format!("{what}: fi_rma_bw -W {window} -S {size} -I {ops}"),
+                            );
+                            let run = move || t.rma_bw(size, ops, window);
+                            f[k].push(tokio::task::spawn_blocking(run).await??);
+                        }
+                        ctx.barrier("bw-fabtests").await?;
+                    }
                 }
             }
         }
     }
     if ctx.lead {
-        for (k, &size) in sizes.iter().enumerate() {
-            let case = match ctx.o.mode {
-                ReactorMode::Event => human(size),
-                m => format!("{} [{}]", human(size), mode_name(m)),
-            };
-            let row = Row::new("bw", &case, "gbps", median(e[k].clone())).size(size);
-            rep.push(row.baseline("raw", median(b[k].clone())));
+        let several = counts.len() > 1 || counts[0] > 1;
+        let ft_tool =
+            format!("fi_rma_bw -e rdm -o writedata -W {window}{} (hot), Gbit/s", fabtests::extra_label());
+        for &d in &counts {
+            for &pat in &patterns {
+                for (k, &size) in sizes.iter().enumerate() {
+                    let mut case = format!("{} {pat}", human(size));
+                    if several {
+                        case.push_str(&format!(", {d} domain{}", if d == 1 { "" } else { "s" }));
+                    }
+                    if ctx.o.mode != ReactorMode::Event {
+                        case.push_str(&format!(" [{}]", mode_name(ctx.o.mode)));
+                    }
+                    let row = Row::new("bw", &case, "gbps", med(e.get(&(d, pat, k))))
+                        .size(size)
+                        .pattern(pat)
+                        .domains(d)
+                        .baseline("raw", med(b.get(&(pat, k))));
+                    rep.push(match (verbs, with_ft) {
+                        (true, _) => row,
+                        (false, true) => {
+                            row.fabtests(FtRef::Value { tool: ft_tool.clone(), v: med(Some(&f[k])) })
+                        }
+                        (false, false) => row.fabtests(FtRef::Skipped(fabtests::SKIPPED.into())),
+                    });
+                }
+            }
         }
         for (k, &size) in sizes.iter().enumerate().filter(|_| verbs) {
-            let case = format!("{} vs ib_write_bw -t {window}", human(size));
-            let row = Row::new("bw", &case, "gbps", median(e[k].clone())).size(size);
+            let case = format!("{} {ext} vs ib_write_bw -t {window}", human(size));
+            let row = Row::new("bw", &case, "gbps", med(e.get(&(counts[0], ext, k)))).size(size);
             rep.push(if p[k].is_empty() { row } else { row.baseline("ib_write_bw", median(p[k].clone())) });
         }
     }
     ctx.barrier("bw-end").await?;
+    drop((side, raw));
     if let Location::Cuda(ords) = ctx.o.location {
-        // The host sweep's engine rows are the staged rows' host-memory ceiling.
-        let host: Vec<f64> =
-            e.iter().map(|v| if v.is_empty() { f64::NAN } else { median(v.clone()) }).collect();
+        // The host sweep's engine rows (cold where measured) are the staged rows' host-memory
+        // ceiling.
+        let pat = if patterns.contains(&Pattern::Cold) { Pattern::Cold } else { patterns[0] };
+        let host: Vec<f64> = (0..sizes.len()).map(|k| med(e.get(&(counts[0], pat, k)))).collect();
         let o = ctx.o.clone();
         gpu::run(ctx, rep, ords, &sizes, &host, |size| bw_ops(&o, size)).await?;
     }
@@ -212,4 +314,20 @@ fn run_iperf3(secs: &str) -> Res<f64> {
     let bps =
         v["end"]["sum_received"]["bits_per_second"].as_f64().ok_or("no end.sum_received in iperf3 -J")?;
     Ok(bps / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passes_and_the_external_pattern() {
+        let (e, r) = (|d| Pass { engine: Some(d), raw: false }, Pass { engine: None, raw: true });
+        assert_eq!(passes(&[1], true), [Pass { engine: Some(1), raw: true }]);
+        assert_eq!(passes(&[1, 2, 4], true), [Pass { engine: Some(1), raw: true }, e(2), e(4)]);
+        assert_eq!(passes(&[2], false), [e(2), r]);
+        assert_eq!(passes(&[1, 4], false), [e(1), e(4), r]);
+        assert_eq!(external_pattern(&[Pattern::Cold, Pattern::Hot]), Pattern::Hot);
+        assert_eq!(external_pattern(&[Pattern::Cold]), Pattern::Cold);
+    }
 }

@@ -21,6 +21,7 @@ use fabric_async::{Engine, MemoryLocation};
 use fabric_runtime::cuda;
 
 use crate::measure::{gbps, human, median};
+use crate::pattern::Pattern;
 use crate::report::{Report, Row};
 use crate::session::{builder, engine_absorb, engine_stream, Ctx, Res, Side, IMM_WARM};
 
@@ -233,7 +234,10 @@ pub async fn run(
                 );
                 ctx.progress("bw", (k * reps + r) as f64 / (sizes.len() * reps) as f64, &what);
                 if ctx.lead {
-                    e[k].push(gbps(size as u64 * ops, engine_stream(&side, size, ops, window).await?));
+                    e[k].push(gbps(
+                        size as u64 * ops,
+                        engine_stream(&side, size, ops, window, Pattern::Cold).await?,
+                    ));
                 } else {
                     engine_absorb(&side, ops, size).await?;
                 }

@@ -1,5 +1,6 @@
 //! `lat`: write_imm ping-pong round trips (8 B, 256 B, 4 KiB), p50 and p99, beside the raw
-//! provider loop's ping-pong and, on verbs, perftest's `ib_write_lat`. The ping and pong
+//! provider loop's ping-pong, fabtests' `fi_rdm_pingpong` with `--fabtests DIR` (p50 rows)
+//! and, on verbs, perftest's `ib_write_lat`. The ping and pong
 //! halves are shared with `wake`.
 
 use std::time::{Duration, Instant};
@@ -7,9 +8,10 @@ use std::time::{Duration, Instant};
 use fabric_async::ReactorMode;
 use futures::future::join_all;
 
+use crate::fabtests::{self, Fabtests};
 use crate::measure::{human, percentiles};
 use crate::perftest;
-use crate::report::{Report, Row};
+use crate::report::{FtRef, Report, Row};
 use crate::session::{
     engine_side, mode_name, on_thread, perftest_target, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG,
 };
@@ -109,6 +111,7 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         ctx.barrier("lat-engine-end").await?;
     }
     let mut raw = Some(raw_side(ctx, 1 << 20).await?);
+    let mut base = Vec::new();
     for (i, size) in sizes.into_iter().enumerate() {
         let frac = (sizes.len() + i) as f64 / (2 * sizes.len()) as f64;
         ctx.progress("lat", frac, &format!("raw {} x{iters}", human(size)));
@@ -117,17 +120,63 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             let (r2, rtts) =
                 on_thread(raw.take().expect("raw"), move |r| r.ping(size, iters, IMM_PING, IMM_PONG)).await?;
             raw = Some(r2);
-            let ((e50, e99), (b50, b99)) = (eng[i], percentiles(&rtts));
-            let m = mode_name(mode);
-            let h = human(size);
-            rep.push(Row::new("lat", &format!("{h} p50 [{m}]"), "us", e50).size(size).baseline("raw", b50));
-            rep.push(Row::new("lat", &format!("{h} p99 [{m}]"), "us", e99).size(size).baseline("raw", b99));
+            base.push(percentiles(&rtts));
         } else {
             let (r2, ()) =
                 on_thread(raw.take().expect("raw"), move |r| r.pong(size, iters, IMM_PING, IMM_PONG)).await?;
             raw = Some(r2);
         }
     }
+    ctx.barrier("lat-raw-end").await?;
+    drop(raw);
+    // fabtests' ping-pong, with engine and raw loop gone (the peer waits).
+    let ft = fabtests_rt(ctx, "lat", &sizes, iters).await?;
+    if ctx.lead {
+        for (i, size) in sizes.into_iter().enumerate() {
+            let ((e50, e99), (b50, b99)) = (eng[i], base[i]);
+            let m = mode_name(mode);
+            let h = human(size);
+            let p50 = Row::new("lat", &format!("{h} p50 [{m}]"), "us", e50).size(size).baseline("raw", b50);
+            rep.push(match &ft {
+                Some(ft) => p50.fabtests(ft[i].clone()),
+                None => p50,
+            });
+            rep.push(Row::new("lat", &format!("{h} p99 [{m}]"), "us", e99).size(size).baseline("raw", b99));
+        }
+    }
     ctx.barrier("lat-end").await?;
     Ok(())
+}
+
+/// fabtests' `fi_rdm_pingpong -S SIZE -I ITERS` per size, run by the leader (the peer waits
+/// at a barrier): the mean round trip, 2 x its one-way `usec/xfer`. `None` on verbs (perftest
+/// is the baseline there); rows that say "skipped" without `--fabtests`.
+pub async fn fabtests_rt(
+    ctx: &mut Ctx,
+    test: &str,
+    sizes: &[usize],
+    iters: usize,
+) -> Res<Option<Vec<FtRef>>> {
+    if on_verbs(&ctx.o) {
+        return Ok(None);
+    }
+    let Some(dir) = ctx.o.fabtests.clone() else {
+        return Ok(Some(vec![FtRef::Skipped(fabtests::SKIPPED.into()); sizes.len()]));
+    };
+    let mut v = Vec::new();
+    if ctx.lead {
+        let ft = Fabtests::new(&dir, &ctx.o.provider, &[fabtests::PINGPONG])?;
+        for &size in sizes {
+            let what = format!("baseline: fi_rdm_pingpong -S {size} -I {iters}");
+            ctx.progress(test, 1.0, &what);
+            let t = ft.clone();
+            let one_way = tokio::task::spawn_blocking(move || t.pingpong(size, iters as u64)).await??;
+            let extra = fabtests::extra_label();
+            let tool =
+                format!("fi_rdm_pingpong -S SIZE{extra}: mean round trip (2 x its one-way usec/xfer), us");
+            v.push(FtRef::Value { tool, v: 2.0 * one_way });
+        }
+    }
+    ctx.barrier(&format!("{test}-fabtests")).await?;
+    Ok(Some(v))
 }

@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
-//!     [--domains N] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
-//!     [--mode event|adaptive|busypoll|inline] [--location host|cuda|cuda:N,M]
+//!     [--domains N|1,2,4] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
+//!     [--mode event|adaptive|busypoll|inline] [--location host|cuda|cuda:N,M] [--buffer hot,cold]
+//!     [--fabtests DIR]
 //! ```
 //!
 //! `--help` (and `fabric-bench TEST --help`) explains every option; the options go before or
@@ -13,20 +14,24 @@
 //! through a `TcpStore` on 127.0.0.1 and then run the same sequence of phases, each side
 //! playing its role (`session.rs`). Every engine figure is printed beside a baseline measured
 //! in the same run: the raw provider loop (`raw.rs`: the provider's domain driven through the
-//! `Domain` trait by a plain thread), iperf3 for tcp bandwidth when it is installed, and
-//! perftest's `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests
+//! `Domain` trait by a plain thread), libfabric's own fabtests when `--fabtests DIR` is given
+//! (`fabtests.rs`: `fi_rma_bw`, `fi_rdm_pingpong`), iperf3 for tcp bandwidth when it is
+//! installed, and perftest's `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests
 //! move less data ([`on_verbs`]): the only verbs device here is Soft-RoCE in an emulated VM,
 //! ~20-45 MB/s.
 //!
 //! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`. Shared:
 //! `session.rs` (the two processes, their meeting point, engine and raw sides),
+//! `pattern.rs` (bw's `--buffer hot|cold` offsets),
 //! `measure.rs` (CPU, RSS, percentiles, units), `report.rs` (table, JSON, plot),
 //! `progress.rs` (the progress display). This file parses the command line and dispatches.
 
 mod bw;
+mod fabtests;
 mod gpu;
 mod lat;
 mod measure;
+mod pattern;
 mod perftest;
 mod pin;
 mod progress;
@@ -57,6 +62,7 @@ use fabric_async::ReactorMode;
     arg_required_else_help = true,
     args_override_self = true,
     after_help = "Baselines: the raw provider loop (the provider's domain driven by a plain thread), \
+                  fabtests 1.17 with --fabtests DIR (fi_rma_bw, fi_rdm_pingpong; tcp and shm), \
                   iperf3 on tcp, ib_write_bw / ib_write_lat (perftest) on verbs.\n\
                   The options go before or after the test's name. Progress goes to stderr, the \
                   table to stdout.\n\
@@ -73,12 +79,33 @@ struct Cli {
     /// machines only inside the Soft-RoCE VM, where every test moves less data).
     #[arg(long, global = true, value_name = "PROVIDER", default_value = "tcp", value_parser = provider)]
     provider: String,
-    /// NICs (domains) per engine.
+    /// NICs (domains) per engine; bw also takes a list (1,2,4): one engine per count.
     ///
     /// EngineBuilder::domains: engine writes are sharded over N domains in 1 MiB shards and the
-    /// receiver waits for write_arrivals per write. The raw baselines stay on one domain.
-    #[arg(long, global = true, value_name = "N", default_value_t = 1, value_parser = positive)]
-    domains: usize,
+    /// receiver waits for write_arrivals per write. The raw baselines stay on one domain. With
+    /// a list, bw runs its sweep with an engine of each count (rows say `N domains`); the
+    /// other tests take one count only.
+    #[arg(long, global = true, value_name = "N|N,N,..", default_value = "1", value_parser = domain_list)]
+    domains: DomainList,
+    /// bw's access pattern, for the engine and the raw loop alike: hot, cold or hot,cold.
+    ///
+    /// hot: every write from offset 0 of the source to offset 0 of the target, a buffer of the
+    /// write's size (what fabtests' fi_rma_bw does). cold: writes swept sequentially over a
+    /// region of max(4 x last-level cache, window x largest size) per side (the LLC from
+    /// /sys/devices/system/cpu/cpu0/cache, else 32 MiB; at most 256 MiB, or 4 x LLC up to
+    /// 1 GiB; verbs 64 MiB). Every row names its pattern [default: hot,cold; --quick: cold].
+    #[arg(long, global = true, value_name = "hot|cold|hot,cold", value_parser = buffer_list)]
+    buffer: Option<Buffers>,
+    /// A directory of fabtests 1.17 binaries: run them beside the engine and the raw loop.
+    ///
+    /// bw: fi_rma_bw -e rdm -o writedata -W WINDOW -S SIZE -I OPS per size and repetition
+    /// (RMA writes with remote CQ data, always from/to offset 0: hot). lat: fi_rdm_pingpong -S
+    /// SIZE at lat's sizes, wake: at 8 B (send/recv; it prints one-way latency, the rows show
+    /// 2x, a mean round trip). Rows get columns fabtests, engine/ft and raw/ft. Server and
+    /// client on 127.0.0.1, -p tcp (tcp;ofi_rxm) or -p shm; not on verbs. Without it the rows
+    /// say "skipped: no --fabtests DIR".
+    #[arg(long, global = true, value_name = "DIR")]
+    fabtests: Option<PathBuf>,
     /// The bw sweep's sizes, comma-separated (4096, 4K, 4KiB, 1M, 64MiB, 1G).
     ///
     /// Default 4 KiB..64 MiB by factors of 4 (--quick: 4K,64K,1M,4M; verbs: 4 KiB..1 MiB,
@@ -248,6 +275,14 @@ impl From<Mode> for ReactorMode {
 #[derive(Clone, Debug)]
 struct Sizes(Vec<usize>);
 
+/// The `--domains` list (`2`, or `1,2,4` for bw).
+#[derive(Clone, Debug)]
+struct DomainList(Vec<usize>);
+
+/// The `--buffer` list.
+#[derive(Clone, Debug)]
+struct Buffers(Vec<pattern::Pattern>);
+
 /// The run, as the tests see it.
 #[derive(Clone, Debug)]
 pub struct Opts {
@@ -262,8 +297,15 @@ pub struct Opts {
     /// Reactor mode of the engine in bw and rate (default Event).
     pub mode: ReactorMode,
     pub peer_of: Option<String>,
-    /// NICs (domains) per engine: `EngineBuilder::domains`. The raw baselines use one.
+    /// NICs (domains) per engine: `EngineBuilder::domains`. The raw baselines use one. The
+    /// first of `--domains` (the only one outside bw, [`Opts::check`]).
     pub domains: usize,
+    /// Every count of `--domains`: bw runs an engine of each.
+    pub domain_counts: Vec<usize>,
+    /// bw's access patterns (`--buffer`, or its default).
+    pub buffers: Vec<pattern::Pattern>,
+    /// `--fabtests DIR`.
+    pub fabtests: Option<PathBuf>,
     /// `--location`: host, or GPU regions in bw.
     pub location: gpu::Location,
     /// `--staging-pool`, `--staging-chunk` (engine defaults when absent).
@@ -277,6 +319,22 @@ impl Opts {
     /// Whether `test` runs in this invocation (it was named, or `all` was).
     pub fn runs(&self, test: Test) -> bool {
         self.test == Test::All || self.test == test
+    }
+
+    /// What the parser alone cannot refuse: a `--domains` list outside bw, `--fabtests` on a
+    /// provider fabtests is not run on.
+    pub fn check(&self) -> Result<(), String> {
+        if self.domain_counts.len() > 1 && self.test != Test::Bw {
+            return Err(format!(
+                "--domains {}: a list is accepted by bw only; give {} one count",
+                self.domain_counts.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(","),
+                self.test.name()
+            ));
+        }
+        if self.fabtests.is_some() {
+            fabtests::provider_arg(&self.provider)?;
+        }
+        Ok(())
     }
 }
 
@@ -298,7 +356,14 @@ impl From<Cli> for Opts {
             quick: c.quick,
             mode: c.mode.into(),
             peer_of: c.peer_of,
-            domains: c.domains,
+            domains: c.domains.0[0],
+            domain_counts: c.domains.0,
+            buffers: match c.buffer {
+                Some(b) => b.0,
+                None if c.quick => vec![pattern::Pattern::Cold],
+                None => vec![pattern::Pattern::Hot, pattern::Pattern::Cold],
+            },
+            fabtests: c.fabtests,
             location: c.location,
             staging_pool: c.staging_pool,
             staging_chunk: c.staging_chunk,
@@ -328,6 +393,25 @@ fn positive(s: &str) -> Result<usize, String> {
         Ok(n) if n > 0 => Ok(n),
         _ => Err("expected a whole number above 0".into()),
     }
+}
+
+fn domain_list(s: &str) -> Result<DomainList, String> {
+    let v: Result<Vec<usize>, String> = s.split(',').map(positive).collect();
+    let mut v = v.map_err(|_| "expected a count above 0, or a list such as 1,2,4".to_string())?;
+    let mut seen = Vec::new();
+    v.retain(|n| {
+        if seen.contains(n) {
+            false
+        } else {
+            seen.push(*n);
+            true
+        }
+    });
+    Ok(DomainList(v))
+}
+
+fn buffer_list(s: &str) -> Result<Buffers, String> {
+    pattern::parse_list(s).map(Buffers)
 }
 
 fn one_size(s: &str) -> Result<usize, String> {
@@ -367,6 +451,10 @@ fn main() {
         }
     }
     let o = Opts::from(cli);
+    if let Err(e) = o.check() {
+        eprintln!("fabric-bench: {e}");
+        std::process::exit(2);
+    }
     // Set before any thread exists (LibfabricDomain::open would set it lazily otherwise).
     if std::env::var_os("FI_TCP_IFACE").is_none() {
         std::env::set_var("FI_TCP_IFACE", "lo");
@@ -405,6 +493,36 @@ mod tests {
 
     fn opts(args: &[&str]) -> Result<Opts, clap::Error> {
         Cli::try_parse_from(std::iter::once("fabric-bench").chain(args.iter().copied())).map(Opts::from)
+    }
+
+    #[test]
+    fn buffers_domains_and_fabtests() {
+        use pattern::Pattern::{Cold, Hot};
+        let o = opts(&["bw"]).unwrap();
+        assert_eq!(
+            (o.buffers.as_slice(), o.domain_counts.as_slice(), &o.fabtests),
+            (&[Hot, Cold][..], &[1][..], &None)
+        );
+        assert_eq!(opts(&["bw", "--quick"]).unwrap().buffers, [Cold]);
+        assert_eq!(opts(&["bw", "--quick", "--buffer", "hot,cold"]).unwrap().buffers, [Hot, Cold]);
+        assert_eq!(opts(&["bw", "--buffer", "hot"]).unwrap().buffers, [Hot]);
+        let o = opts(&["bw", "--domains", "1,2,4", "--fabtests", "/x"]).unwrap();
+        assert_eq!((o.domains, o.domain_counts.as_slice()), (1, &[1, 2, 4][..]));
+        assert_eq!(o.fabtests, Some(PathBuf::from("/x")));
+        assert!(o.check().is_ok());
+        let o = opts(&["bw", "--domains", "2"]).unwrap();
+        assert_eq!((o.domains, o.domain_counts.as_slice()), (2, &[2][..]));
+        assert_eq!(opts(&["bw", "--domains", "2,2,1"]).unwrap().domain_counts, [2, 1]);
+        // A list outside bw, fabtests on verbs: refused with a reason.
+        for (args, why) in [
+            (&["lat", "--domains", "1,2"][..], "accepted by bw only"),
+            (&["all", "--domains", "1,2"], "give all one count"),
+            (&["bw", "--provider", "verbs", "--fabtests", "/x"], "verbs is not supported"),
+        ] {
+            let e = opts(args).unwrap().check().unwrap_err();
+            assert!(e.contains(why), "{args:?}: {e}");
+        }
+        assert!(opts(&["lat", "--domains", "2"]).unwrap().check().is_ok());
     }
 
     #[test]
@@ -477,6 +595,10 @@ mod tests {
             &["bw", "--window", "0"],
             &["bw", "--iters", "-1"],
             &["bw", "--domains", "0"],
+            &["bw", "--domains", "1,0"],
+            &["bw", "--domains", "1,,2"],
+            &["bw", "--buffer", "warm"],
+            &["bw", "--buffer", ""],
             &["bw", "--mode", "spin"],
             &["bw", "--bogus"],
             &["bw", "--location", "cuda:x"],

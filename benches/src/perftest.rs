@@ -228,7 +228,7 @@ fn run_pair(tool: &str, args: &[String], host: &str) -> Res<String> {
     }
 }
 
-fn status_str(s: Option<bool>) -> &'static str {
+pub(crate) fn status_str(s: Option<bool>) -> &'static str {
     match s {
         Some(true) => "ok",
         Some(false) => "exit status not 0",
@@ -237,20 +237,33 @@ fn status_str(s: Option<bool>) -> &'static str {
 }
 
 /// A child whose stdout and stderr are collected by threads (then joined: stdout, stderr).
-struct Spawned {
+pub(crate) struct Spawned {
     child: Child,
     readers: Vec<std::thread::JoinHandle<String>>,
 }
 
 impl Spawned {
-    fn start(tool: &str, args: &[String]) -> Res<Spawned> {
-        let mut child = Command::new(tool)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start {tool}: {e}"))?;
+    /// Starts `program` (a name looked up in `PATH`, or a path) with `args`.
+    ///
+    /// The child gets SIGKILL when the thread that started it ends (`PR_SET_PDEATHSIG`): a
+    /// bench killed while a server waits for its client (fabtests' servers spin on their CQ)
+    /// leaves no process behind. The thread outlives the child in every caller: it waits for
+    /// the child in [`Spawned::finish`].
+    pub(crate) fn start(program: impl AsRef<std::ffi::OsStr>, args: &[String]) -> Res<Spawned> {
+        use std::os::unix::process::CommandExt;
+        let program = program.as_ref();
+        let mut cmd = Command::new(program);
+        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        // SAFETY: the closure runs in the forked child before exec and only calls prctl, which
+        // is async-signal-safe; it allocates nothing and touches no lock.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child =
+            cmd.spawn().map_err(|e| format!("cannot start {}: {e}", program.to_string_lossy()))?;
         let mut readers = Vec::new();
         let pipes: [Option<Box<dyn Read + Send>>; 2] = [
             child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
@@ -266,12 +279,12 @@ impl Spawned {
         Ok(Spawned { child, readers })
     }
 
-    fn exited(&mut self) -> bool {
+    pub(crate) fn exited(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
     /// Waits until `deadline` (then kills it). `Some(success)`, or `None` if it was killed.
-    fn finish(mut self, deadline: Instant) -> (Option<bool>, String) {
+    pub(crate) fn finish(mut self, deadline: Instant) -> (Option<bool>, String) {
         let status = loop {
             match self.child.try_wait() {
                 Ok(Some(s)) => break Some(s.success()),
@@ -313,7 +326,7 @@ fn wait_listen(port: u16, server: &mut Spawned, deadline: Instant) -> Res<()> {
     }
 }
 
-fn tail(s: &str, n: usize) -> String {
+pub(crate) fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }

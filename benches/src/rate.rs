@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use fabric_async::OpBatch;
 
 use crate::measure::median;
+use crate::pattern::Pattern;
 use crate::report::{Report, Row};
 use crate::session::{
     engine_absorb, engine_side, engine_stream, on_thread, raw_side, Ctx, Res, Side, IMM_ACK, IMM_DATA,
@@ -61,9 +62,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             &format!("imm futures x{ops} rep {}/{reps}", r + 1),
         );
         if ctx.lead {
-            e.push(ops as f64 / engine_stream(&side, 0, ops, RATE_WINDOW).await?.as_secs_f64());
+            e.push(ops as f64 / engine_stream(&side, 0, ops, RATE_WINDOW, Pattern::Hot).await?.as_secs_f64());
             let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
-                r.stream(0, ops, RATE_WINDOW as u64, IMM_DATA, IMM_ACK)
+                r.stream(0, ops, RATE_WINDOW as u64, (IMM_DATA, IMM_ACK), Pattern::Hot)
             })
             .await?;
             raw = Some(r2);

@@ -14,6 +14,8 @@ use fabric_runtime::provider::{
 };
 use fabric_runtime::Error;
 
+use crate::pattern::Pattern;
+
 /// Tokens of posted receives carry this bit; writes use a plain counter.
 const RECV_TAG: u64 = 1 << 63;
 const RECVS: usize = 16;
@@ -293,21 +295,22 @@ impl<D: Domain> Raw<D> {
     }
 
     /// Streams `ops` writes of `size` bytes with `window` in flight (imm `imm`; `size == 0`:
-    /// imm-only), then waits for the receiver's `ack`. Returns the elapsed time.
+    /// imm-only), at the offsets of `pattern` in the registered `len` bytes (the engine's
+    /// `engine_stream` uses the same), then waits for the receiver's `ack`. Returns the
+    /// elapsed time.
     pub fn stream(
         &mut self,
         size: usize,
         ops: u64,
         window: u64,
-        imm: u32,
-        ack: u32,
+        (imm, ack): (u32, u32),
+        pattern: Pattern,
     ) -> Result<Duration, BoxError> {
-        let slots = (self.len / size.max(1)).max(1);
         let t0 = Instant::now();
         let mut posted = 0u64;
         while posted < ops {
             while posted < ops && self.outstanding < window {
-                let off = if size == 0 { 0 } else { (posted as usize % slots) * size };
+                let off = pattern.offset(posted, size, self.len);
                 if !self.try_post(off, size, imm)? {
                     break;
                 }

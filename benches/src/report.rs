@@ -5,6 +5,8 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde_json::{json, Map, Value};
 
+use crate::pattern::Pattern;
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// One measured figure beside its baseline. `unit` names the JSON keys
@@ -19,6 +21,21 @@ pub struct Row {
     baseline: Option<(String, f64)>,
     /// Further ceilings measured beside the row (JSON `ceilings_<unit>`: name → value).
     ceilings: Vec<(&'static str, f64)>,
+    /// bw: the access pattern (`--buffer`).
+    pattern: Option<Pattern>,
+    /// bw: the engine's domain count (`--domains`).
+    domains: Option<usize>,
+    /// The fabtests figure beside the row (columns fabtests, engine/ft, raw/ft), or why not.
+    fabtests: Option<FtRef>,
+}
+
+/// The fabtests reference of a row.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FtRef {
+    /// `tool` (the command, short) measured `v` in the row's unit.
+    Value { tool: String, v: f64 },
+    /// Not run: why (`skipped: no --fabtests DIR`).
+    Skipped(String),
 }
 
 impl Row {
@@ -31,7 +48,38 @@ impl Row {
             engine,
             baseline: None,
             ceilings: Vec::new(),
+            pattern: None,
+            domains: None,
+            fabtests: None,
         }
+    }
+
+    pub fn pattern(mut self, p: Pattern) -> Row {
+        self.pattern = Some(p);
+        self
+    }
+
+    pub fn domains(mut self, n: usize) -> Row {
+        self.domains = Some(n);
+        self
+    }
+
+    /// The fabtests figure (or why there is none) beside this row.
+    pub fn fabtests(mut self, f: FtRef) -> Row {
+        self.fabtests = Some(f);
+        self
+    }
+
+    /// The raw loop's figure: the baseline when it is the raw loop.
+    fn raw(&self) -> Option<f64> {
+        self.baseline.as_ref().filter(|(n, _)| n == "raw").map(|(_, v)| *v)
+    }
+
+    /// (engine / fabtests, raw / fabtests), where there is a fabtests figure.
+    fn ft_ratios(&self) -> (Option<f64>, Option<f64>) {
+        let Some(FtRef::Value { v, .. }) = &self.fabtests else { return (None, None) };
+        let r = |x: f64| Some(x / v).filter(|r| r.is_finite());
+        (r(self.engine), self.raw().and_then(r))
     }
 
     pub fn size(mut self, size: usize) -> Row {
@@ -120,14 +168,28 @@ impl Report {
         self.rows.iter().find(|r| r.test == test && r.case == case).map(|r| r.engine)
     }
 
-    /// The engine's bandwidth at `size` from the sweep (or the nearest size above it).
+    /// The engine's bandwidth at `size` from the sweep (or the nearest size above it): a
+    /// one-domain row, `hot` where there is one (iperf3 sends from one buffer too).
     pub fn bw_at(&self, size: usize) -> Option<f64> {
-        self.bw_rows().filter(|r| r.size >= Some(size)).min_by_key(|r| r.size).map(|r| r.engine)
+        let rows = || self.bw_rows().filter(|r| r.size >= Some(size) && r.domains.unwrap_or(1) == 1);
+        let hot = rows().filter(|r| r.pattern == Some(Pattern::Hot)).min_by_key(|r| r.size);
+        hot.or_else(|| rows().min_by_key(|r| r.size)).map(|r| r.engine)
+    }
+
+    /// The rows the plot draws: the sweep of the first row's pattern and domain count.
+    fn plot_rows(&self) -> Vec<&Row> {
+        let first = self.bw_rows().next().map(|r| (r.pattern, r.domains));
+        self.bw_rows().filter(|r| Some((r.pattern, r.domains)) == first).collect()
     }
 
     pub fn print(&self) {
-        let head = ["test", "case", "unit", "engine", "baseline", "base value", "ratio"];
-        let cells: Vec<[String; 7]> = self
+        let ft = self.rows.iter().any(|r| r.fabtests.is_some());
+        let mut head = vec!["test", "case", "unit", "engine", "baseline", "base value", "ratio"];
+        if ft {
+            head.extend(["fabtests", "engine/ft", "raw/ft"]);
+        }
+        let ratio3 = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.3}"));
+        let cells: Vec<Vec<String>> = self
             .rows
             .iter()
             .map(|r| {
@@ -135,11 +197,23 @@ impl Report {
                     Some((n, v)) => (n.clone(), fmt(*v)),
                     None => ("-".into(), "-".into()),
                 };
-                let ratio = r.ratio().map_or("-".into(), |x| format!("{x:.3}"));
-                [r.test.clone(), r.case.clone(), unit_label(r.unit).into(), fmt(r.engine), bn, bv, ratio]
+                let mut c =
+                    vec![r.test.clone(), r.case.clone(), unit_label(r.unit).into(), fmt(r.engine), bn, bv];
+                c.push(ratio3(r.ratio()));
+                if ft {
+                    let (e, w) = r.ft_ratios();
+                    c.push(match &r.fabtests {
+                        Some(FtRef::Value { v, .. }) => fmt(*v),
+                        Some(FtRef::Skipped(_)) => "skipped".into(),
+                        None => "-".into(),
+                    });
+                    c.push(ratio3(e));
+                    c.push(ratio3(w));
+                }
+                c
             })
             .collect();
-        let mut w = head.map(str::len);
+        let mut w: Vec<usize> = head.iter().map(|h| h.len()).collect();
         for c in &cells {
             for (i, s) in c.iter().enumerate() {
                 w[i] = w[i].max(s.len());
@@ -157,10 +231,25 @@ impl Report {
             }
             println!("{}", s.trim_end());
         };
-        line(&head.map(String::from));
-        line(&w.map(|n| "-".repeat(n)));
+        line(&head.iter().map(|h| h.to_string()).collect::<Vec<_>>());
+        line(&w.iter().map(|&n| "-".repeat(n)).collect::<Vec<_>>());
         for c in &cells {
             line(c);
+        }
+        // What the fabtests column holds, once per test (or why it is empty).
+        let mut seen: Vec<(String, String)> = Vec::new();
+        for r in &self.rows {
+            let what = match &r.fabtests {
+                Some(FtRef::Value { tool, .. }) => tool.clone(),
+                Some(FtRef::Skipped(why)) => why.clone(),
+                None => continue,
+            };
+            if !seen.contains(&(r.test.clone(), what.clone())) {
+                seen.push((r.test.clone(), what));
+            }
+        }
+        for (test, what) in seen {
+            println!("fabtests in {test} rows: {what}");
         }
     }
 
@@ -181,6 +270,24 @@ impl Report {
                     m.insert("baseline".into(), json!(n));
                     m.insert(format!("baseline_{}", r.unit), num(*v));
                     m.insert("ratio".into(), r.ratio().map_or(Value::Null, |x| json!(x)));
+                }
+                if let Some(p) = r.pattern {
+                    m.insert("pattern".into(), json!(p.name()));
+                }
+                if let Some(n) = r.domains {
+                    m.insert("domains".into(), json!(n));
+                }
+                if let Some(f) = &r.fabtests {
+                    let (tool, v) = match f {
+                        FtRef::Value { tool, v } => (tool.as_str(), *v),
+                        FtRef::Skipped(why) => (why.as_str(), f64::NAN),
+                    };
+                    let (e, w) = r.ft_ratios();
+                    let opt = |x: Option<f64>| x.map_or(Value::Null, |x| json!(x));
+                    m.insert("fabtests".into(), json!(tool));
+                    m.insert(format!("fabtests_{}", r.unit), num(v));
+                    m.insert("ratio_engine_fabtests".into(), opt(e));
+                    m.insert("ratio_raw_fabtests".into(), opt(w));
                 }
                 if !r.ceilings.is_empty() {
                     let c: Map<String, Value> =
@@ -220,8 +327,19 @@ impl Report {
     /// mode, e.g. `futures, Event`). Text labels need a TrueType font: DejaVu Sans (Debian
     /// `fonts-dejavu-core`) if present, else no labels.
     pub fn plot_bw(&self, path: &Path, engine: &str) -> Result<(), BoxError> {
-        let pts: Vec<(f64, f64, f64)> = self
-            .bw_rows()
+        let rows = self.plot_rows();
+        let pattern = rows.first().and_then(|r| r.pattern).map_or(String::new(), |p| format!(", {p} buffer"));
+        let ft: Vec<(f64, f64)> = rows
+            .iter()
+            .filter_map(|r| match &r.fabtests {
+                Some(FtRef::Value { v, .. }) if v.is_finite() => {
+                    Some(((r.size.unwrap_or(1) as f64).log2(), *v))
+                }
+                _ => None,
+            })
+            .collect();
+        let pts: Vec<(f64, f64, f64)> = rows
+            .iter()
             .map(|r| {
                 let b = r.baseline.as_ref().map_or(f64::NAN, |(_, v)| *v);
                 ((r.size.unwrap_or(1) as f64).log2(), r.engine, b)
@@ -241,7 +359,7 @@ impl Report {
         let ymax = pts
             .iter()
             .flat_map(|p| [p.1, p.2])
-            .chain(perf.iter().map(|p| p.1))
+            .chain(perf.iter().chain(&ft).map(|p| p.1))
             .filter(|v| v.is_finite())
             .fold(0.0, f64::max)
             * 1.1;
@@ -252,10 +370,17 @@ impl Report {
         let mut b = ChartBuilder::on(&root);
         b.margin(20);
         if labels {
-            let vs = if perf.is_empty() { "raw provider loop" } else { "raw provider loop, ib_write_bw" };
-            b.caption(format!("write_imm bandwidth, {} (engine vs {vs})", self.provider), ("sans-serif", 22))
-                .x_label_area_size(40)
-                .y_label_area_size(60);
+            let vs = match (perf.is_empty(), ft.is_empty()) {
+                (true, true) => "raw provider loop",
+                (false, _) => "raw provider loop, ib_write_bw",
+                (true, false) => "raw loop, fi_rma_bw",
+            };
+            b.caption(
+                format!("write_imm bandwidth, {}{pattern} (engine vs {vs})", self.provider),
+                ("sans-serif", 22),
+            )
+            .x_label_area_size(40)
+            .y_label_area_size(60);
         }
         let mut chart = b.build_cartesian_2d(xmin..xmax.max(xmin + 1.0), 0.0..ymax)?;
         let mut mesh = chart.configure_mesh();
@@ -275,6 +400,7 @@ impl Report {
             LineSeries::new(pts.iter().filter(|p| p.2.is_finite()).map(|p| (p.0, p.2)), RED.stroke_width(3));
         let green = RGBColor(0, 150, 0);
         let perftest = LineSeries::new(perf.iter().copied(), green.stroke_width(3));
+        let fabtests = LineSeries::new(ft.iter().copied(), MAGENTA.stroke_width(3));
         if labels {
             chart
                 .draw_series(engine_line)?
@@ -290,12 +416,21 @@ impl Report {
                     .label("ib_write_bw (perftest)")
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], green.stroke_width(3)));
             }
+            if !ft.is_empty() {
+                chart
+                    .draw_series(fabtests)?
+                    .label("fi_rma_bw (fabtests, hot)")
+                    .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], MAGENTA.stroke_width(3)));
+            }
             chart.configure_series_labels().background_style(WHITE).border_style(BLACK).draw()?;
         } else {
             chart.draw_series(engine_line)?;
             chart.draw_series(raw)?;
             if !perf.is_empty() {
                 chart.draw_series(perftest)?;
+            }
+            if !ft.is_empty() {
+                chart.draw_series(fabtests)?;
             }
         }
         root.present()?;
@@ -331,6 +466,58 @@ mod tests {
         tcp.push(Row::new("bw", "1 MiB", "gbps", 1.0).size(1 << 20).baseline("raw", 1.0));
         tcp.push(Row::new("bw", "1 MiB vs iperf3 -l 1M", "gbps", 1.0).size(1 << 20).baseline("iperf3", 2.0));
         assert!(tcp.perftest_bw().is_empty());
+    }
+
+    /// A hot,cold sweep with two domain counts and fabtests beside it.
+    fn ft_report() -> Report {
+        let mut rep = Report::new("shm");
+        for d in [1, 2] {
+            for p in [Pattern::Hot, Pattern::Cold] {
+                for (i, size) in [64usize << 10, 1 << 20].into_iter().enumerate() {
+                    let e = 10.0 + i as f64 + d as f64 + if p == Pattern::Hot { 5.0 } else { 0.0 };
+                    let ft = FtRef::Value { tool: "fi_rma_bw".into(), v: 40.0 };
+                    let row = Row::new("bw", "x", "gbps", e).size(size).pattern(p).domains(d);
+                    rep.push(row.baseline("raw", 20.0).fabtests(ft));
+                }
+            }
+        }
+        rep.push(
+            Row::new("lat", "8 B p50", "us", 30.0)
+                .size(8)
+                .baseline("raw", 15.0)
+                .fabtests(FtRef::Skipped("skipped: no --fabtests DIR".into())),
+        );
+        rep
+    }
+
+    #[test]
+    fn fabtests_columns_and_json() {
+        let rep = ft_report();
+        assert_eq!(rep.plot_rows().len(), 2, "one pattern and domain count in the plot");
+        assert!(rep.plot_rows().iter().all(|r| r.pattern == Some(Pattern::Hot) && r.domains == Some(1)));
+        assert_eq!(rep.bw_at(1 << 20), Some(17.0), "the hot one-domain row");
+        let r = &rep.rows[0];
+        assert_eq!(r.ft_ratios(), (Some(16.0 / 40.0), Some(0.5)));
+        assert_eq!(rep.rows.last().unwrap().ft_ratios(), (None, None));
+        rep.print();
+        let path = std::env::temp_dir().join(format!("fabric-bench-ft-json-{}.json", std::process::id()));
+        rep.write_json(&path).unwrap();
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let res = v["results"].as_array().unwrap();
+        assert_eq!(res[0]["pattern"], "hot");
+        assert_eq!(res[2]["pattern"], "cold");
+        assert_eq!(res[4]["domains"], 2);
+        assert_eq!(res[0]["fabtests"], "fi_rma_bw");
+        assert_eq!(res[0]["fabtests_gbps"], 40.0);
+        assert_eq!(res[0]["ratio_raw_fabtests"], 0.5);
+        let lat = res.last().unwrap();
+        assert_eq!(lat["fabtests"], "skipped: no --fabtests DIR");
+        assert!(lat["fabtests_us"].is_null() && lat["ratio_engine_fabtests"].is_null());
+        assert!(lat.get("pattern").is_none());
+        let png = path.with_extension("png");
+        rep.plot_bw(&png, "futures, Event").unwrap();
+        let _ = std::fs::remove_file(&png);
     }
 
     #[test]

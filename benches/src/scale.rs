@@ -8,6 +8,7 @@ use fabric_async::ReactorMode;
 use futures::future::join_all;
 
 use crate::measure::{gbps, mem_available, rss, trim};
+use crate::pattern::Pattern;
 use crate::rate::RATE_WINDOW;
 use crate::report::{Report, Row};
 use crate::session::{
@@ -166,8 +167,10 @@ async fn inflight_test(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         };
         let raw = raw_side(ctx, 1 << 20).await?;
         if ctx.lead {
-            let (_, t) =
-                on_thread(raw, move |r| r.stream(0, ops, RATE_WINDOW as u64, IMM_DATA, IMM_ACK)).await?;
+            let (_, t) = on_thread(raw, move |r| {
+                r.stream(0, ops, RATE_WINDOW as u64, (IMM_DATA, IMM_ACK), Pattern::Hot)
+            })
+            .await?;
             rep.set_raw_rate(ops as f64 / t.as_secs_f64());
         } else {
             on_thread(raw, move |r| r.absorb(ops, IMM_DATA, IMM_ACK)).await?;

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, EngineBuilder, MemoryRegion, ReactorMode, RemoteRegion};
 
+use crate::fabtests::{self, Fabtests};
+use crate::pattern::Pattern;
 use crate::progress::Progress;
 use crate::raw::Raw;
 use crate::report::Report;
@@ -70,6 +72,17 @@ impl Ctx {
 }
 
 pub async fn leader_main(o: Opts) -> Res<()> {
+    // A `--fabtests DIR` without the binaries the run needs fails here, before any test.
+    if let Some(dir) = &o.fabtests {
+        let mut tools = Vec::new();
+        if o.runs(Test::Bw) {
+            tools.push(fabtests::RMA_BW);
+        }
+        if o.runs(Test::Lat) || o.runs(Test::Wake) {
+            tools.push(fabtests::PINGPONG);
+        }
+        Fabtests::new(dir, &o.provider, &tools)?;
+    }
     let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
     let store = TcpStore::connect(server.local_addr()).await?.with_timeout(Duration::from_secs(300));
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -83,8 +96,9 @@ pub async fn leader_main(o: Opts) -> Res<()> {
         o.provider,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         if o.quick { ", quick" } else { "" },
-        if o.domains > 1 {
-            format!(", engines with {} domains (raw baselines: 1)", o.domains)
+        if o.domain_counts.len() > 1 || o.domains > 1 {
+            let n: Vec<String> = o.domain_counts.iter().map(|n| n.to_string()).collect();
+            format!(", engines with {} domains (raw baselines: 1)", n.join(","))
         } else {
             String::new()
         }
@@ -113,6 +127,7 @@ pub async fn leader_main(o: Opts) -> Res<()> {
             let _ = std::fs::create_dir_all(&dir);
             dir.join(format!("bw-{}.png", o.provider))
         });
+        // The plot draws the first pattern and domain count (`Report::plot_bw`).
         let engine = match o.domains {
             1 => format!("futures, {}", mode_name(o.mode)),
             n => format!("futures, {}, {n} domains", mode_name(o.mode)),
@@ -166,6 +181,11 @@ pub async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
 /// An engine builder for the run's provider and NIC count. `--domains N` shards every
 /// engine transfer over N domains (the default 1 MiB shards); the raw baselines stay on one.
 pub fn builder(o: &Opts) -> fabric_async::EngineBuilder {
+    builder_domains(o, o.domains)
+}
+
+/// [`builder`] with `domains` NICs (bw's `--domains 1,2,4`).
+pub fn builder_domains(o: &Opts, domains: usize) -> fabric_async::EngineBuilder {
     let mut b = Engine::builder().provider(&o.provider);
     if let Some(n) = o.staging_pool {
         b = b.staging_pool(n as u64);
@@ -173,8 +193,8 @@ pub fn builder(o: &Opts) -> fabric_async::EngineBuilder {
     if let Some(n) = o.staging_chunk {
         b = b.staging_chunk(n as u64);
     }
-    if o.domains > 1 {
-        b.domains(o.domains)
+    if domains > 1 {
+        b.domains(domains)
     } else {
         b
     }
@@ -237,10 +257,16 @@ pub async fn on_thread<T: Send + 'static>(
     .await?
 }
 
-/// Streams `ops` write_imm of `size` (`size == 0`: imm-only) with `window` in flight, then
-/// waits for the receiver's ack.
-pub async fn engine_stream(s: &Side, size: usize, ops: u64, window: usize) -> Res<Duration> {
-    let slots = (s.region.len() / size.max(1)).max(1);
+/// Streams `ops` write_imm of `size` (`size == 0`: imm-only) with `window` in flight, at the
+/// offsets of `pattern` in the region (as `Raw::stream`), then waits for the receiver's ack.
+pub async fn engine_stream(
+    s: &Side,
+    size: usize,
+    ops: u64,
+    window: usize,
+    pattern: Pattern,
+) -> Res<Duration> {
+    let region = s.region.len();
     let ack = s.engine.imm_counter(IMM_ACK);
     let t0 = Instant::now();
     let mut inflight = VecDeque::with_capacity(window);
@@ -248,7 +274,7 @@ pub async fn engine_stream(s: &Side, size: usize, ops: u64, window: usize) -> Re
         let f = if size == 0 {
             s.engine.imm(&s.remote, IMM_DATA)
         } else {
-            let off = ((i as usize % slots) * size) as u64;
+            let off = pattern.offset(i, size, region) as u64;
             s.engine.write_imm(&s.region, off, &s.remote, off, size as u64, IMM_DATA)
         };
         inflight.push_back(f);

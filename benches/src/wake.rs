@@ -1,13 +1,14 @@
 //! `wake`: the cost of waking up. An 8 B ping-pong in each reactor mode (Event, Adaptive,
 //! BusyPoll) and through the synchronous spin path, with the process's CPU use while
-//! ping-ponging and while idle, beside the raw loop and an OS thread park/unpark round trip.
+//! ping-ponging and while idle, beside the raw loop, fabtests' 8 B `fi_rdm_pingpong` (with
+//! `--fabtests DIR`) and an OS thread park/unpark round trip.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_async::{OpBatch, ReactorMode};
 
-use crate::lat::{engine_ping, engine_pong, lat_iters};
+use crate::lat::{engine_ping, engine_pong, fabtests_rt, lat_iters};
 use crate::measure::{cpu_time, percentiles};
 use crate::on_verbs;
 use crate::report::{Report, Row};
@@ -131,6 +132,8 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         (0.0, 0.0)
     };
     ctx.barrier("wake-raw-end").await?;
+    // fabtests' 8 B ping-pong beside every p50 row (the peer waits at a barrier).
+    let ft = fabtests_rt(ctx, "wake", &[size], iters).await?.and_then(|v| v.into_iter().next());
     if ctx.lead {
         // What one cross-thread wake-up costs on this machine: the engine hands every
         // operation from the caller to the reactor and every completion back.
@@ -205,9 +208,12 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         if ctx.lead {
             let (p50, p99) = percentiles(&rtts);
             let name = format!("{name} ({} RT)", rtts.len());
-            rep.push(
-                Row::new("wake", &format!("{name} 8 B p50"), "us", p50).size(size).baseline("raw", raw50),
-            );
+            let row =
+                Row::new("wake", &format!("{name} 8 B p50"), "us", p50).size(size).baseline("raw", raw50);
+            rep.push(match &ft {
+                Some(f) => row.fabtests(f.clone()),
+                None => row,
+            });
             rep.push(Row::new("wake", &format!("{name} 8 B p99"), "us", p99).size(size));
             rep.push(
                 Row::new("wake", &format!("{name} CPU while ping-pong"), "cpu_pct", busy_cpu)

@@ -1,0 +1,181 @@
+//! `fabric-bench bw` over the real tcp transport (loopback), as a user starts it: `--buffer`
+//! rows for the engine and the raw loop, `--domains` lists, and `--fabtests DIR` (a DIR
+//! without the binaries must fail clearly; the real fabtests only where
+//! `FABRIC_FABTESTS_DIR` names them). Every run is killed after [`LIMIT`].
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BENCH: &str = env!("CARGO_BIN_EXE_fabric-bench");
+const LIMIT: Duration = Duration::from_secs(180);
+
+/// Runs fabric-bench with `args`, killed after [`LIMIT`]: (success, stdout, stderr).
+fn bench(args: &[&str]) -> (bool, String, String) {
+    let dir = std::env::temp_dir();
+    let tag = format!("{}-{}", std::process::id(), args.join("_").replace(['/', ' ', ','], "-"));
+    let (out, err) = (dir.join(format!("fb-test-{tag}.out")), dir.join(format!("fb-test-{tag}.err")));
+    let mut child = Command::new(BENCH)
+        .args(args)
+        .env("FI_TCP_IFACE", "lo")
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("start fabric-bench");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("fabric-bench {args:?} ran past {LIMIT:?}: {}", std::fs::read_to_string(&err).unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let read = |p: &PathBuf| {
+        let s = std::fs::read_to_string(p).unwrap_or_default();
+        let _ = std::fs::remove_file(p);
+        s
+    };
+    (status.success(), read(&out), read(&err))
+}
+
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("fabric-bench-test-{}-{name}", std::process::id()))
+}
+
+/// Runs bw with `args` plus `--json`, checks it passed; the sweep's rows of the JSON.
+fn bw_rows(name: &str, args: &[&str]) -> Vec<Value> {
+    let json = temp_path(&format!("{name}.json"));
+    let plot = temp_path(&format!("{name}.png"));
+    let mut a = vec!["bw", "--json", json.to_str().unwrap(), "--plot", plot.to_str().unwrap()];
+    a.extend_from_slice(args);
+    let (ok, out, err) = bench(&a);
+    assert!(ok, "fabric-bench {a:?} failed:\n{out}\n{err}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let _ = std::fs::remove_file(&plot);
+    eprintln!("{out}");
+    // The sweep's rows (not iperf3's, which has no pattern).
+    let rows: Vec<Value> = doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["test"] == "bw" && r.get("pattern").is_some())
+        .cloned()
+        .collect();
+    assert!(!rows.is_empty(), "no bw rows:\n{out}");
+    rows
+}
+
+fn positive(r: &Value, key: &str) -> bool {
+    r[key].as_f64().is_some_and(|v| v.is_finite() && v > 0.0)
+}
+
+#[test]
+fn hot_and_cold_rows_for_engine_and_raw() {
+    let rows =
+        bw_rows("hot-cold", &["--quick", "--buffer", "hot,cold", "--provider", "tcp", "--sizes", "64K,1M"]);
+    for pat in ["hot", "cold"] {
+        for size in [64u64 << 10, 1 << 20] {
+            let r = rows
+                .iter()
+                .find(|r| r["pattern"] == pat && r["size"] == size)
+                .unwrap_or_else(|| panic!("no {pat} row at {size}: {rows:?}"));
+            assert!(positive(r, "engine_gbps"), "{r}");
+            assert_eq!(r["baseline"], "raw", "{r}");
+            assert!(positive(r, "baseline_gbps"), "{r}");
+            assert_eq!(r["domains"], 1, "{r}");
+            // Without --fabtests the rows say so.
+            assert_eq!(r["fabtests"], "skipped: no --fabtests DIR", "{r}");
+        }
+    }
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    // The shape CI checks (benches/check_json.py, when python3 is there).
+    let json = temp_path("hot-cold-check.json");
+    std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": rows}).to_string()).unwrap();
+    if let Ok(o) =
+        Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output()
+    {
+        assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let _ = std::fs::remove_file(&json);
+}
+
+#[test]
+fn a_list_of_domain_counts() {
+    let rows = bw_rows("domains", &["--quick", "--buffer", "hot", "--sizes", "1M", "--domains", "1,2"]);
+    for d in [1, 2] {
+        let r =
+            rows.iter().find(|r| r["domains"] == d).unwrap_or_else(|| panic!("no {d}-domain row: {rows:?}"));
+        assert!(positive(r, "engine_gbps") && positive(r, "baseline_gbps"), "{r}");
+        assert_eq!(r["pattern"], "hot");
+    }
+    let (ok, _, err) = bench(&["lat", "--quick", "--domains", "1,2"]);
+    assert!(!ok && err.contains("a list is accepted by bw only"), "{err}");
+}
+
+#[test]
+fn fabtests_dir_without_the_binaries_is_a_clear_error() {
+    let dir = temp_path("empty-fabtests");
+    std::fs::create_dir_all(&dir).unwrap();
+    let t0 = Instant::now();
+    let (ok, out, err) = bench(&["bw", "--quick", "--sizes", "64K", "--fabtests", dir.to_str().unwrap()]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "accepted an empty --fabtests dir:\n{out}");
+    assert!(err.contains("no executable fi_rma_bw"), "the missing binary is named:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "it failed before running anything");
+    let (ok, _, err) = bench(&["bw", "--provider", "verbs", "--fabtests", "/nonexistent"]);
+    assert!(!ok && err.contains("verbs is not supported"), "{err}");
+}
+
+/// With the real fabtests 1.17 binaries (`FABRIC_FABTESTS_DIR`, e.g. target/ship-fabtests).
+#[test]
+fn beside_the_real_fabtests() {
+    let Some(dir) = std::env::var_os("FABRIC_FABTESTS_DIR") else {
+        println!("skipped: FABRIC_FABTESTS_DIR not set (a directory of fabtests 1.17 binaries)");
+        return;
+    };
+    let dir = Path::new(&dir).to_str().unwrap().to_string();
+    for provider in ["tcp", "shm"] {
+        let args =
+            ["--quick", "--buffer", "hot,cold", "--provider", provider, "--sizes", "64K", "--fabtests", &dir];
+        let rows = bw_rows(&format!("ft-{provider}"), &args);
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        for r in &rows {
+            assert!(
+                r["fabtests"].as_str().unwrap().starts_with("fi_rma_bw -e rdm -o writedata -W 16"),
+                "{r}"
+            );
+            for k in ["fabtests_gbps", "ratio_engine_fabtests", "ratio_raw_fabtests"] {
+                assert!(positive(r, k), "{provider} {k}: {r}");
+            }
+        }
+    }
+    let json = temp_path("ft-lat.json");
+    let (ok, out, err) =
+        bench(&["lat", "--quick", "--iters", "100", "--fabtests", &dir, "--json", json.to_str().unwrap()]);
+    assert!(ok, "{out}\n{err}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let p50: Vec<&Value> = doc["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["case"].as_str().unwrap().contains("p50"))
+        .collect();
+    assert_eq!(p50.len(), 3, "{doc}");
+    for r in p50 {
+        assert!(positive(r, "fabtests_us"), "{r}");
+    }
+}
+
+fn crate_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
