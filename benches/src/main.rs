@@ -343,7 +343,7 @@ impl From<Cli> for Opts {
         // On verbs the baseline is ib_write_bw, whose default send queue depth (`-t`) is 128:
         // the engine gets as many writes in flight. With 16, its bandwidth on Soft-RoCE in the
         // VM depends on how soon the (sleeping) reactor reaps each completion:
-        // docs/performance.md.
+        // docs/performance-2core.md.
         let window = c.window.unwrap_or(if raw::is_verbs(&c.provider) { 128 } else { 16 });
         Opts {
             test: c.test,

@@ -12,7 +12,7 @@
 //! (`post_write_imm` + `spin_wait`) on an `Inline` engine; futures on that `Inline` engine;
 //! futures on an `Event` engine, without and with a `CompletionWatch` (where the provider
 //! has a completion wait fd). Futures run on the pinned thread in a current-thread runtime,
-//! as docs/performance.md tells users of `Inline` to do.
+//! as docs/latency.md tells users of `Inline` to do.
 
 use std::sync::Arc;
 

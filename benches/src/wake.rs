@@ -85,7 +85,7 @@ enum WakeCase {
 async fn run_wake(ctx: &Ctx, case: WakeCase, side: &Arc<Side>, size: usize, n: usize) -> Res<Vec<Duration>> {
     Ok(match case {
         // Inline futures spin on the awaiting thread: give them one of their own, with a
-        // current-thread runtime, as docs/performance.md tells users to.
+        // current-thread runtime, as docs/latency.md tells users to.
         WakeCase::Mode(ReactorMode::Inline) => {
             let (s, lead) = (side.clone(), ctx.lead);
             tokio::task::spawn_blocking(move || -> Res<Vec<Duration>> {

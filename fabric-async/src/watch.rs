@@ -27,7 +27,7 @@ use crate::{CompletionWakeups, Engine, Error};
 ///
 /// For an `Event`-mode engine whose transfers are awaited by tasks of one runtime (an
 /// orchestrator awaiting KV-cache transfers, a ping-pong), this removes one of the two OS
-/// wake-ups between a completion and the awaiting task; `docs/performance.md` has the
+/// wake-ups between a completion and the awaiting task; `docs/latency.md` has the
 /// figures. While idle it costs next to nothing (the tasks sleep in tokio's epoll; the
 /// reactor thread's fallback pass runs 50 times a second). It needs a NIC with a completion
 /// wait fd (tcp, verbs): [`CompletionWatch::spawn`] returns `Error::Unsupported` on shm or

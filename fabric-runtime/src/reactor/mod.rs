@@ -46,7 +46,7 @@ pub enum ReactorMode {
     /// An operation started while the reactor sleeps is posted on the starting thread
     /// (`EngineBuilder::direct_post`) rather than by waking the reactor, on providers with a
     /// wait fd. `fabric_async::CompletionWatch` lets the awaiting runtime's own thread wake on
-    /// completions too (one OS wake-up fewer per completion; `docs/performance.md`).
+    /// completions too (one OS wake-up fewer per completion; `docs/latency.md`).
     #[default]
     Event,
     /// Spin for `spin` after the last activity, then behave like `Event`.
@@ -66,7 +66,7 @@ pub enum ReactorMode {
     /// wake-up sits on the latency path (a pending future first spins, running passes, for up to
     /// `EngineBuilder::inline_spin`, 20 µs by default, inside one `poll`). It takes the awaiting thread's core: run that part
     /// of the program on a runtime of its own (a current-thread runtime on a dedicated,
-    /// pinned thread; see `docs/performance.md`). A reactor thread stays in the background:
+    /// pinned thread; see `docs/latency.md`). A reactor thread stays in the background:
     /// while callers drive it stands by (a timed sleep of 200 µs, no NIC access); once they
     /// stop it takes over and behaves like `Event`, so work nobody awaits (a peer's writes
     /// to count, operation timeouts, shutdown) still moves.
