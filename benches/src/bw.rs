@@ -126,7 +126,7 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         _ => None,
     };
     let (mut p, mut f) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
-    let (mut raw, mut side) = (None, None);
+    let (mut raw, mut side, mut watch) = (None, None, None);
     let steps = (passes.len() * patterns.len() * sizes.len() * reps) as f64;
     let mut step = 0;
     for (i, pass) in passes.iter().enumerate() {
@@ -134,11 +134,18 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             ctx.barrier("bw-pass-end").await?;
         }
         // Both sides are done with the previous engine: drop it before the next one opens.
+        drop(watch.take());
         drop(side.take());
         side = match pass.engine {
             Some(d) => Some(engine_side_with(ctx, builder_domains(&ctx.o, d).mode(ctx.o.mode), len).await?),
             None => None,
         };
+        // `--watch`: this runtime's thread wakes on the engine's completions (both sides).
+        if let (true, Some(s)) = (ctx.o.watch, &side) {
+            let w =
+                fabric_async::CompletionWatch::spawn(&s.engine).map_err(|e| format!("bw --watch: {e}"))?;
+            watch = Some(w);
+        }
         if pass.raw && raw.is_none() {
             raw = Some(raw_side(ctx, len).await?);
         }
@@ -230,6 +237,8 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     }
                     if ctx.o.mode != ReactorMode::Event {
                         case.push_str(&format!(" [{}]", mode_name(ctx.o.mode)));
+                    } else if ctx.o.watch {
+                        case.push_str(" [Event + CompletionWatch]");
                     }
                     let row = Row::new("bw", &case, "gbps", med(e.get(&(d, pat, k))))
                         .size(size)

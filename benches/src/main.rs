@@ -163,6 +163,11 @@ struct Cli {
     /// (EngineBuilder::staging_chunk; default 4M).
     #[arg(long, global = true, value_name = "BYTES", value_parser = one_size)]
     staging_chunk: Option<usize>,
+    /// bw: a CompletionWatch on each side's engine (Event mode, providers whose NICs have a
+    /// completion wait fd: tcp, verbs), so the awaiting runtime's thread wakes on completions
+    /// and runs the reactor passes itself instead of being woken by the reactor thread.
+    #[arg(long, global = true)]
+    watch: bool,
     /// rtt: interleaved rounds, each running every path once [default: 7; --quick: 2].
     #[arg(long, global = true, value_name = "N", value_parser = positive)]
     rounds: Option<usize>,
@@ -313,6 +318,8 @@ pub struct Opts {
     pub staging_chunk: Option<usize>,
     /// `--rounds`: rtt's interleaved rounds (default 7, quick 2).
     pub rounds: Option<usize>,
+    /// `--watch`: bw's engines get a `CompletionWatch`.
+    pub watch: bool,
 }
 
 impl Opts {
@@ -368,6 +375,7 @@ impl From<Cli> for Opts {
             staging_pool: c.staging_pool,
             staging_chunk: c.staging_chunk,
             rounds: c.rounds,
+            watch: c.watch,
         }
     }
 }
