@@ -24,7 +24,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::perftest::{status_str, tail, Spawned};
+use crate::perftest::{pair_outcome, tail, Spawned};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Res<T> = std::result::Result<T, BoxError>;
@@ -160,18 +160,7 @@ impl Fabtests {
         } else {
             Instant::now()
         });
-        match (client, srv) {
-            ((Some(true), out), (Some(true), _)) => Ok(out),
-            ((c, cout), (s, sout)) => Err(format!(
-                "{tool} failed (client: {}, server: {}; limit {RUN_LIMIT:?}; client args {})\n-- client:\n{}\n-- server:\n{}",
-                status_str(c),
-                status_str(s),
-                cargs.join(" "),
-                tail(&cout, 15),
-                tail(&sout, 15)
-            )
-            .into()),
-        }
+        pair_outcome(tool, client, srv, &format!("limit {RUN_LIMIT:?}; client args {}", cargs.join(" ")))
     }
 }
 

@@ -214,13 +214,23 @@ fn run_pair(tool: &str, args: &[String], host: &str) -> Res<String> {
     cargs.push(host.into());
     let client = Spawned::start(tool, &cargs)?.finish(deadline);
     let srv = server.finish(deadline + Duration::from_secs(5));
-    match (client, srv) {
+    pair_outcome(tool, client, srv, &format!("args {}", cargs.join(" ")))
+}
+
+/// The client's output when both halves of a server/client pair exited 0, else an error
+/// with how each ended (`what`: the run's details) and the tails of both outputs.
+pub(crate) fn pair_outcome(
+    tool: &str,
+    client: (Option<bool>, String),
+    server: (Option<bool>, String),
+    what: &str,
+) -> Res<String> {
+    match (client, server) {
         ((Some(true), out), (Some(true), _)) => Ok(out),
         ((c, cout), (s, sout)) => Err(format!(
-            "{tool} failed (client: {}, server: {}; args {})\n-- client:\n{}\n-- server:\n{}",
+            "{tool} failed (client: {}, server: {}; {what})\n-- client:\n{}\n-- server:\n{}",
             status_str(c),
             status_str(s),
-            cargs.join(" "),
             tail(&cout, 15),
             tail(&sout, 15)
         )
