@@ -296,6 +296,40 @@ fn open_endpoint(
     cq: &Fid<sys::fid_cq>,
     flags: u64,
 ) -> Result<Fid<sys::fid_ep>, Error> {
+    // shm names its region after the process id (`PID:UID:N`, N counting the process's
+    // endpoints). A process killed before it could unlink its regions leaves them in
+    // /dev/shm; a later process that gets the same pid finds one, and `fi_enable` fails
+    // with EBUSY (libfabric takes over a dead owner's region, but the recorded owner is
+    // that pid, alive again as us) after unlinking it. The next endpoint takes the next N,
+    // so a few tries get past every region the dead process left.
+    let mut tries = 0;
+    loop {
+        match open_endpoint_once(domain, info, av, cq, flags) {
+            Err(Error::Provider { call: "fi_enable", errno, .. })
+                if errno == libc::EBUSY && tries < STALE_SHM_TRIES =>
+            {
+                tries += 1;
+                tracing::info!(
+                    tries,
+                    "fi_enable: EBUSY (a region a dead process of our pid left in /dev/shm?); retrying"
+                );
+            }
+            r => return r,
+        }
+    }
+}
+
+/// How many EBUSY endpoints `open_endpoint` gets past (regions a dead process of the same
+/// pid left behind: one per endpoint it had).
+const STALE_SHM_TRIES: u32 = 64;
+
+fn open_endpoint_once(
+    domain: &Fid<sys::fid_domain>,
+    info: &Info,
+    av: &Fid<sys::fid_av>,
+    cq: &Fid<sys::fid_cq>,
+    flags: u64,
+) -> Result<Fid<sys::fid_ep>, Error> {
     let mut ep = ptr::null_mut();
     // SAFETY: domain is open, info is the fi_info it was opened from.
     let ret =
