@@ -92,8 +92,9 @@ struct Sides {
     event: Arc<Side>,
 }
 
-/// One path's round trips on this side (the peer's list is empty), on a thread pinned to `cpu`.
-async fn run_path(path: Path, lead: bool, cpu: Option<usize>, n: usize, s: &mut Sides) -> Res<Vec<f64>> {
+/// One path's round trips on this side, on a thread pinned to `cpu`: their p50 (µs) on the
+/// leader, `None` on the peer (which times nothing).
+async fn run_path(path: Path, lead: bool, cpu: Option<usize>, n: usize, s: &mut Sides) -> Res<Option<f64>> {
     let rtts = match path {
         Path::Raw => {
             let (r, rtts) = on_thread(s.raw.take().expect("raw side"), move |r| {
@@ -135,8 +136,7 @@ async fn run_path(path: Path, lead: bool, cpu: Option<usize>, n: usize, s: &mut 
             .await??
         }
     };
-    let p50 = if rtts.is_empty() { Vec::new() } else { vec![percentiles(&rtts).0] };
-    Ok(p50)
+    Ok((lead && !rtts.is_empty()).then(|| percentiles(&rtts).0))
 }
 
 pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {

@@ -589,13 +589,13 @@ impl Engine {
         len: u64,
         imm: u32,
     ) -> Result<()> {
-        let (req, keep) = self.transfers().single(Some((src, src_off)), dst, dst_off, len, imm)?;
+        let (req, keep) = self.transfers().single(Some((src, src_off)), dst, dst_off, len, Some(imm))?;
         self.post_batch(batch, req, keep)
     }
 
     /// Synchronous fast path for an imm-only write; see [`Engine::post_write_imm`].
     pub fn post_imm(&self, batch: &OpBatch, dst: &RemoteRegion, imm: u32) -> Result<()> {
-        let (req, keep) = self.transfers().single(None, dst, 0, 0, imm)?;
+        let (req, keep) = self.transfers().single(None, dst, 0, 0, Some(imm))?;
         self.post_batch(batch, req, keep)
     }
 

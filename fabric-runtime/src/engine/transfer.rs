@@ -346,23 +346,17 @@ impl<'a> Transfers<'a> {
         if self.after.is_some() {
             return None;
         }
-        let shared = self.shared();
         // (Zero bytes and no immediate is nothing to post: the plan path's done future.)
         if imm.is_some() && self.opts.arrivals == Arrivals::One
             || len == 0 && imm.is_none()
-            || self.opts.shard_count(len, shared.nics).ok()? != 1
+            || self.opts.shard_count(len, self.shared().nics).ok()? != 1
         {
             return None;
         }
-        self.check_remote(dst).ok()?;
-        dst.check(dst_off, len).ok()?;
-        let (local_addr, keep) = self.local(Some((src, src_off)), len).ok()?;
-        let nic = self.opts.nic_of(0, shared.nics, shared.next_start());
-        let local_addr = if len == 0 { 0 } else { local_addr };
+        let (req, keep) = self.single(Some((src, src_off)), dst, dst_off, len, imm).ok()?;
         if tracing::enabled!(tracing::Level::DEBUG) {
             tracing::debug!(peer = dst.peer.0, shards = 1, follow_ups = 0, bytes = len, "transfer submitted");
         }
-        let req = Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, imm);
         let state = Arc::new(OpState::default());
         let notify = Notify::Future(state.clone());
         Some(match self.engine.submit_op(Submission::Op { req, keep, notify }) {
@@ -720,16 +714,16 @@ impl<'a> Transfers<'a> {
         self.run(plan)
     }
 
-    /// The request of the synchronous fast path: one operation on one NIC, never sharded
-    /// (so one completion and one arrival per call). Builds the request directly, with no
-    /// plan or shard list, so posting allocates nothing.
+    /// The request of the synchronous fast path and of [`Transfers::one_write`]: one
+    /// operation on one NIC, never sharded (so one completion and one arrival per call).
+    /// Builds the request directly, with no plan or shard list, so posting allocates nothing.
     pub(crate) fn single(
         &self,
         src: Option<(&MemoryRegion, u64)>,
         dst: &RemoteRegion,
         dst_off: u64,
         len: u64,
-        imm: u32,
+        imm: Option<u32>,
     ) -> Result<(OpReq, Option<Arc<RegionShared>>)> {
         self.check_remote(dst)?;
         dst.check(dst_off, len)?;
@@ -742,8 +736,8 @@ impl<'a> Transfers<'a> {
         let (local_addr, keep) = self.local(src, len)?;
         let nic = self.opts.nic_of(0, nics, self.shared().next_start());
         let local_addr = if len == 0 { 0 } else { local_addr };
-        tracing::trace!(peer = dst.peer().0, nic, len, imm, "fast-path write submitted");
-        Ok((Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, Some(imm)), keep))
+        tracing::trace!(peer = dst.peer().0, nic, len, ?imm, "fast-path write submitted");
+        Ok((Self::req(nic, OpKind::Write, local_addr, len, dst, dst_off, imm), keep))
     }
 }
 

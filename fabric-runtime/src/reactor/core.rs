@@ -254,12 +254,7 @@ impl<D: Domain> Core<D> {
         if self.has_pending() {
             busy |= self.post_backlog();
         }
-        if self.unflushed {
-            self.unflushed = false;
-            for d in self.domains.iter_mut() {
-                d.flush();
-            }
-        }
+        self.flush_posted();
         #[cfg(feature = "cuda")]
         if self.staging.active() {
             busy |= self.poll_staging();
@@ -286,13 +281,19 @@ impl<D: Domain> Core<D> {
             return Err(s);
         }
         self.handle(s);
+        self.flush_posted();
+        Ok(self.armed_until.is_some() && !self.sleep_covers_posts())
+    }
+
+    /// Hands what was posted since the last flush to the NICs (verbs rings its doorbell
+    /// here).
+    fn flush_posted(&mut self) {
         if self.unflushed {
             self.unflushed = false;
             for d in self.domains.iter_mut() {
                 d.flush();
             }
         }
-        Ok(self.armed_until.is_some() && !self.sleep_covers_posts())
     }
 
     fn post_all_recvs(&mut self) -> Result<()> {
