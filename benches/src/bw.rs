@@ -2,6 +2,13 @@
 //! `--buffer` pattern (hot, cold) and each `--domains` count, beside the raw provider loop
 //! (same sizes, window, pattern and acknowledgement; one domain), fabtests' `fi_rma_bw` with
 //! `--fabtests DIR`, iperf3 on tcp and perftest's `ib_write_bw` on verbs.
+//!
+//! `--rounds` bursts per size and pattern (3; quick 1). In Event and Inline mode each round
+//! runs the engine's burst, then the raw loop's, so each round gives a ratio of two bursts
+//! taken seconds apart; the row after each size gives the median of those per-round ratios
+//! and their range (the machine's drift over a run moves both alike). With five or more
+//! physical cores each side's threads are pinned (`pin::plan_bw`): the raw loop's thread and
+//! the engine's reactor thread on one CPU, the runtime's thread on another.
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -11,9 +18,10 @@ use fabric_async::ReactorMode;
 
 use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
-use crate::measure::{gbps, human, median};
+use crate::measure::{gbps, human, median, spread};
 use crate::pattern::{self, Pattern};
 use crate::perftest;
+use crate::pin::{self, Pinned};
 use crate::report::{FtRef, Report, Row};
 use crate::session::{
     builder_domains, engine_absorb, engine_side_with, engine_stream, mode_name, on_thread, perftest_target,
@@ -73,10 +81,11 @@ struct Pass {
     raw: bool,
 }
 
-/// Event mode: engine and raw loop alternate per size, so drift on this shared machine hits
-/// both (an idle Event reactor sleeps); the raw loop (one domain) beside the first domain
-/// count only. A spinning reactor would steal a core from the raw loop on 2 cores, so other
-/// modes run each engine sweep, drop the engine, then the raw one.
+/// Event and Inline mode: engine and raw loop alternate per size, so drift on this shared
+/// machine hits both (an idle reactor of these modes sleeps); the raw loop (one domain)
+/// beside the first domain count only. A spinning reactor (BusyPoll, Adaptive) would steal a
+/// core from the raw loop, so those modes run each engine sweep, drop the engine, then the
+/// raw one.
 fn passes(counts: &[usize], interleave: bool) -> Vec<Pass> {
     let mut v: Vec<Pass> = counts
         .iter()
@@ -99,19 +108,33 @@ fn external_pattern(patterns: &[Pattern]) -> Pattern {
     }
 }
 
+/// Bursts per size and pattern: `--rounds`, else 3 (quick: 1).
+fn rounds(o: &Opts) -> usize {
+    o.rounds.unwrap_or(if o.quick { 1 } else { 3 })
+}
+
 fn med(v: Option<&Vec<f64>>) -> f64 {
     v.filter(|v| !v.is_empty()).map_or(f64::NAN, |v| median(v.clone()))
 }
 
 pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let sizes = bw_sizes(&ctx.o);
-    let reps = if ctx.o.quick { 1 } else { 3 };
+    let reps = rounds(&ctx.o);
     let window = ctx.o.window;
     let len = region_len(&ctx.o, &sizes);
     let patterns = ctx.o.buffers.clone();
     let counts = ctx.o.domain_counts.clone();
     let ext = external_pattern(&patterns);
-    let passes = passes(&counts, ctx.o.mode == ReactorMode::Event);
+    let passes = passes(&counts, matches!(ctx.o.mode, ReactorMode::Event | ReactorMode::Inline));
+    // Each side's NIC CPU (raw loop, reactor) and app CPU (this runtime's thread).
+    let (nic, app) = match pin::plan_bw() {
+        Some(p) if ctx.lead => (Some(p[0]), Some(p[1])),
+        Some(p) => (Some(p[2]), Some(p[3])),
+        None => (None, None),
+    };
+    let _app = Pinned::to(app);
+    // (domains, pattern, size index) -> engine/raw of each round where both ran.
+    let mut ratios: HashMap<(usize, Pattern, usize), Vec<f64>> = HashMap::new();
     // (domains, pattern, size index) -> engine figures; (pattern, size index) -> raw ones.
     let mut e: HashMap<(usize, Pattern, usize), Vec<f64>> = HashMap::new();
     let mut b: HashMap<(Pattern, usize), Vec<f64>> = HashMap::new();
@@ -137,7 +160,13 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         drop(watch.take());
         drop(side.take());
         side = match pass.engine {
-            Some(d) => Some(engine_side_with(ctx, builder_domains(&ctx.o, d).mode(ctx.o.mode), len).await?),
+            Some(d) => {
+                let mut b = builder_domains(&ctx.o, d).mode(ctx.o.mode);
+                if let Some(c) = nic {
+                    b = b.pin_core(c);
+                }
+                Some(engine_side_with(ctx, b, len).await?)
+            }
             None => None,
         };
         // `--watch`: this runtime's thread wakes on the engine's completions (both sides).
@@ -168,10 +197,13 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     );
                     ctx.progress("bw", step as f64 / steps, &what);
                     step += 1;
+                    let mut this_round = None;
                     if let (Some(s), Some(d)) = (&side, pass.engine) {
                         if ctx.lead {
                             let t = engine_stream(s, size, ops, window, pat).await?;
-                            e.entry((d, pat, k)).or_default().push(gbps(size as u64 * ops, t));
+                            let v = gbps(size as u64 * ops, t);
+                            e.entry((d, pat, k)).or_default().push(v);
+                            this_round = Some((d, v));
                         } else {
                             engine_absorb(s, ops, size).await?;
                         }
@@ -182,15 +214,22 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     let w = window as u64;
                     if ctx.lead {
                         let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
+                            let _nic = Pinned::to(nic);
                             r.stream(size, ops, w, (IMM_DATA, IMM_ACK), pat)
                         })
                         .await?;
                         raw = Some(r2);
-                        b.entry((pat, k)).or_default().push(gbps(size as u64 * ops, t));
+                        let v = gbps(size as u64 * ops, t);
+                        b.entry((pat, k)).or_default().push(v);
+                        if let Some((d, ev)) = this_round {
+                            ratios.entry((d, pat, k)).or_default().push(ev / v);
+                        }
                     } else {
-                        let (r2, ()) =
-                            on_thread(raw.take().expect("raw"), move |r| r.absorb(ops, IMM_DATA, IMM_ACK))
-                                .await?;
+                        let (r2, ()) = on_thread(raw.take().expect("raw"), move |r| {
+                            let _nic = Pinned::to(nic);
+                            r.absorb(ops, IMM_DATA, IMM_ACK)
+                        })
+                        .await?;
                         raw = Some(r2);
                     }
                     if pat != ext {
@@ -252,6 +291,15 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         }
                         (false, false) => row.fabtests(FtRef::Skipped(fabtests::SKIPPED.into())),
                     });
+                    if let Some(r) = ratios.get(&(d, pat, k)).filter(|r| r.len() > 1) {
+                        let (m, lo, hi) = spread(r);
+                        let what = format!(
+                            "{case} engine/raw, median of {} per-round ratios (range {lo:.2}-{hi:.2}{})",
+                            r.len(),
+                            if nic.is_some() { ", pinned" } else { "" }
+                        );
+                        rep.push(Row::new("bw", &what, "x", m).size(size).pattern(pat).domains(d));
+                    }
                 }
             }
         }

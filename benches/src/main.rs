@@ -169,6 +169,7 @@ struct Cli {
     #[arg(long, global = true)]
     watch: bool,
     /// rtt: interleaved rounds, each running every path once [default: 7; --quick: 2].
+    /// bw: bursts per size and pattern, engine then raw loop in each [default: 3; --quick: 1].
     #[arg(long, global = true, value_name = "N", value_parser = positive)]
     rounds: Option<usize>,
     /// Install a tracing subscriber (fmt to stderr at level info) in both processes.

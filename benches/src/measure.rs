@@ -42,9 +42,22 @@ pub fn rss() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// The median; of an even count, the mean of the two middle values.
 pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    let n = v.len();
+    if n.is_multiple_of(2) {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
+}
+
+/// The median of `v` and its range.
+pub fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (median(v.to_vec()), lo, hi)
 }
 
 /// (p50, p99) in microseconds, after dropping the first 10% as warm-up.
@@ -65,4 +78,20 @@ pub fn human(size: usize) -> String {
 
 pub fn gbps(bytes: u64, t: Duration) -> f64 {
     bytes as f64 * 8.0 / t.as_secs_f64() / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_is_median_and_range() {
+        assert_eq!(spread(&[3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+    }
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(vec![4.0, 1.0]), 2.5);
+        assert_eq!(median(vec![1.0, 9.0, 3.0, 5.0]), 4.0);
+    }
 }

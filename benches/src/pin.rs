@@ -1,5 +1,5 @@
-//! Pinning a measuring thread to a core of its own, for `rtt`: both processes compute the
-//! same plan from sysfs, the leader takes the first core and the peer the second.
+//! Pinning measuring threads to cores of their own, for `rtt` and `bw`: both processes
+//! compute the same plan from sysfs, the leader takes the first cores and the peer the next.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -10,6 +10,22 @@ use std::marker::PhantomData;
 /// physical cores in this process's affinity mask: pinning would then share a core with
 /// everything else, and the figures are as good unpinned.
 pub fn plan() -> Option<[usize; 2]> {
+    let free = free_cores(2)?;
+    Some([free[0], free[1]])
+}
+
+/// `bw`'s plan: four CPUs of four physical cores other than core 0's, leader first, each
+/// side's "NIC" CPU (the raw loop's thread and the engine's reactor thread, which do the same
+/// work and never run at once) then its "app" CPU (the runtime's thread that awaits). `None`
+/// with fewer than five physical cores.
+pub fn plan_bw() -> Option<[usize; 4]> {
+    let free = free_cores(4)?;
+    Some([free[0], free[1], free[2], free[3]])
+}
+
+/// The first CPU of each physical core in this process's mask, core 0's left out, if there
+/// are at least `n` of them and one more core (core 0's, or any) besides.
+fn free_cores(n: usize) -> Option<Vec<usize>> {
     let allowed = allowed()?;
     let mut cores: BTreeMap<(u32, u32), usize> = BTreeMap::new();
     let mut core0 = None;
@@ -28,7 +44,7 @@ pub fn plan() -> Option<[usize; 2]> {
         cores.entry(key).or_insert(cpu);
     }
     let free: Vec<usize> = cores.iter().filter(|(k, _)| Some(**k) != core0).map(|(_, &cpu)| cpu).collect();
-    (cores.len() >= 3 && free.len() >= 2).then(|| [free[0], free[1]])
+    (cores.len() > n && free.len() >= n).then_some(free)
 }
 
 /// The CPUs this thread may run on.

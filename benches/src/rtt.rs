@@ -19,7 +19,7 @@ use std::sync::Arc;
 use fabric_async::{CompletionWatch, ReactorMode};
 
 use crate::lat::{engine_ping, engine_pong};
-use crate::measure::{median, percentiles};
+use crate::measure::{percentiles, spread};
 use crate::pin::{self, Pinned};
 use crate::raw::Raw;
 use crate::report::{Report, Row};
@@ -77,13 +77,6 @@ pub fn rounds(o: &Opts) -> usize {
 /// Round trips per path per round: `--iters`, else 2000 (quick: 200).
 fn iters(o: &Opts) -> usize {
     o.iters.unwrap_or(if o.quick { 200 } else { 2000 })
-}
-
-/// The median of `v` and its range.
-fn spread(v: &[f64]) -> (f64, f64, f64) {
-    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    (median(v.to_vec()), lo, hi)
 }
 
 struct Sides {
@@ -228,10 +221,5 @@ mod tests {
         assert_eq!(order(&p, 0), p);
         assert_eq!(order(&p, 1), [Path::InlineSpin, Path::InlineFutures, Path::Raw]);
         assert_eq!(order(&p, 3), p);
-    }
-
-    #[test]
-    fn spread_is_median_and_range() {
-        assert_eq!(spread(&[3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
     }
 }
