@@ -34,6 +34,13 @@ pub(crate) trait Progress: Send + Sync {
     /// its thread back to the executor (`EngineBuilder::inline_spin`).
     fn spin_budget(&self) -> std::time::Duration;
 
+    /// Whether a future still pending after its spin asks to be polled again at once
+    /// (`Inline`: the caller keeps driving) rather than waiting for the reactor thread to
+    /// wake it (`EngineBuilder::await_spin`).
+    fn repolls(&self) -> bool {
+        true
+    }
+
     /// Posts an operation's submission on the caller's thread at once, instead of queueing
     /// it for the next pass: one lock (the core's) instead of the queue's twice. Gives it
     /// back when another thread is in a pass, the engine is shutting down, or the
@@ -102,7 +109,9 @@ pub(crate) fn inline_poll<T>(
     match register(cx) {
         Poll::Ready(r) => Poll::Ready(r),
         Poll::Pending => {
-            cx.waker().wake_by_ref();
+            if driver.repolls() {
+                cx.waker().wake_by_ref();
+            }
             Poll::Pending
         }
     }

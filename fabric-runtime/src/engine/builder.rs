@@ -21,6 +21,8 @@ pub struct EngineBuilder {
     pub(crate) node: Option<String>,
     pub(crate) op_timeout: Option<Duration>,
     pub(crate) inline_spin: Duration,
+    /// Not `Inline`: how long a pending future runs passes on its own thread before parking.
+    pub(crate) await_spin: Duration,
     /// Post on the submitter's thread while the reactor sleeps.
     pub(crate) direct_post: bool,
     pub(crate) nics: Vec<String>,
@@ -52,6 +54,10 @@ impl Default for EngineBuilder {
             node: None,
             op_timeout: Some(Duration::from_secs(30)),
             inline_spin: Duration::from_micros(20),
+            await_spin: std::env::var("FABRIC_AWAIT_SPIN_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map_or(Duration::ZERO, Duration::from_micros),
             direct_post: std::env::var("FABRIC_DIRECT_POST").map_or(true, |v| v != "0"),
             nics: Vec::new(),
             domains: None,
@@ -101,6 +107,25 @@ impl EngineBuilder {
     /// one poll; shorter lets other tasks of the same runtime run sooner.
     pub fn inline_spin(mut self, d: Duration) -> Self {
         self.inline_spin = d;
+        self
+    }
+
+    /// `Event`, `Adaptive` and `BusyPoll`: how long a pending future (an operation's,
+    /// a `wait_for`, a `recv`) keeps its thread inside one `poll` running reactor passes
+    /// there, as an `Inline` engine's would, before it registers its waker and parks until
+    /// the reactor thread wakes it. Default 0 (no spin; the environment variable
+    /// `FABRIC_AWAIT_SPIN_US` sets another default).
+    ///
+    /// For streaming loops that keep a window of writes in flight and await the oldest: an
+    /// operation that completes within the spin costs no OS wake-up of the awaiting thread
+    /// and no hand-off between threads, which at 64 KiB-1 MiB brings the engine to the raw
+    /// provider loop (`docs/performance.md`: 20 µs). The cost is the awaiting thread's CPU
+    /// while it spins, and other tasks of its runtime wait that long: leave it at 0 where many
+    /// tasks await at once (a `join_all` of a thousand transfers would spin for each pending
+    /// one) or where CPU matters more than bandwidth. An idle engine spins nowhere: only a
+    /// `poll` of a pending future does.
+    pub fn await_spin(mut self, d: Duration) -> Self {
+        self.await_spin = d;
         self
     }
 
@@ -341,6 +366,7 @@ impl EngineBuilder {
             op_timeout: self.op_timeout,
             msg_slot: self.max_msg_size + crate::pure::control::HEADER_LEN,
             inline_spin: self.inline_spin,
+            await_spin: self.await_spin,
             direct_post: self.direct_post,
         }
     }

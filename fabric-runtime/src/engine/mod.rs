@@ -75,7 +75,8 @@ const CONTROL_SLOT: usize = 2048;
 struct EngineInner {
     shared: Arc<Shared>,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
-    /// `ReactorMode::Inline`: the reactor pass that callers run (cloned into futures).
+    /// The reactor pass that callers run (cloned into futures): `ReactorMode::Inline`, or
+    /// `EngineBuilder::await_spin`.
     driver: Option<Driver>,
     /// A reactor pass for other threads (direct posting, `completion_wakeups`), where
     /// every NIC has a wait fd; `Shared` holds it weakly.
@@ -177,7 +178,8 @@ impl Engine {
         &self.inner.shared
     }
 
-    /// `ReactorMode::Inline`: the pass that awaiting callers run.
+    /// The pass that awaiting callers run: `ReactorMode::Inline`, or a spin before parking
+    /// (`EngineBuilder::await_spin`).
     pub(crate) fn driver(&self) -> Option<&Driver> {
         self.inner.driver.as_ref()
     }
@@ -199,7 +201,7 @@ impl Engine {
     /// Whether awaiting this engine's futures drives its NICs on the caller's thread
     /// ([`ReactorMode::Inline`]).
     pub fn is_inline(&self) -> bool {
-        self.inner.driver.is_some()
+        self.inner.mode == ReactorMode::Inline
     }
 
     /// Runs one pass of the reactor on the calling thread (post what is queued, poll the
@@ -207,7 +209,7 @@ impl Engine {
     /// engine does. Returns whether anything happened. Never blocks; returns `false` at once
     /// when the engine is not inline or another thread is driving its NICs right now.
     pub fn progress(&self) -> bool {
-        self.inner.driver.as_ref().is_some_and(|d| d.progress())
+        self.is_inline() && self.inner.driver.as_ref().is_some_and(|d| d.progress())
     }
 
     /// Stops the engine now (see the type's docs). Operations after this fail with

@@ -88,6 +88,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) msg_slot: usize,
     /// `Inline`: how long a pending future spins inside one `poll`.
     pub(crate) inline_spin: Duration,
+    /// Other modes: how long a pending future runs passes before parking (0: never).
+    pub(crate) await_spin: Duration,
     /// Post on the submitter's thread while the reactor thread sleeps.
     pub(crate) direct_post: bool,
 }
@@ -144,6 +146,29 @@ impl<D: Domain> Progress for Inline<D> {
     }
 }
 
+/// `EngineBuilder::await_spin` on an engine with a reactor thread of its own: a pending
+/// future runs passes on its thread (when no other thread is in one) for up to `spin`, then
+/// registers its waker and parks; the reactor thread goes on as before (it neither stands by
+/// nor knows, and wakes the future if its operation completes in a pass of its own).
+struct AwaitSpin<D: Domain> {
+    core: Arc<Mutex<Core<D>>>,
+    spin: Duration,
+}
+
+impl<D: Domain> Progress for AwaitSpin<D> {
+    fn progress(&self) -> bool {
+        try_core(&self.core).is_some_and(|mut c| c.turn())
+    }
+
+    fn spin_budget(&self) -> Duration {
+        self.spin
+    }
+
+    fn repolls(&self) -> bool {
+        false
+    }
+}
+
 /// Direct posting (`EngineBuilder::direct_post`): a submitter that finds the reactor
 /// thread asleep runs a pass itself (`reactor/sleep.rs` shows the handshake).
 struct Direct<D: Domain> {
@@ -179,11 +204,15 @@ pub(crate) struct Started {
 /// Opens the message pools, then moves the domains to a new reactor thread.
 pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Started> {
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
-    let driver = (cfg.mode == ReactorMode::Inline).then(|| {
+    let driver = if cfg.mode == ReactorMode::Inline {
         let direct = cfg.direct_post;
-        Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin, direct })
-            as Driver
-    });
+        Some(Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin, direct })
+            as Driver)
+    } else if !cfg.await_spin.is_zero() {
+        Some(Arc::new(AwaitSpin { core: core.clone(), spin: cfg.await_spin }) as Driver)
+    } else {
+        None
+    };
     // A pass on a caller's thread needs every domain to wake a sleeping reactor by itself.
     let direct = (!lock(&core).has_fdless_domain()).then(|| {
         let d = Arc::new(Direct { core: core.clone() }) as Arc<dyn DirectPost>;
