@@ -279,6 +279,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     } else if ctx.o.watch {
                         case.push_str(" [Event + CompletionWatch]");
                     }
+                    if let Some(d) = ctx.o.await_spin.filter(|d| !d.is_zero()) {
+                        case.push_str(&format!(" [await_spin {} us]", d.as_micros()));
+                    }
                     let row = Row::new("bw", &case, "gbps", med(e.get(&(d, pat, k))))
                         .size(size)
                         .pattern(pat)
@@ -348,7 +351,7 @@ pub async fn iperf3(ctx: &mut Ctx, rep: &mut Report) {
 
 fn run_iperf3(secs: &str) -> Res<f64> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
-    let mut server = Command::new("iperf3")
+    let mut server = pin::unpinned(&mut Command::new("iperf3"))
         .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -356,7 +359,7 @@ fn run_iperf3(secs: &str) -> Res<f64> {
     let mut out = None;
     for _ in 0..20 {
         std::thread::sleep(Duration::from_millis(100));
-        let o = Command::new("iperf3")
+        let o = pin::unpinned(&mut Command::new("iperf3"))
             .args(["-c", "127.0.0.1", "-B", "127.0.0.1", "-p", &port, "-l", "1M", "-t", secs, "-J"])
             .output()?;
         if o.status.success() {

@@ -168,6 +168,11 @@ struct Cli {
     /// and runs the reactor passes itself instead of being woken by the reactor thread.
     #[arg(long, global = true)]
     watch: bool,
+    /// Every test's engines: a pending future runs reactor passes on its own thread
+    /// for up to US microseconds before it parks (EngineBuilder::await_spin; Event, Adaptive
+    /// and BusyPoll mode) [default: 0, or FABRIC_AWAIT_SPIN_US].
+    #[arg(long, global = true, value_name = "US")]
+    await_spin: Option<u64>,
     /// rtt: interleaved rounds, each running every path once [default: 7; --quick: 2].
     /// bw: bursts per size and pattern, engine then raw loop in each [default: 3; --quick: 1].
     #[arg(long, global = true, value_name = "N", value_parser = positive)]
@@ -319,6 +324,8 @@ pub struct Opts {
     pub staging_chunk: Option<usize>,
     /// `--rounds`: rtt's interleaved rounds (default 7, quick 2).
     pub rounds: Option<usize>,
+    /// `--await-spin`: `EngineBuilder::await_spin` of the engines.
+    pub await_spin: Option<Duration>,
     /// `--watch`: bw's engines get a `CompletionWatch`.
     pub watch: bool,
 }
@@ -377,6 +384,7 @@ impl From<Cli> for Opts {
             staging_chunk: c.staging_chunk,
             rounds: c.rounds,
             watch: c.watch,
+            await_spin: c.await_spin.map(Duration::from_micros),
         }
     }
 }
@@ -445,6 +453,7 @@ fn parse_size(s: &str) -> Option<usize> {
 }
 
 fn main() {
+    pin::remember_start_mask();
     // `soak` and its peers have their own command line (soak/mod.rs).
     if let Some(code) = soak::main_if_soak() {
         std::process::exit(code);
@@ -469,7 +478,13 @@ fn main() {
         std::env::set_var("FI_TCP_IFACE", "lo");
     }
     raise_fd_limit();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    // Blocking-pool threads start with the process's mask, not that of the thread that made
+    // them (bw pins this runtime's thread while it runs).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .on_thread_start(pin::reset_to_start_mask)
+        .build()
+        .expect("tokio runtime");
     let result = rt.block_on(async {
         match o.peer_of.clone() {
             Some(addr) => session::peer_main(o, addr).await,

@@ -263,7 +263,11 @@ impl Spawned {
         use std::os::unix::process::CommandExt;
         let program = program.as_ref();
         let mut cmd = Command::new(program);
-        cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        crate::pin::unpinned(&mut cmd)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         // SAFETY: the closure runs in the forked child before exec and only calls prctl, which
         // is async-signal-safe; it allocates nothing and touches no lock.
         unsafe {

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::marker::PhantomData;
+use std::sync::OnceLock;
 
 /// The CPUs the two sides' measuring threads run on: the first CPU of two physical cores,
 /// neither of them core 0's (it takes most interrupts). `None` with fewer than three
@@ -45,6 +46,43 @@ fn free_cores(n: usize) -> Option<Vec<usize>> {
     }
     let free: Vec<usize> = cores.iter().filter(|(k, _)| Some(**k) != core0).map(|(_, &cpu)| cpu).collect();
     (cores.len() > n && free.len() >= n).then_some(free)
+}
+
+/// The affinity mask of the process when it started (`remember_start_mask`), which every
+/// child process gets back: threads made while a pinned thread runs inherit its one CPU,
+/// and so would the tools they start (fabtests' server and client on one core).
+static START_MASK: OnceLock<libc::cpu_set_t> = OnceLock::new();
+
+/// Records the calling thread's mask as the process's (call first thing in `main`).
+pub fn remember_start_mask() {
+    // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0 {
+        let _ = START_MASK.set(set);
+    }
+}
+
+/// Gives the calling thread the process's start mask back.
+pub fn reset_to_start_mask() {
+    if let Some(set) = START_MASK.get() {
+        // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) };
+    }
+}
+
+/// Makes `cmd`'s child run with the process's start mask, whichever thread starts it.
+pub fn unpinned(cmd: &mut std::process::Command) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
+    let Some(set) = START_MASK.get().copied() else { return cmd };
+    // SAFETY: the closure runs in the forked child before exec and only calls
+    // sched_setaffinity on a mask it owns (a copy): async-signal-safe, no allocation, no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            Ok(())
+        })
+    }
 }
 
 /// The CPUs this thread may run on.
@@ -119,6 +157,37 @@ mod tests {
             }
             assert_eq!(allowed().unwrap(), before);
             assert!(Pinned::to(None).is_none());
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// A child started from a pinned thread, and a thread made by it, get the start mask.
+    #[test]
+    fn children_and_new_threads_get_the_start_mask_back() {
+        std::thread::spawn(|| {
+            remember_start_mask();
+            let start = allowed().unwrap();
+            if start.len() < 2 {
+                return; // one CPU: nothing to tell apart
+            }
+            let _p = Pinned::to(Some(start[0])).expect("pin to an allowed cpu");
+            let out = unpinned(&mut std::process::Command::new("grep"))
+                .args(["Cpus_allowed_list", "/proc/self/status"])
+                .output()
+                .unwrap();
+            let line = String::from_utf8_lossy(&out.stdout).to_string();
+            let inherited = std::process::Command::new("grep")
+                .args(["Cpus_allowed_list", "/proc/self/status"])
+                .output()
+                .unwrap();
+            assert_ne!(line, String::from_utf8_lossy(&inherited.stdout), "the control inherits the pin");
+            assert!(!line.trim().ends_with(&format!("\t{}", start[0])), "{line}");
+            let t = std::thread::spawn(|| {
+                reset_to_start_mask();
+                allowed().unwrap()
+            });
+            assert_eq!(t.join().unwrap(), start);
         })
         .join()
         .unwrap();

@@ -187,6 +187,9 @@ pub fn builder(o: &Opts) -> fabric_async::EngineBuilder {
 /// [`builder`] with `domains` NICs (bw's `--domains 1,2,4`).
 pub fn builder_domains(o: &Opts, domains: usize) -> fabric_async::EngineBuilder {
     let mut b = Engine::builder().provider(&o.provider);
+    if let Some(d) = o.await_spin {
+        b = b.await_spin(d);
+    }
     if let Some(n) = o.staging_pool {
         b = b.staging_pool(n as u64);
     }
