@@ -41,6 +41,10 @@ pub(crate) trait Progress: Send + Sync {
         true
     }
 
+    /// A future that does not repoll gave up its spin and parks: whoever must now run the
+    /// passes that complete it (the reactor thread, standing by) is told at once.
+    fn parking(&self) {}
+
     /// Posts an operation's submission on the caller's thread at once, instead of queueing
     /// it for the next pass: one lock (the core's) instead of the queue's twice. Gives it
     /// back when another thread is in a pass, the engine is shutting down, or the
@@ -111,6 +115,8 @@ pub(crate) fn inline_poll<T>(
         Poll::Pending => {
             if driver.repolls() {
                 cx.waker().wake_by_ref();
+            } else {
+                driver.parking();
             }
             Poll::Pending
         }

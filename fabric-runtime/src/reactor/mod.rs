@@ -150,14 +150,27 @@ impl<D: Domain> Progress for Inline<D> {
 /// future runs passes on its thread (when no other thread is in one) for up to `spin`, then
 /// registers its waker and parks; the reactor thread goes on as before (it neither stands by
 /// nor knows, and wakes the future if its operation completes in a pass of its own).
+///
+/// While callers spin, the reactor thread stands by, as an `Inline` engine's does: woken on
+/// a wait fd it would take the core's lock for a pass of its own, and if it is then
+/// preempted (it often wakes on the very CPU the spinner keeps busy) every caller's
+/// `try_lock` fails until it runs again, so the spin would find nothing. A caller that gives
+/// up its spin and parks writes the eventfd, which ends the standby at once.
 struct AwaitSpin<D: Domain> {
     core: Arc<Mutex<Core<D>>>,
+    shared: Arc<Shared>,
     spin: Duration,
 }
 
 impl<D: Domain> Progress for AwaitSpin<D> {
     fn progress(&self) -> bool {
+        let polls = &self.shared.inline_polls;
+        polls.store(polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         try_core(&self.core).is_some_and(|mut c| c.turn())
+    }
+
+    fn parking(&self) {
+        self.shared.wake.notify();
     }
 
     fn spin_budget(&self) -> Duration {
@@ -209,7 +222,8 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
         Some(Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin, direct })
             as Driver)
     } else if !cfg.await_spin.is_zero() {
-        Some(Arc::new(AwaitSpin { core: core.clone(), spin: cfg.await_spin }) as Driver)
+        Some(Arc::new(AwaitSpin { core: core.clone(), shared: shared.clone(), spin: cfg.await_spin })
+            as Driver)
     } else {
         None
     };
@@ -250,7 +264,8 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
         _ => Duration::ZERO,
     };
     let spins = !spin_after_activity.is_zero();
-    let inline = cfg.mode == ReactorMode::Inline;
+    // Callers may run passes (`Inline`, `await_spin`): stand by while they do.
+    let inline = cfg.mode == ReactorMode::Inline || !cfg.await_spin.is_zero();
     let mut seen_polls = shared.inline_polls.load(Ordering::Relaxed);
     loop {
         if inline {
@@ -258,7 +273,13 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
             let polls = shared.inline_polls.load(Ordering::Relaxed);
             if polls != seen_polls && !shared.closing() {
                 seen_polls = polls;
-                std::thread::sleep(INLINE_STANDBY);
+                // On the eventfd: a caller that parks (`AwaitSpin::parking`) ends it.
+                let mut fd = [libc::pollfd { fd: shared.wake.raw(), events: libc::POLLIN, revents: 0 }];
+                if let Ok(n) = sys::wait(&mut fd, Some(INLINE_STANDBY)) {
+                    if n > 0 {
+                        shared.wake.drain();
+                    }
+                }
                 continue;
             }
         }
