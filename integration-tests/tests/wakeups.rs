@@ -166,3 +166,40 @@ async fn completion_watch_refuses_what_it_cannot_watch() {
     let e = std::thread::spawn(move || CompletionWatch::spawn(&tcp).map(|_| ())).join().unwrap().unwrap_err();
     assert!(matches!(&e, Error::Unsupported(m) if m.contains("tokio runtime")), "{e}");
 }
+
+/// A window of writes submitted at once into a sleeping reactor: the first is posted on the
+/// submitter's thread, the others (operations in flight) are left to the reactor thread,
+/// woken once, so that a stream has one thread in the NIC rather than two taking turns on
+/// its lock. Every write lands.
+#[tokio::test]
+async fn only_a_write_into_an_idle_engine_is_posted_directly() {
+    let p = primary();
+    if !matches!(p.as_str(), "tcp" | "verbs") && !p.starts_with("verbs:") {
+        // shm has no wait fd: no direct posting at all.
+        return skipped(
+            "only_a_write_into_an_idle_engine_is_posted_directly",
+            "needs a wait fd (tcp, verbs)",
+        );
+    }
+    let (a, b) =
+        (Engine::builder().provider(&p).build().unwrap(), Engine::builder().provider(&p).build().unwrap());
+    let (ra, rb) = (a.alloc(1 << 20).await.unwrap(), b.alloc(1 << 20).await.unwrap());
+    let to_b = a.remote_region(&rb.descriptor().to_bytes()).await.unwrap();
+    let pattern: Vec<u8> = (0..1 << 20).map(|i| (i * 13 % 251) as u8).collect();
+    ra.write_at(0, &pattern).unwrap();
+    bounded(a.write_imm(&ra, 0, &to_b, 0, 64, 5)).await.unwrap();
+    let c = b.imm_counter(5);
+    bounded(c.wait_for(1)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await; // the reactor goes to sleep
+    let before = a.direct_posts();
+    let writes: Vec<_> = (0..16u64).map(|i| a.write_imm(&ra, i << 16, &to_b, i << 16, 1 << 16, 5)).collect();
+    let posted_here = a.direct_posts() - before;
+    for w in writes {
+        bounded(w).await.unwrap();
+    }
+    bounded(c.wait_for(16)).await.unwrap();
+    let mut got = vec![0u8; 1 << 20];
+    rb.read_at(0, &mut got).unwrap();
+    assert!(got == pattern, "every write landed");
+    assert!(posted_here <= 1, "{posted_here} of 16 writes in a row were posted on the submitter's thread");
+}

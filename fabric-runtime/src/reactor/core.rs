@@ -213,6 +213,11 @@ impl<D: Domain> Core<D> {
         false
     }
 
+    /// Operations posted and not yet completed.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.slab.len()
+    }
+
     /// Whether some domain has no wait fd (shm, EFA): it cannot wake a sleeper.
     pub(crate) fn has_fdless_domain(&self) -> bool {
         self.domains.iter().any(|d| d.wait_fd().is_none())

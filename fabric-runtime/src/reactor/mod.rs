@@ -189,11 +189,14 @@ struct Direct<D: Domain> {
 }
 
 impl<D: Domain> DirectPost for Direct<D> {
-    fn post_now(&self) -> bool {
-        let Some(mut c) = try_core(&self.core) else { return false };
+    fn post_now(&self) -> Option<bool> {
+        let Some(mut c) = try_core(&self.core) else { return Some(false) };
+        if c.in_flight() > 0 {
+            return None;
+        }
         c.turn();
         // Shutdown seen in this pass: only the reactor thread may close the domains.
-        !c.closing && c.sleep_covers_posts()
+        Some(!c.closing && c.sleep_covers_posts())
     }
 
     fn watch_pass(&self, max: usize) -> Option<usize> {

@@ -224,7 +224,7 @@ impl Shared {
     /// After submissions were pushed (the queue lock `q` still held): if the reactor thread
     /// sleeps, post them from this thread when allowed and possible (`direct`, operations
     /// only: a registration's page pinning stays off the caller's thread), else wake it.
-    fn queued(&self, mut q: MutexGuard<'_, Queue>, direct: bool) {
+    fn queued<'a>(&'a self, mut q: MutexGuard<'a, Queue>, direct: bool) {
         self.has_items.store(true, Ordering::Release);
         if !q.sleeping {
             return;
@@ -233,12 +233,23 @@ impl Shared {
             if let Some(poster) = self.direct.get().and_then(Weak::upgrade) {
                 // The reactor stays marked asleep: the next submitter may post directly too.
                 drop(q);
-                if poster.post_now() {
-                    self.direct_posts.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    self.wake.notify();
+                match poster.post_now() {
+                    Some(true) => {
+                        self.direct_posts.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                    Some(false) => {
+                        self.wake.notify();
+                        return;
+                    }
+                    // In flight already: wake the reactor thread, once, as without direct posting.
+                    None => {
+                        q = lock(&self.queue);
+                        if !q.sleeping {
+                            return; // it woke meanwhile and will take the queue
+                        }
+                    }
                 }
-                return;
             }
         }
         q.sleeping = false;
