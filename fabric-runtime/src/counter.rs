@@ -344,6 +344,11 @@ impl Future for WaitFor {
         let Some(driver) = self.driver.clone() else { return self.poll_queue(cx) };
         let this = &mut *self;
         if this.id.is_some() {
+            if !driver.repolls() {
+                // `await_spin`: it spun once and parked; the reactor thread wakes it, and a
+                // second spin here would only delay the answer by the whole budget.
+                return Pin::new(this).poll_queue(cx);
+            }
             // Already queued (an earlier poll gave up its spin): our place in line holds.
             return crate::sync::inline_poll(&driver, cx, || None, |cx| Pin::new(this).poll_queue(cx));
         }

@@ -86,11 +86,12 @@ async fn a_write_completes_inside_the_spin_of_its_first_poll() {
 }
 
 /// A wait longer than the spin: the first poll spins for the budget, then returns pending
-/// with its waker registered; the reactor thread wakes it when the immediate arrives.
+/// with its waker registered; the reactor thread wakes it when the immediate arrives, and
+/// the poll after that wake-up answers without spinning again.
 #[tokio::test]
 async fn a_wait_past_the_spin_parks_and_the_reactor_thread_wakes_it() {
     let p = primary();
-    let spin = Duration::from_millis(50);
+    let spin = Duration::from_millis(200);
     let (a, b) = (engine(&p, spin), engine(&p, Duration::ZERO));
     let ra = a.alloc(4096).await.unwrap();
     let rb = b.alloc(4096).await.unwrap();
@@ -111,8 +112,11 @@ async fn a_wait_past_the_spin_parks_and_the_reactor_thread_wakes_it() {
         assert!(Instant::now() < deadline, "the reactor thread never woke the parked wait");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+    // Woken, it answers at once: a second spin would only delay the answer by the budget.
+    let t1 = Instant::now();
     match Pin::new(&mut w).poll(&mut Context::from_waker(&waker)) {
         Poll::Ready(r) => r.unwrap(),
         Poll::Pending => panic!("woken, yet still pending"),
     }
+    assert!(t1.elapsed() < spin / 2, "the woken wait spun again ({:?})", t1.elapsed());
 }

@@ -41,6 +41,10 @@ impl Future for RecvFuture {
         let Some(driver) = self.driver.clone() else { return self.poll_inbox(cx) };
         let this = &mut *self;
         if this.id.is_some() {
+            if !driver.repolls() {
+                // `await_spin`: it spun once and parked; the reactor thread wakes it.
+                return Pin::new(this).poll_inbox(cx);
+            }
             return crate::sync::inline_poll(&driver, cx, || None, |cx| Pin::new(this).poll_inbox(cx));
         }
         let shared = this.shared.clone();

@@ -98,6 +98,16 @@ pub(crate) struct ReactorConfig {
 /// before it looks again whether they still do.
 const INLINE_STANDBY: Duration = Duration::from_micros(200);
 
+/// A pass on a caller's thread (`Inline`, `AwaitSpin`), after telling the reactor thread
+/// that a caller drives (it stands by). The counter is bumped with a load and a store, not
+/// a read-modify-write: callers racing here may lose an increment, but the value still
+/// changes, which is all the reactor thread looks at.
+fn caller_pass<D: Domain>(core: &Mutex<Core<D>>, shared: &Shared) -> bool {
+    let polls = &shared.inline_polls;
+    polls.store(polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+    try_core(core).is_some_and(|mut c| c.turn())
+}
+
 /// The core for a pass on another thread than the reactor's: never waits (`None` while some
 /// thread is in a pass); a poisoned lock still holds a consistent core (see `sync::lock`).
 fn try_core<D: Domain>(core: &Mutex<Core<D>>) -> Option<MutexGuard<'_, Core<D>>> {
@@ -119,12 +129,7 @@ struct Inline<D: Domain> {
 
 impl<D: Domain> Progress for Inline<D> {
     fn progress(&self) -> bool {
-        // Tells the reactor thread that a caller drives (it stands by). A load and a store,
-        // not a read-modify-write: callers racing here may lose an increment, but the value
-        // still changes, which is all the reactor thread looks at.
-        let polls = &self.shared.inline_polls;
-        polls.store(polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        try_core(&self.core).is_some_and(|mut c| c.turn())
+        caller_pass(&self.core, &self.shared)
     }
 
     fn spin_budget(&self) -> Duration {
@@ -148,8 +153,8 @@ impl<D: Domain> Progress for Inline<D> {
 
 /// `EngineBuilder::await_spin` on an engine with a reactor thread of its own: a pending
 /// future runs passes on its thread (when no other thread is in one) for up to `spin`, then
-/// registers its waker and parks; the reactor thread goes on as before (it neither stands by
-/// nor knows, and wakes the future if its operation completes in a pass of its own).
+/// registers its waker and parks; the reactor thread wakes it when a pass of its own
+/// completes it.
 ///
 /// While callers spin, the reactor thread stands by, as an `Inline` engine's does: woken on
 /// a wait fd it would take the core's lock for a pass of its own, and if it is then
@@ -164,9 +169,7 @@ struct AwaitSpin<D: Domain> {
 
 impl<D: Domain> Progress for AwaitSpin<D> {
     fn progress(&self) -> bool {
-        let polls = &self.shared.inline_polls;
-        polls.store(polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-        try_core(&self.core).is_some_and(|mut c| c.turn())
+        caller_pass(&self.core, &self.shared)
     }
 
     fn parking(&self) {
