@@ -55,10 +55,7 @@ static START_MASK: OnceLock<libc::cpu_set_t> = OnceLock::new();
 
 /// Records the calling thread's mask as the process's (call first thing in `main`).
 pub fn remember_start_mask() {
-    // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
-    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0 {
+    if let Some(set) = thread_mask() {
         let _ = START_MASK.set(set);
     }
 }
@@ -66,9 +63,23 @@ pub fn remember_start_mask() {
 /// Gives the calling thread the process's start mask back.
 pub fn reset_to_start_mask() {
     if let Some(set) = START_MASK.get() {
-        // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
-        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) };
+        set_thread_mask(set);
     }
+}
+
+/// The calling thread's affinity mask.
+fn thread_mask() -> Option<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
+    (unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0)
+        .then_some(set)
+}
+
+/// Sets the calling thread's affinity mask; whether it took.
+fn set_thread_mask(set: &libc::cpu_set_t) -> bool {
+    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) == 0 }
 }
 
 /// Makes `cmd`'s child run with the process's start mask, whichever thread starts it.
@@ -87,12 +98,7 @@ pub fn unpinned(cmd: &mut std::process::Command) -> &mut std::process::Command {
 
 /// The CPUs this thread may run on.
 fn allowed() -> Option<Vec<usize>> {
-    // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is the calling thread; `set` is a live cpu_set_t of the size passed.
-    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
-        return None;
-    }
+    let set = thread_mask()?;
     // SAFETY: every index is below CPU_SETSIZE, inside `set`.
     Some((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
 }
@@ -109,26 +115,19 @@ impl Pinned {
     /// Pins the calling thread to `cpu` (`None`: leaves it as it is).
     pub fn to(cpu: Option<usize>) -> Option<Pinned> {
         let cpu = cpu.filter(|&c| c < libc::CPU_SETSIZE as usize)?;
+        let old = thread_mask()?;
         // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
-        let (mut old, mut new): (libc::cpu_set_t, libc::cpu_set_t) = unsafe { std::mem::zeroed() };
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: pid 0 is the calling thread; `old` is a live cpu_set_t of the size passed.
-        if unsafe { libc::sched_getaffinity(0, size, &mut old) } != 0 {
-            return None;
-        }
+        let mut new: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         // SAFETY: `cpu` is below CPU_SETSIZE (filtered above), so CPU_SET stays inside `new`.
         unsafe { libc::CPU_SET(cpu, &mut new) };
-        // SAFETY: as above, with `new`.
-        (unsafe { libc::sched_setaffinity(0, size, &new) } == 0)
-            .then_some(Pinned { old, _thread: PhantomData })
+        set_thread_mask(&new).then_some(Pinned { old, _thread: PhantomData })
     }
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        // SAFETY: pid 0 is the calling thread, the one that made this `Pinned` (not `Send`);
-        // `old` is the mask read from it.
-        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.old) };
+        // On the thread that made this `Pinned` (not `Send`): the mask read from it.
+        set_thread_mask(&self.old);
     }
 }
 
