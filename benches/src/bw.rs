@@ -3,12 +3,14 @@
 //! (same sizes, window, pattern and acknowledgement; one domain), fabtests' `fi_rma_bw` with
 //! `--fabtests DIR`, iperf3 on tcp and perftest's `ib_write_bw` on verbs.
 //!
-//! `--rounds` bursts per size and pattern (3; quick 1). In Event and Inline mode each round
-//! runs the engine's burst, then the raw loop's, so each round gives a ratio of two bursts
-//! taken seconds apart; the row after each size gives the median of those per-round ratios
-//! and their range (the machine's drift over a run moves both alike). With five or more
-//! physical cores each side's threads are pinned (`pin::plan_bw`): the raw loop's thread and
-//! the engine's reactor thread on one CPU, the runtime's thread on another.
+//! `--rounds` bursts per size and pattern (3; quick 1). In Event, Inline and Adaptive mode
+//! each round runs the engine's burst and the raw loop's, the raw loop first in every second
+//! round, so each round gives a ratio of two bursts taken seconds apart; the row after each
+//! size gives the median of those per-round ratios, its distribution-free 95% confidence
+//! interval (`measure::median_ci`, from 6 rounds) and their range (the machine's drift over
+//! a run moves both alike). With five or more physical cores each side's threads are pinned
+//! (`pin::plan_bw`): the raw loop's thread and the engine's reactor thread on one CPU, the
+//! runtime's thread on another; `fi_rma_bw`'s client and server on the two raw-loop CPUs.
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
@@ -18,7 +20,7 @@ use fabric_async::ReactorMode;
 
 use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
-use crate::measure::{gbps, human, median, spread};
+use crate::measure::{gbps, human, median, median_ci, spread};
 use crate::pattern::{self, Pattern};
 use crate::perftest;
 use crate::pin::{self, Pinned};
@@ -81,11 +83,12 @@ struct Pass {
     raw: bool,
 }
 
-/// Event and Inline mode: engine and raw loop alternate per size, so drift on this shared
-/// machine hits both (an idle reactor of these modes sleeps); the raw loop (one domain)
-/// beside the first domain count only. A spinning reactor (BusyPoll, Adaptive) would steal a
-/// core from the raw loop, so those modes run each engine sweep, drop the engine, then the
-/// raw one.
+/// Event, Inline and Adaptive mode: engine and raw loop alternate per size, so drift on this
+/// shared machine hits both (an idle reactor of these modes sleeps; Adaptive's only
+/// `spin` after its last completion, a fraction of a raw burst); the raw loop (one domain)
+/// beside the first domain count only. A BusyPoll reactor spins for as long as it lives and
+/// would steal a core from the raw loop, so that mode runs each engine sweep, drops the
+/// engine, then the raw one.
 fn passes(counts: &[usize], interleave: bool) -> Vec<Pass> {
     let mut v: Vec<Pass> = counts
         .iter()
@@ -125,7 +128,7 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let patterns = ctx.o.buffers.clone();
     let counts = ctx.o.domain_counts.clone();
     let ext = external_pattern(&patterns);
-    let passes = passes(&counts, matches!(ctx.o.mode, ReactorMode::Event | ReactorMode::Inline));
+    let passes = passes(&counts, !matches!(ctx.o.mode, ReactorMode::BusyPoll));
     // Each side's NIC CPU (raw loop, reactor) and app CPU (this runtime's thread).
     let (nic, app) = match pin::plan_bw() {
         Some(p) if ctx.lead => (Some(p[0]), Some(p[1])),
@@ -145,7 +148,11 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let perftest = if verbs && ctx.lead { perftest_target(ctx, "ib_write_bw").await? } else { None };
     let with_ft = ctx.o.fabtests.is_some();
     let ft = match &ctx.o.fabtests {
-        Some(dir) if ctx.lead => Some(Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?),
+        // On the CPUs of the raw loop's two threads (the leader's and the peer's NIC CPU).
+        Some(dir) if ctx.lead => Some(
+            Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?
+                .pinned(pin::plan_bw().map(|p| [p[0], p[2]])),
+        ),
         _ => None,
     };
     let (mut p, mut f) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
@@ -197,42 +204,52 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     );
                     ctx.progress("bw", step as f64 / steps, &what);
                     step += 1;
-                    let mut this_round = None;
-                    if let (Some(s), Some(d)) = (&side, pass.engine) {
-                        if ctx.lead {
-                            let t = engine_stream(s, size, ops, window, pat).await?;
+                    // Odd rounds run the raw loop first: whatever the first burst of a
+                    // round pays (or gains), both pay it equally often.
+                    let raw_first = r % 2 == 1;
+                    let (mut ev, mut rv) = (None, None);
+                    for raw_turn in [raw_first, !raw_first] {
+                        if !raw_turn {
+                            if let (Some(s), Some(d)) = (&side, pass.engine) {
+                                if ctx.lead {
+                                    let t = engine_stream(s, size, ops, window, pat).await?;
+                                    let v = gbps(size as u64 * ops, t);
+                                    e.entry((d, pat, k)).or_default().push(v);
+                                    ev = Some((d, v));
+                                } else {
+                                    engine_absorb(s, ops, size).await?;
+                                }
+                            }
+                            continue;
+                        }
+                        if !pass.raw {
+                            continue;
+                        }
+                        let w = window as u64;
+                        let r2 = if ctx.lead {
+                            let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
+                                let _nic = Pinned::to(nic);
+                                r.stream(size, ops, w, (IMM_DATA, IMM_ACK), pat)
+                            })
+                            .await?;
                             let v = gbps(size as u64 * ops, t);
-                            e.entry((d, pat, k)).or_default().push(v);
-                            this_round = Some((d, v));
+                            b.entry((pat, k)).or_default().push(v);
+                            rv = Some(v);
+                            r2
                         } else {
-                            engine_absorb(s, ops, size).await?;
-                        }
-                    }
-                    if !pass.raw {
-                        continue;
-                    }
-                    let w = window as u64;
-                    if ctx.lead {
-                        let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
-                            let _nic = Pinned::to(nic);
-                            r.stream(size, ops, w, (IMM_DATA, IMM_ACK), pat)
-                        })
-                        .await?;
-                        raw = Some(r2);
-                        let v = gbps(size as u64 * ops, t);
-                        b.entry((pat, k)).or_default().push(v);
-                        if let Some((d, ev)) = this_round {
-                            ratios.entry((d, pat, k)).or_default().push(ev / v);
-                        }
-                    } else {
-                        let (r2, ()) = on_thread(raw.take().expect("raw"), move |r| {
-                            let _nic = Pinned::to(nic);
-                            r.absorb(ops, IMM_DATA, IMM_ACK)
-                        })
-                        .await?;
+                            on_thread(raw.take().expect("raw"), move |r| {
+                                let _nic = Pinned::to(nic);
+                                r.absorb(ops, IMM_DATA, IMM_ACK)
+                            })
+                            .await?
+                            .0
+                        };
                         raw = Some(r2);
                     }
-                    if pat != ext {
+                    if let (Some((d, ev)), Some(v)) = (ev, rv) {
+                        ratios.entry((d, pat, k)).or_default().push(ev / v);
+                    }
+                    if !pass.raw || pat != ext {
                         continue;
                     }
                     if verbs {
@@ -296,8 +313,10 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     });
                     if let Some(r) = ratios.get(&(d, pat, k)).filter(|r| r.len() > 1) {
                         let (m, lo, hi) = spread(r);
+                        let ci =
+                            median_ci(r).map_or(String::new(), |(a, b)| format!("95% CI {a:.2}-{b:.2}, "));
                         let what = format!(
-                            "{case} engine/raw, median of {} per-round ratios (range {lo:.2}-{hi:.2}{})",
+                            "{case} engine/raw, median of {} per-round ratios ({ci}range {lo:.2}-{hi:.2}{})",
                             r.len(),
                             if nic.is_some() { ", pinned" } else { "" }
                         );

@@ -55,6 +55,9 @@ pub fn extra_label() -> String {
 pub struct Fabtests {
     dir: PathBuf,
     provider: &'static str,
+    /// The CPUs of the client and of the server (`Fabtests::pinned`); unset: the process's
+    /// start mask.
+    cpus: [Option<usize>; 2],
 }
 
 /// The figures of one result row.
@@ -107,7 +110,14 @@ impl Fabtests {
                 .into());
             }
         }
-        Ok(Fabtests { dir: dir.to_path_buf(), provider })
+        Ok(Fabtests { dir: dir.to_path_buf(), provider, cpus: [None, None] })
+    }
+
+    /// Runs the client on `cpus[0]` and the server on `cpus[1]`, each on that CPU only (the
+    /// CPUs of the raw loop it is compared with: fabtests' sides are one thread each).
+    pub fn pinned(mut self, cpus: Option<[usize; 2]>) -> Fabtests {
+        self.cpus = cpus.map_or([None, None], |[c, s]| [Some(c), Some(s)]);
+        self
     }
 
     /// `fi_rma_bw -e rdm -o writedata -W window -S size -I ops`: the writer's Gbit/s.
@@ -141,7 +151,7 @@ impl Fabtests {
         cargs.extend(opts);
         cargs.push("127.0.0.1".into());
         let deadline = Instant::now() + RUN_LIMIT;
-        let mut server = Spawned::start(&prog, &sargs)?;
+        let mut server = Spawned::start_on(&prog, &sargs, self.cpus[1])?;
         // The client retries until the server is up (tcp and shm alike); a head start only
         // saves it the retries.
         std::thread::sleep(Duration::from_millis(100));
@@ -154,7 +164,7 @@ impl Fabtests {
             )
             .into());
         }
-        let client = Spawned::start(&prog, &cargs)?.finish(deadline);
+        let client = Spawned::start_on(&prog, &cargs, self.cpus[0])?.finish(deadline);
         let srv = server.finish(if client.0.is_some() {
             deadline + Duration::from_secs(5)
         } else {

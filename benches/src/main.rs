@@ -99,7 +99,8 @@ struct Cli {
     /// A directory of fabtests 1.17 binaries: run them beside the engine and the raw loop.
     ///
     /// bw: fi_rma_bw -e rdm -o writedata -W WINDOW -S SIZE -I OPS per size and repetition
-    /// (RMA writes with remote CQ data, always from/to offset 0: hot). lat: fi_rdm_pingpong -S
+    /// (RMA writes with remote CQ data, always from/to offset 0: hot; where bw pins, client and
+    /// server on the CPUs of the raw loop's two threads). lat: fi_rdm_pingpong -S
     /// SIZE at lat's sizes, wake: at 8 B (send/recv; it prints one-way latency, the rows show
     /// 2x, a mean round trip). Rows get columns fabtests, engine/ft and raw/ft. Server and
     /// client on 127.0.0.1, -p tcp (tcp;ofi_rxm) or -p shm; not on verbs. Without it the rows
@@ -174,7 +175,8 @@ struct Cli {
     #[arg(long, global = true, value_name = "US")]
     await_spin: Option<u64>,
     /// rtt: interleaved rounds, each running every path once [default: 7; --quick: 2].
-    /// bw: bursts per size and pattern, engine then raw loop in each [default: 3; --quick: 1].
+    /// bw: bursts per size and pattern, engine and raw loop in each, the raw loop first in
+    /// every second one [default: 3; --quick: 1].
     #[arg(long, global = true, value_name = "N", value_parser = positive)]
     rounds: Option<usize>,
     /// Install a tracing subscriber (fmt to stderr at level info) in both processes.

@@ -60,6 +60,30 @@ pub fn spread(v: &[f64]) -> (f64, f64, f64) {
     (median(v.to_vec()), lo, hi)
 }
 
+/// A distribution-free ~95% confidence interval for the median of `v`: the `k`-th smallest
+/// and `k`-th largest values, `k` the largest rank with P(Binomial(n, 1/2) < k) <= 2.5%
+/// (at least 95% coverage whatever the distribution). `None` under 6 values, where no
+/// such interval exists (the range then covers only 1 - 2^(1-n)).
+pub fn median_ci(v: &[f64]) -> Option<(f64, f64)> {
+    let n = v.len();
+    // P(X <= j) for X ~ Binomial(n, 1/2), accumulated term by term.
+    let (mut term, mut cdf, mut k) = (0.5f64.powi(n as i32), 0.0, 0);
+    for j in 0..n {
+        cdf += term;
+        if cdf > 0.025 {
+            break;
+        }
+        k = j + 1;
+        term *= (n - j) as f64 / (j + 1) as f64;
+    }
+    if k == 0 {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    Some((s[k - 1], s[n - k]))
+}
+
 /// (p50, p99) in microseconds, after dropping the first 10% as warm-up.
 pub fn percentiles(rtts: &[Duration]) -> (f64, f64) {
     let skip = rtts.len() / 10;
@@ -87,6 +111,15 @@ mod tests {
     #[test]
     fn spread_is_median_and_range() {
         assert_eq!(spread(&[3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+        // The textbook ranks: n = 6..8 -> 1st and n-th; 9 -> 2nd and 8th; 15 -> 4th and
+        // 12th; 20 -> 6th and 15th (P(X <= 5) = 2.07% for Binomial(20, 1/2)).
+        assert_eq!(median_ci(&[1.0, 2.0, 3.0, 4.0, 5.0]), None);
+        let n = |k: usize| (1..=k).map(|x| x as f64).rev().collect::<Vec<_>>();
+        assert_eq!(median_ci(&n(6)), Some((1.0, 6.0)));
+        assert_eq!(median_ci(&n(8)), Some((1.0, 8.0)));
+        assert_eq!(median_ci(&n(9)), Some((2.0, 8.0)));
+        assert_eq!(median_ci(&n(15)), Some((4.0, 12.0)));
+        assert_eq!(median_ci(&n(20)), Some((6.0, 15.0)));
     }
 
     #[test]

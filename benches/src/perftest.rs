@@ -260,10 +260,19 @@ impl Spawned {
     /// leaves no process behind. The thread outlives the child in every caller: it waits for
     /// the child in [`Spawned::finish`].
     pub(crate) fn start(program: impl AsRef<std::ffi::OsStr>, args: &[String]) -> Res<Spawned> {
+        Spawned::start_on(program, args, None)
+    }
+
+    /// [`Spawned::start`] with the child on `cpu` only (`None`: the process's start mask).
+    pub(crate) fn start_on(
+        program: impl AsRef<std::ffi::OsStr>,
+        args: &[String],
+        cpu: Option<usize>,
+    ) -> Res<Spawned> {
         use std::os::unix::process::CommandExt;
         let program = program.as_ref();
         let mut cmd = Command::new(program);
-        crate::pin::unpinned(&mut cmd)
+        crate::pin::child_on(&mut cmd, cpu)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -84,8 +84,28 @@ fn set_thread_mask(set: &libc::cpu_set_t) -> bool {
 
 /// Makes `cmd`'s child run with the process's start mask, whichever thread starts it.
 pub fn unpinned(cmd: &mut std::process::Command) -> &mut std::process::Command {
-    use std::os::unix::process::CommandExt;
     let Some(set) = START_MASK.get().copied() else { return cmd };
+    child_mask(cmd, set)
+}
+
+/// Makes `cmd`'s child run on `cpu` only (`None`: as [`unpinned`]): a tool measured beside a
+/// pinned raw loop gets the same CPUs (fabtests' server and client are one thread each).
+pub fn child_on(cmd: &mut std::process::Command, cpu: Option<usize>) -> &mut std::process::Command {
+    match cpu.filter(|&c| c < libc::CPU_SETSIZE as usize) {
+        Some(c) => {
+            // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
+            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+            // SAFETY: `c` is below CPU_SETSIZE (filtered above), so CPU_SET stays inside `set`.
+            unsafe { libc::CPU_SET(c, &mut set) };
+            child_mask(cmd, set)
+        }
+        None => unpinned(cmd),
+    }
+}
+
+/// `cmd`'s child sets its affinity to `set` before exec.
+fn child_mask(cmd: &mut std::process::Command, set: libc::cpu_set_t) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
     // SAFETY: the closure runs in the forked child before exec and only calls
     // sched_setaffinity on a mask it owns (a copy): async-signal-safe, no allocation, no lock.
     unsafe {
@@ -162,6 +182,23 @@ mod tests {
     }
 
     /// A child started from a pinned thread, and a thread made by it, get the start mask.
+    #[test]
+    fn child_on_runs_a_child_on_that_cpu_only() {
+        let allowed = allowed().unwrap();
+        let cpu = *allowed.last().unwrap();
+        let list = |cmd: &mut std::process::Command| {
+            let out = cmd.args(["Cpus_allowed_list", "/proc/self/status"]).output().unwrap();
+            String::from_utf8_lossy(&out.stdout).trim().to_string()
+        };
+        let line = list(child_on(&mut std::process::Command::new("grep"), Some(cpu)));
+        assert_eq!(line, format!("Cpus_allowed_list:\t{cpu}"));
+        // None: the start mask (here, where nothing pinned this thread, the mask it has).
+        if allowed.len() > 1 {
+            let line = list(child_on(&mut std::process::Command::new("grep"), None));
+            assert_ne!(line, format!("Cpus_allowed_list:\t{cpu}"));
+        }
+    }
+
     #[test]
     fn children_and_new_threads_get_the_start_mask_back() {
         std::thread::spawn(|| {

@@ -77,26 +77,28 @@ fn positive(r: &Value, key: &str) -> bool {
     r[key].as_f64().is_some_and(|v| v.is_finite() && v > 0.0)
 }
 
-/// `--rounds 3`: three bursts of engine and raw loop, and a row with the median of the three
-/// per-round ratios, inside the range it states.
+/// `--rounds 6`: six bursts of engine and raw loop (the raw loop first in every second), and
+/// a row with the median of the six per-round ratios, inside the 95% confidence interval it
+/// states, itself inside the range it states.
 #[test]
 fn rounds_give_a_row_of_per_round_ratios() {
     let rows = bw_rows(
         "rounds",
-        &["--quick", "--rounds", "3", "--buffer", "hot", "--provider", "tcp", "--sizes", "64K"],
+        &["--quick", "--rounds", "6", "--buffer", "hot", "--provider", "tcp", "--sizes", "64K"],
     );
     assert_eq!(rows.len(), 2, "{rows:?}");
     let r =
         rows.iter().find(|r| r.get("engine_x").is_some()).unwrap_or_else(|| panic!("no ratio row: {rows:?}"));
     let case = r["case"].as_str().unwrap();
-    assert!(case.contains("median of 3 per-round ratios"), "{case}");
-    let range = case.split("range ").nth(1).unwrap();
-    let bounds: Vec<f64> = range.split(['-', ')', ',']).take(2).map(|v| v.parse().unwrap()).collect();
+    assert!(case.contains("median of 6 per-round ratios"), "{case}");
+    let bounds = |after: &str| -> Vec<f64> {
+        let s = case.split(after).nth(1).unwrap_or_else(|| panic!("no {after:?} in {case}"));
+        s.split(['-', ')', ',']).take(2).map(|v| v.parse().unwrap()).collect()
+    };
+    let (ci, range) = (bounds("95% CI "), bounds("range "));
     let m = r["engine_x"].as_f64().unwrap();
-    assert!(
-        bounds[0] > 0.0 && bounds[0] <= m + 0.005 && m <= bounds[1] + 0.005,
-        "{m} outside {bounds:?}: {case}"
-    );
+    assert!(range[0] > 0.0 && range[0] <= ci[0] && ci[1] <= range[1], "CI outside the range: {case}");
+    assert!(ci[0] <= m + 0.005 && m <= ci[1] + 0.005, "{m} outside the CI: {case}");
 }
 
 #[test]
