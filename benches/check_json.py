@@ -36,6 +36,26 @@ def check_fabtests(i, r):
     return errs
 
 
+def check_rounds(i, r):
+    """A median of per-round figures (bw's and rtt's `engine_x` rows): `rounds`, `range` and
+    `ci95` (null under 6 rounds), the CI inside the range and around the median."""
+    errs, case = [], r.get("case")
+    n, rng, ci, m = r.get("rounds"), r.get("range"), r.get("ci95", "absent"), r.get("engine_x")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        return [f"results[{i}] ({case}): rounds {n!r}, not a whole number above 1"]
+    pair = lambda p: isinstance(p, list) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p)
+    if not pair(rng) or rng[0] > rng[1]:
+        return [f"results[{i}] ({case}): range {rng!r}, not [lo, hi]"]
+    if n < 6:
+        if ci is not None:
+            errs.append(f"results[{i}] ({case}): ci95 {ci!r} from {n} rounds (want null under 6)")
+    elif not pair(ci) or not (rng[0] <= ci[0] <= ci[1] <= rng[1]):
+        errs.append(f"results[{i}] ({case}): ci95 {ci!r} is not an interval inside range {rng!r}")
+    elif isinstance(m, (int, float)) and not (ci[0] - 1e-9 <= m <= ci[1] + 1e-9):
+        errs.append(f"results[{i}] ({case}): median {m!r} outside ci95 {ci!r}")
+    return errs
+
+
 def check(doc):
     errs = []
     if not isinstance(doc, dict):
@@ -54,6 +74,9 @@ def check(doc):
             continue
         if "fabtests" in r:
             errs += check_fabtests(i, r)
+        if "engine_x" in r:
+            errs += check_rounds(i, r)
+            continue
         if r["test"] != "bw":
             continue
         bw += 1

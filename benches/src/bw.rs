@@ -20,11 +20,11 @@ use fabric_async::ReactorMode;
 
 use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
-use crate::measure::{gbps, human, median, median_ci, spread};
+use crate::measure::{gbps, human, median};
 use crate::pattern::{self, Pattern};
 use crate::perftest;
 use crate::pin::{self, Pinned};
-use crate::report::{FtRef, Report, Row};
+use crate::report::{FtRef, Report, Rounds, Row};
 use crate::session::{
     builder_domains, engine_absorb, engine_side_with, engine_stream, mode_name, on_thread, perftest_target,
     raw_side, Ctx, Res, IMM_ACK, IMM_DATA,
@@ -312,15 +312,14 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         (false, false) => row.fabtests(FtRef::Skipped(fabtests::SKIPPED.into())),
                     });
                     if let Some(r) = ratios.get(&(d, pat, k)).filter(|r| r.len() > 1) {
-                        let (m, lo, hi) = spread(r);
-                        let ci =
-                            median_ci(r).map_or(String::new(), |(a, b)| format!("95% CI {a:.2}-{b:.2}, "));
+                        let (m, k) = Rounds::of(r);
                         let what = format!(
-                            "{case} engine/raw, median of {} per-round ratios ({ci}range {lo:.2}-{hi:.2}{})",
+                            "{case} engine/raw, median of {} per-round ratios ({}{})",
                             r.len(),
+                            k.label(),
                             if nic.is_some() { ", pinned" } else { "" }
                         );
-                        rep.push(Row::new("bw", &what, "x", m).size(size).pattern(pat).domains(d));
+                        rep.push(Row::new("bw", &what, "x", m).size(size).pattern(pat).domains(d).rounds(k));
                     }
                 }
             }

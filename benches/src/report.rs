@@ -27,6 +27,35 @@ pub struct Row {
     domains: Option<usize>,
     /// The fabtests figure beside the row (columns fabtests, engine/ft, raw/ft), or why not.
     fabtests: Option<FtRef>,
+    /// A row that is the median of per-round figures: how they spread.
+    rounds: Option<Rounds>,
+}
+
+/// Per-round figures (bw's and rtt's engine/raw ratios) summarised: how many, the 95%
+/// confidence interval of their median (`measure::median_ci`; from 6 rounds) and their range.
+/// JSON: `rounds`, `ci95` (`[lo, hi]` or null), `range` (`[lo, hi]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rounds {
+    pub n: usize,
+    pub ci: Option<(f64, f64)>,
+    pub range: (f64, f64),
+}
+
+impl Rounds {
+    /// The median of `v` (non-empty) and how `v` spreads.
+    pub fn of(v: &[f64]) -> (f64, Rounds) {
+        let (m, lo, hi) = crate::measure::spread(v);
+        (m, Rounds { n: v.len(), ci: crate::measure::median_ci(v), range: (lo, hi) })
+    }
+
+    /// `95% CI a-b, range c-d` (no CI under 6 rounds), for a row's label.
+    pub fn label(&self) -> String {
+        let (lo, hi) = self.range;
+        match self.ci {
+            Some((a, b)) => format!("95% CI {a:.2}-{b:.2}, range {lo:.2}-{hi:.2}"),
+            None => format!("range {lo:.2}-{hi:.2}"),
+        }
+    }
 }
 
 /// The fabtests reference of a row.
@@ -51,7 +80,14 @@ impl Row {
             pattern: None,
             domains: None,
             fabtests: None,
+            rounds: None,
         }
+    }
+
+    /// This row's figure is the median of per-round figures that spread as `r` says.
+    pub fn rounds(mut self, r: Rounds) -> Row {
+        self.rounds = Some(r);
+        self
     }
 
     pub fn pattern(mut self, p: Pattern) -> Row {
@@ -288,6 +324,12 @@ impl Report {
                     m.insert(format!("fabtests_{}", r.unit), num(v));
                     m.insert("ratio_engine_fabtests".into(), opt(e));
                     m.insert("ratio_raw_fabtests".into(), opt(w));
+                }
+                if let Some(k) = &r.rounds {
+                    let pair = |(a, b): (f64, f64)| json!([num(a), num(b)]);
+                    m.insert("rounds".into(), json!(k.n));
+                    m.insert("ci95".into(), k.ci.map_or(Value::Null, pair));
+                    m.insert("range".into(), pair(k.range));
                 }
                 if !r.ceilings.is_empty() {
                     let c: Map<String, Value> =

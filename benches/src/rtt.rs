@@ -22,7 +22,7 @@ use crate::lat::{engine_ping, engine_pong};
 use crate::measure::{percentiles, spread};
 use crate::pin::{self, Pinned};
 use crate::raw::Raw;
-use crate::report::{Report, Row};
+use crate::report::{Report, Rounds, Row};
 use crate::session::{builder, engine_side_with, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG};
 use crate::wake::spin_ping;
 use crate::Opts;
@@ -190,20 +190,10 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         if *path != Path::Raw {
             row = row.baseline("raw", spread(raw50).0);
             let ratios: Vec<f64> = p50[i].iter().zip(raw50).map(|(e, b)| e / b).collect();
-            let (rm, rlo, rhi) = spread(&ratios);
+            let (rm, k) = Rounds::of(&ratios);
             rep.push(row);
-            rep.push(
-                Row::new(
-                    "rtt",
-                    &format!(
-                        "{} / raw loop, median of per-round ratios (range {rlo:.2}-{rhi:.2})",
-                        path.name()
-                    ),
-                    "x",
-                    rm,
-                )
-                .size(SIZE),
-            );
+            let what = format!("{} / raw loop, median of per-round ratios ({})", path.name(), k.label());
+            rep.push(Row::new("rtt", &what, "x", rm).size(SIZE).rounds(k));
         } else {
             rep.push(row);
         }

@@ -78,8 +78,8 @@ fn positive(r: &Value, key: &str) -> bool {
 }
 
 /// `--rounds 6`: six bursts of engine and raw loop (the raw loop first in every second), and
-/// a row with the median of the six per-round ratios, inside the 95% confidence interval it
-/// states, itself inside the range it states.
+/// a row with the median of the six per-round ratios: JSON `rounds`, `ci95` inside `range`
+/// and around the median, the same figures in its label, and a shape `check_json.py` takes.
 #[test]
 fn rounds_give_a_row_of_per_round_ratios() {
     let rows = bw_rows(
@@ -91,14 +91,38 @@ fn rounds_give_a_row_of_per_round_ratios() {
         rows.iter().find(|r| r.get("engine_x").is_some()).unwrap_or_else(|| panic!("no ratio row: {rows:?}"));
     let case = r["case"].as_str().unwrap();
     assert!(case.contains("median of 6 per-round ratios"), "{case}");
-    let bounds = |after: &str| -> Vec<f64> {
-        let s = case.split(after).nth(1).unwrap_or_else(|| panic!("no {after:?} in {case}"));
-        s.split(['-', ')', ',']).take(2).map(|v| v.parse().unwrap()).collect()
+    assert_eq!(r["rounds"], 6, "{r}");
+    let pair = |k: &str| -> Vec<f64> {
+        r[k].as_array().unwrap_or_else(|| panic!("no {k}: {r}")).iter().map(|v| v.as_f64().unwrap()).collect()
     };
-    let (ci, range) = (bounds("95% CI "), bounds("range "));
+    let (ci, range) = (pair("ci95"), pair("range"));
     let m = r["engine_x"].as_f64().unwrap();
-    assert!(range[0] > 0.0 && range[0] <= ci[0] && ci[1] <= range[1], "CI outside the range: {case}");
-    assert!(ci[0] <= m + 0.005 && m <= ci[1] + 0.005, "{m} outside the CI: {case}");
+    assert!(range[0] > 0.0 && range[0] <= ci[0] && ci[0] <= ci[1] && ci[1] <= range[1], "{r}");
+    assert!(ci[0] <= m && m <= ci[1], "{m} outside the CI: {r}");
+    // With 6 rounds the interval is the smallest and largest ratio (P(X = 0) = 1/64).
+    assert_eq!(ci, range, "{r}");
+    let label = format!("95% CI {:.2}-{:.2}, range {:.2}-{:.2}", ci[0], ci[1], range[0], range[1]);
+    assert!(case.contains(&label), "{case} lacks {label}");
+    let json = temp_path("rounds-check.json");
+    std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": rows}).to_string()).unwrap();
+    if let Ok(o) =
+        Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output()
+    {
+        assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
+        // And it refuses an interval that does not hold the median.
+        let mut bad = rows.clone();
+        for r in bad.iter_mut().filter(|r| r.get("engine_x").is_some()) {
+            r["ci95"] = serde_json::json!([m + 1.0, m + 2.0]);
+            r["range"] = serde_json::json!([0.0, m + 3.0]);
+        }
+        std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": bad}).to_string()).unwrap();
+        let o =
+            Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output();
+        let o = o.unwrap();
+        assert!(!o.status.success(), "check_json.py took a CI without its median");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("outside ci95"), "{o:?}");
+    }
+    let _ = std::fs::remove_file(&json);
 }
 
 #[test]
