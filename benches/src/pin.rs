@@ -91,16 +91,22 @@ pub fn unpinned(cmd: &mut std::process::Command) -> &mut std::process::Command {
 /// Makes `cmd`'s child run on `cpu` only (`None`: as [`unpinned`]): a tool measured beside a
 /// pinned raw loop gets the same CPUs (fabtests' server and client are one thread each).
 pub fn child_on(cmd: &mut std::process::Command, cpu: Option<usize>) -> &mut std::process::Command {
-    match cpu.filter(|&c| c < libc::CPU_SETSIZE as usize) {
-        Some(c) => {
-            // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
-            let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-            // SAFETY: `c` is below CPU_SETSIZE (filtered above), so CPU_SET stays inside `set`.
-            unsafe { libc::CPU_SET(c, &mut set) };
-            child_mask(cmd, set)
-        }
+    match cpu.and_then(only) {
+        Some(set) => child_mask(cmd, set),
         None => unpinned(cmd),
     }
+}
+
+/// The mask of `cpu` alone (`None` past `CPU_SETSIZE`).
+fn only(cpu: usize) -> Option<libc::cpu_set_t> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return None;
+    }
+    // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` is below CPU_SETSIZE (checked above), so CPU_SET stays inside `set`.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    Some(set)
 }
 
 /// `cmd`'s child sets its affinity to `set` before exec.
@@ -134,12 +140,8 @@ pub struct Pinned {
 impl Pinned {
     /// Pins the calling thread to `cpu` (`None`: leaves it as it is).
     pub fn to(cpu: Option<usize>) -> Option<Pinned> {
-        let cpu = cpu.filter(|&c| c < libc::CPU_SETSIZE as usize)?;
+        let new = only(cpu?)?;
         let old = thread_mask()?;
-        // SAFETY: cpu_set_t is plain data for which all-zeroes is the empty set.
-        let mut new: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `cpu` is below CPU_SETSIZE (filtered above), so CPU_SET stays inside `new`.
-        unsafe { libc::CPU_SET(cpu, &mut new) };
         set_thread_mask(&new).then_some(Pinned { old, _thread: PhantomData })
     }
 }
