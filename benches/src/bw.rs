@@ -130,7 +130,8 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let ext = external_pattern(&patterns);
     let passes = passes(&counts, !matches!(ctx.o.mode, ReactorMode::BusyPoll));
     // Each side's NIC CPU (raw loop, reactor) and app CPU (this runtime's thread).
-    let (nic, app) = match pin::plan_bw() {
+    let plan = pin::plan_bw();
+    let (nic, app) = match plan {
         Some(p) if ctx.lead => (Some(p[0]), Some(p[1])),
         Some(p) => (Some(p[2]), Some(p[3])),
         None => (None, None),
@@ -149,10 +150,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let with_ft = ctx.o.fabtests.is_some();
     let ft = match &ctx.o.fabtests {
         // On the CPUs of the raw loop's two threads (the leader's and the peer's NIC CPU).
-        Some(dir) if ctx.lead => Some(
-            Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?
-                .pinned(pin::plan_bw().map(|p| [p[0], p[2]])),
-        ),
+        Some(dir) if ctx.lead => {
+            Some(Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?.pinned(plan.map(|p| [p[0], p[2]])))
+        }
         _ => None,
     };
     let (mut p, mut f) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);

@@ -183,7 +183,7 @@ mod tests {
         .unwrap();
     }
 
-    /// A child started from a pinned thread, and a thread made by it, get the start mask.
+    /// `child_on(Some(cpu))` runs a child on that CPU alone; `None` leaves it the start mask.
     #[test]
     fn child_on_runs_a_child_on_that_cpu_only() {
         let allowed = allowed().unwrap();
@@ -201,6 +201,7 @@ mod tests {
         }
     }
 
+    /// A child started from a pinned thread, and a thread made by it, get the start mask.
     #[test]
     fn children_and_new_threads_get_the_start_mask_back() {
         std::thread::spawn(|| {

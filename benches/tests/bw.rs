@@ -103,11 +103,7 @@ fn rounds_give_a_row_of_per_round_ratios() {
     assert_eq!(ci, range, "{r}");
     let label = format!("95% CI {:.2}-{:.2}, range {:.2}-{:.2}", ci[0], ci[1], range[0], range[1]);
     assert!(case.contains(&label), "{case} lacks {label}");
-    let json = temp_path("rounds-check.json");
-    std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": rows}).to_string()).unwrap();
-    if let Ok(o) =
-        Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output()
-    {
+    if let Some(o) = check_json("rounds-check", &rows) {
         assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
         // And it refuses an interval that does not hold the median.
         let mut bad = rows.clone();
@@ -115,14 +111,19 @@ fn rounds_give_a_row_of_per_round_ratios() {
             r["ci95"] = serde_json::json!([m + 1.0, m + 2.0]);
             r["range"] = serde_json::json!([0.0, m + 3.0]);
         }
-        std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": bad}).to_string()).unwrap();
-        let o =
-            Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output();
-        let o = o.unwrap();
+        let o = check_json("rounds-check-bad", &bad).expect("python3 ran a moment ago");
         assert!(!o.status.success(), "check_json.py took a CI without its median");
         assert!(String::from_utf8_lossy(&o.stderr).contains("outside ci95"), "{o:?}");
     }
+}
+
+/// `benches/check_json.py` run on a report of `rows` (tcp); `None` where there is no python3.
+fn check_json(name: &str, rows: &[Value]) -> Option<std::process::Output> {
+    let json = temp_path(&format!("{name}.json"));
+    std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": rows}).to_string()).unwrap();
+    let o = Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output();
     let _ = std::fs::remove_file(&json);
+    o.ok()
 }
 
 #[test]
@@ -145,14 +146,9 @@ fn hot_and_cold_rows_for_engine_and_raw() {
     }
     assert_eq!(rows.len(), 4, "{rows:?}");
     // The shape CI checks (benches/check_json.py, when python3 is there).
-    let json = temp_path("hot-cold-check.json");
-    std::fs::write(&json, serde_json::json!({"provider": "tcp", "results": rows}).to_string()).unwrap();
-    if let Ok(o) =
-        Command::new("python3").arg("benches/check_json.py").arg(&json).current_dir(crate_dir()).output()
-    {
+    if let Some(o) = check_json("hot-cold-check", &rows) {
         assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
     }
-    let _ = std::fs::remove_file(&json);
 }
 
 #[test]
