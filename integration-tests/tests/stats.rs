@@ -66,6 +66,38 @@ async fn writes_add_up_on_nic_peer_and_counter() {
         all_done(ws.peer(peer).expect("peer entry"), N as u64, (N * S) as u64);
         assert!(ws.reactor.passes > 0 && rs.reactor.passes > 0, "{ws}\n{rs}");
         assert!(ws.reactor.polling <= ws.reactor.uptime);
+        // Untimed (`time_reactor` off): no clock was read for these.
+        for s in [&ws, &rs] {
+            let r = &s.reactor;
+            assert!(r.in_post.is_zero() && r.in_poll.is_zero() && r.completing.is_zero(), "{s}");
+        }
+        w.shutdown();
+        r.shutdown();
+    }
+}
+
+/// `EngineBuilder::time_reactor`: the writer's reactor reports time in NIC posts, in NIC
+/// polls and completing the writes; the receiver's in NIC polls (where the arrivals are read);
+/// no engine reports more of it than it has been up (passes never overlap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_reactor_splits_its_time_between_nic_calls_and_completions() {
+    const N: usize = 32;
+    const S: usize = 64 << 10;
+    for p in providers() {
+        let w = Engine::builder().provider(p.as_str()).time_reactor(true).build().expect("writer");
+        let r = Engine::builder().provider(p.as_str()).time_reactor(true).build().expect("receiver");
+        let (ws, rs, peer) = run(&w, &r, N, S).await;
+        eprintln!("{p}: timed writer:\n{ws}\n{p}: timed receiver:\n{rs}");
+        all_done(ws.peer(peer).expect("peer entry"), N as u64, (N * S) as u64);
+        let (a, b) = (&ws.reactor, &rs.reactor);
+        assert!(!a.in_post.is_zero() && !a.in_poll.is_zero() && !a.completing.is_zero(), "{p} writer: {ws}");
+        assert!(!b.in_poll.is_zero() && !b.completing.is_zero(), "{p} receiver: {rs}");
+        for s in [&ws, &rs] {
+            let r = &s.reactor;
+            assert!(r.in_post + r.in_poll + r.completing <= r.uptime, "{p}: {s}");
+        }
+        let shown = ws.to_string();
+        assert!(shown.contains("in NIC posts") && shown.contains("completing"), "{shown}");
         w.shutdown();
         r.shutdown();
     }

@@ -50,6 +50,10 @@ impl EngineStats {
         metrics::counter!("fabric_reactor_wakeups_total", &e).absolute(r.wakeups);
         metrics::gauge!("fabric_reactor_slept_seconds", &e).set(r.slept.as_secs_f64());
         metrics::gauge!("fabric_reactor_polling_seconds", &e).set(r.polling.as_secs_f64());
+        // Zero unless `EngineBuilder::time_reactor`.
+        metrics::gauge!("fabric_reactor_post_seconds", &e).set(r.in_post.as_secs_f64());
+        metrics::gauge!("fabric_reactor_poll_seconds", &e).set(r.in_poll.as_secs_f64());
+        metrics::gauge!("fabric_reactor_completing_seconds", &e).set(r.completing.as_secs_f64());
         for c in &self.counters {
             let l = [("engine", engine.to_string()), ("imm", c.imm.to_string())];
             metrics::counter!("fabric_counter_arrivals_total", &l).absolute(c.arrivals);

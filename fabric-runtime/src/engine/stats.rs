@@ -75,6 +75,23 @@ pub struct ReactorStats {
     pub slept: Duration,
     /// Time the reactor was awake: polling, posting, completing, spinning (`uptime - slept`).
     pub polling: Duration,
+    /// Time inside the NIC backends' post calls (operations and receive buffers), where a
+    /// provider may also do the transfer's work (libfabric `tcp` sends on the posting
+    /// thread; `shm` waits there for the target's lock). Zero unless
+    /// [`EngineBuilder::time_reactor`](crate::EngineBuilder::time_reactor).
+    pub in_post: Duration,
+    /// Time inside the NIC backends' poll calls (reading completion queues, which drives a
+    /// libfabric provider's progress: socket reads and writes on `tcp`, the target's copy
+    /// on `shm`). Zero unless `time_reactor`.
+    pub in_poll: Duration,
+    /// Time handling what the polls returned: completing futures (waking their tasks),
+    /// counting arrivals, delivering messages. Zero unless `time_reactor`.
+    ///
+    /// `in_post + in_poll` is the NICs' share of the reactor's time, `completing` the
+    /// engine's own per-completion work; the rest of `polling` is passes that found nothing
+    /// to do (spinning or yielding) and the loop itself. `fabric-bench bw --time-calls` sets
+    /// these per write beside the raw provider loop's (`docs/performance.md`).
+    pub completing: Duration,
 }
 
 /// One immediate value's counter.
@@ -168,6 +185,15 @@ impl fmt::Display for EngineStats {
             r.slept.as_secs_f64(),
             r.polling.as_secs_f64()
         )?;
+        if !(r.in_post + r.in_poll + r.completing).is_zero() {
+            write!(
+                f,
+                " (in NIC posts {:.3} s, in NIC polls {:.3} s, completing {:.3} s)",
+                r.in_post.as_secs_f64(),
+                r.in_poll.as_secs_f64(),
+                r.completing.as_secs_f64()
+            )?;
+        }
         for c in &self.counters {
             write!(
                 f,
@@ -207,6 +233,9 @@ impl Engine {
             uptime,
             slept,
             polling: uptime.saturating_sub(slept),
+            in_post: Duration::from_nanos(r.post_ns.load(Ordering::Relaxed)),
+            in_poll: Duration::from_nanos(r.poll_ns.load(Ordering::Relaxed)),
+            completing: Duration::from_nanos(r.complete_ns.load(Ordering::Relaxed)),
         };
         let cells: Vec<_> = lock(&self.shared().counters).map.values().cloned().collect();
         let mut counters: Vec<CounterStats> = cells

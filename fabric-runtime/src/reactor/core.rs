@@ -23,7 +23,7 @@ use crate::shared::events::PeerEvent;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::Notify;
 use crate::shared::queue::{OpKind, QueueState, Submission};
-use crate::shared::stats::{bump, OpCounters};
+use crate::shared::stats::{bump, OpCounters, ReactorCounters};
 use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
 use crate::sys;
@@ -314,9 +314,12 @@ impl<D: Domain> Core<D> {
     fn post_recv(&mut self, d: usize, slot: u32) -> Result<()> {
         let local = self.recv_pools[d].slot(slot);
         let token = RECV_TAG | (d as u64) << 32 | slot as u64;
+        let t = self.clock();
         // SAFETY: the pool memory is registered with domain `d` and lives until `close`,
         // after the domain is gone.
-        match unsafe { self.domains[d].post(token, &Op::Recv { local }) } {
+        let posted = unsafe { self.domains[d].post(token, &Op::Recv { local }) };
+        ReactorCounters::charge(&self.shared.stats.reactor.post_ns, t);
+        match posted {
             Ok(()) => Ok(()),
             Err(PostError::Again) => {
                 // Receive queue full: keep the slot and try again on the next message.
@@ -607,10 +610,13 @@ impl<D: Domain> Core<D> {
             }
             _ => unreachable!(),
         };
+        let t = self.clock();
         // SAFETY: local memory is either a user region kept alive by `keep` (stored in the
         // slab until the completion) or a pool slot owned by the reactor; both are
         // registered with `domain`.
-        match unsafe { self.domains[domain].post(token, &op) } {
+        let posted = unsafe { self.domains[domain].post(token, &op) };
+        ReactorCounters::charge(&self.shared.stats.reactor.post_ns, t);
+        match posted {
             Ok(()) => {
                 let (notify, keep) = match s {
                     Submission::Op { notify, keep, .. } => (notify, keep),
@@ -689,6 +695,11 @@ impl<D: Domain> Core<D> {
         posted
     }
 
+    /// The clock, where the reactor times its calls (`EngineBuilder::time_reactor`).
+    fn clock(&self) -> Option<Instant> {
+        self.cfg.time_calls.then(Instant::now)
+    }
+
     fn has_pending(&self) -> bool {
         !self.pending_peers.is_empty()
     }
@@ -697,13 +708,18 @@ impl<D: Domain> Core<D> {
         let mut any = false;
         for d in 0..self.domains.len() {
             let mut comps = std::mem::take(&mut self.completions);
-            match self.domains[d].poll(&mut comps, POLL_BATCH) {
+            let t = self.clock();
+            let polled = self.domains[d].poll(&mut comps, POLL_BATCH);
+            ReactorCounters::charge(&self.shared.stats.reactor.poll_ns, t);
+            match polled {
                 Ok(0) => {}
                 Ok(_) => {
                     any = true;
+                    let t = self.clock();
                     for c in comps.drain(..) {
                         self.complete(d, c);
                     }
+                    ReactorCounters::charge(&self.shared.stats.reactor.complete_ns, t);
                 }
                 Err(e) => tracing::error!(domain = d, error = %e, "polling the completion queue failed"),
             }

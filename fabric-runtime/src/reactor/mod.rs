@@ -92,6 +92,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) await_spin: Duration,
     /// Post on the submitter's thread while the reactor thread sleeps.
     pub(crate) direct_post: bool,
+    /// `EngineBuilder::time_reactor`: time the backends' post and poll calls.
+    pub(crate) time_calls: bool,
 }
 
 /// How long the reactor thread of an `Inline` engine sleeps while callers drive the NICs,

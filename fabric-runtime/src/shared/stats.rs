@@ -74,6 +74,11 @@ pub(crate) struct ReactorCounters {
     /// While asleep: when the sleep began, in ns since `started`, plus one; 0 while awake
     /// (so a snapshot counts a sleep in progress as sleep).
     pub(crate) asleep_since: AtomicU64,
+    /// `EngineBuilder::time_reactor`: ns inside the backends' post calls, their poll calls,
+    /// and handling what the polls returned.
+    pub(crate) post_ns: AtomicU64,
+    pub(crate) poll_ns: AtomicU64,
+    pub(crate) complete_ns: AtomicU64,
 }
 
 impl ReactorCounters {
@@ -82,6 +87,13 @@ impl ReactorCounters {
         bump(&self.sleeps, 1);
         let ns = now.saturating_duration_since(self.started).as_nanos() as u64;
         self.asleep_since.store(ns + 1, Ordering::Relaxed);
+    }
+
+    /// Adds the time since `t` (a clock read by a timed reactor; `None`: untimed) to `c`.
+    pub(crate) fn charge(c: &AtomicU64, t: Option<Instant>) {
+        if let Some(t) = t {
+            bump(c, t.elapsed().as_nanos() as u64);
+        }
     }
 
     /// The sleep that began at `began` is over; a file descriptor ended it if `woken`.
@@ -114,6 +126,9 @@ impl Stats {
                 wakeups: AtomicU64::new(0),
                 slept_ns: AtomicU64::new(0),
                 asleep_since: AtomicU64::new(0),
+                post_ns: AtomicU64::new(0),
+                poll_ns: AtomicU64::new(0),
+                complete_ns: AtomicU64::new(0),
             },
         }
     }
