@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use fabric_async::ReactorMode;
 
+use crate::account::{Account, Burst, Calls, Who};
 use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
 use crate::measure::{gbps, human, median};
@@ -159,6 +160,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let (mut raw, mut side, mut watch) = (None, None, None);
     let steps = (passes.len() * patterns.len() * sizes.len() * reps) as f64;
     let mut step = 0;
+    // `--time-calls`: this side's bursts (the engine of the first domain count, the raw loop).
+    let timed = ctx.o.time_calls;
+    let mut acct = Account::default();
     for (i, pass) in passes.iter().enumerate() {
         if i > 0 {
             ctx.barrier("bw-pass-end").await?;
@@ -168,7 +172,7 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         drop(side.take());
         side = match pass.engine {
             Some(d) => {
-                let mut b = builder_domains(&ctx.o, d).mode(ctx.o.mode);
+                let mut b = builder_domains(&ctx.o, d).mode(ctx.o.mode).time_reactor(timed);
                 if let Some(c) = nic {
                     b = b.pin_core(c);
                 }
@@ -183,7 +187,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             watch = Some(w);
         }
         if pass.raw && raw.is_none() {
-            raw = Some(raw_side(ctx, len).await?);
+            let mut r = raw_side(ctx, len).await?;
+            r.time_calls(timed);
+            raw = Some(r);
         }
         for &pat in &patterns {
             for (k, &size) in sizes.iter().enumerate() {
@@ -211,13 +217,21 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     for raw_turn in [raw_first, !raw_first] {
                         if !raw_turn {
                             if let (Some(s), Some(d)) = (&side, pass.engine) {
-                                if ctx.lead {
+                                let before = Calls::of_engine(&s.engine.stats());
+                                let t = if ctx.lead {
                                     let t = engine_stream(s, size, ops, window, pat).await?;
                                     let v = gbps(size as u64 * ops, t);
                                     e.entry((d, pat, k)).or_default().push(v);
                                     ev = Some((d, v));
+                                    t
                                 } else {
+                                    let t0 = std::time::Instant::now();
                                     engine_absorb(s, ops, size).await?;
+                                    t0.elapsed()
+                                };
+                                if timed && d == counts[0] {
+                                    let calls = Calls::of_engine(&s.engine.stats()).since(before);
+                                    acct.push(Who::Engine, pat, k, Burst { calls, wall: t, writes: ops });
                                 }
                             }
                             continue;
@@ -226,7 +240,8 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                             continue;
                         }
                         let w = window as u64;
-                        let r2 = if ctx.lead {
+                        let before = raw.as_ref().map(|r| r.calls()).unwrap_or_default();
+                        let (r2, t) = if ctx.lead {
                             let (r2, t) = on_thread(raw.take().expect("raw"), move |r| {
                                 let _nic = Pinned::to(nic);
                                 r.stream(size, ops, w, (IMM_DATA, IMM_ACK), pat)
@@ -235,15 +250,21 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                             let v = gbps(size as u64 * ops, t);
                             b.entry((pat, k)).or_default().push(v);
                             rv = Some(v);
-                            r2
+                            (r2, t)
                         } else {
-                            on_thread(raw.take().expect("raw"), move |r| {
+                            let t0 = std::time::Instant::now();
+                            let r2 = on_thread(raw.take().expect("raw"), move |r| {
                                 let _nic = Pinned::to(nic);
                                 r.absorb(ops, IMM_DATA, IMM_ACK)
                             })
                             .await?
-                            .0
+                            .0;
+                            (r2, t0.elapsed())
                         };
+                        if timed {
+                            let calls = r2.calls().since(before);
+                            acct.push(Who::Raw, pat, k, Burst { calls, wall: t, writes: ops });
+                        }
                         raw = Some(r2);
                     }
                     if let (Some((d, ev)), Some(v)) = (ev, rv) {
@@ -280,6 +301,17 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
             }
         }
     }
+    // The receiving side's bursts go to the leader, which makes both sides' rows.
+    let peer_acct = if timed {
+        let theirs = ctx.swap("bw-time", if ctx.lead { Vec::new() } else { acct.encode() }).await?;
+        if ctx.lead {
+            Some(Account::decode(&theirs)?)
+        } else {
+            None
+        }
+    } else {
+        None
+    };
     if ctx.lead {
         let several = counts.len() > 1 || counts[0] > 1;
         let ft_tool =
@@ -321,6 +353,14 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                         );
                         rep.push(Row::new("bw", &what, "x", m).size(size).pattern(pat).domains(d).rounds(k));
                     }
+                }
+            }
+        }
+        if let Some(peer) = &peer_acct {
+            for &pat in &patterns {
+                for (k, &size) in sizes.iter().enumerate() {
+                    acct.rows(rep, "sender", pat, k, size);
+                    peer.rows(rep, "receiver", pat, k, size);
                 }
             }
         }

@@ -26,6 +26,7 @@
 //! `measure.rs` (CPU, RSS, percentiles, units), `report.rs` (table, JSON, plot),
 //! `progress.rs` (the progress display). This file parses the command line and dispatches.
 
+mod account;
 mod bw;
 mod fabtests;
 mod gpu;
@@ -169,6 +170,13 @@ struct Cli {
     /// and runs the reactor passes itself instead of being woken by the reactor thread.
     #[arg(long, global = true)]
     watch: bool,
+    /// bw: time each side's NIC thread (the engine's reactor, EngineBuilder::time_reactor, and
+    /// the raw loop's thread) inside the provider's post and poll calls and in completion
+    /// handling; rows `bw-time` give per write the NIC calls' microseconds and the engine's
+    /// completion work, and each thread's busy share of the burst, sender and receiver
+    /// (docs/performance.md). Two clock reads per call, in both.
+    #[arg(long, global = true)]
+    time_calls: bool,
     /// Every test's engines: a pending future runs reactor passes on its own thread
     /// for up to US microseconds before it parks (EngineBuilder::await_spin; Event, Adaptive
     /// and BusyPoll mode) [default: 0, or FABRIC_AWAIT_SPIN_US].
@@ -330,6 +338,8 @@ pub struct Opts {
     pub await_spin: Option<Duration>,
     /// `--watch`: bw's engines get a `CompletionWatch`.
     pub watch: bool,
+    /// `--time-calls`: bw times each side's NIC thread (`account.rs`).
+    pub time_calls: bool,
 }
 
 impl Opts {
@@ -386,6 +396,7 @@ impl From<Cli> for Opts {
             staging_chunk: c.staging_chunk,
             rounds: c.rounds,
             watch: c.watch,
+            time_calls: c.time_calls,
             await_spin: c.await_spin.map(Duration::from_micros),
         }
     }

@@ -125,6 +125,10 @@ pub struct Raw<D: Domain = AnyDomain> {
     outstanding: u64,
     /// `sched_yield` after a poll that found nothing (experiment: `FABRIC_BENCH_RAW_YIELD=1`).
     yield_idle: bool,
+    /// `bw --time-calls`: the time inside the domain's post and poll calls, as a timed
+    /// engine's reactor keeps it (`EngineBuilder::time_reactor`).
+    timed: bool,
+    calls: crate::account::Calls,
 }
 
 impl Raw {
@@ -163,8 +167,24 @@ impl<D: Domain> Raw<D> {
             next_token: 0,
             outstanding: 0,
             yield_idle: std::env::var_os("FABRIC_BENCH_RAW_YIELD").is_some_and(|v| v == "1"),
+            timed: false,
+            calls: Default::default(),
         };
         Ok((raw, mine))
+    }
+
+    /// Times the domain's post and poll calls from now on (`bw --time-calls`).
+    pub fn time_calls(&mut self, on: bool) {
+        self.timed = on;
+    }
+
+    /// The time inside the domain's calls so far (zero unless [`Raw::time_calls`]).
+    pub fn calls(&self) -> crate::account::Calls {
+        self.calls
+    }
+
+    fn clock(&self) -> Option<Instant> {
+        self.timed.then(Instant::now)
     }
 
     /// Adds the other side from its `open` bytes and posts the receive buffers. Both sides
@@ -189,8 +209,13 @@ impl<D: Domain> Raw<D> {
             desc: self.reg.local,
         };
         loop {
+            let t = self.clock();
             // SAFETY: the slot lies in our registered buffer, alive until Drop.
-            match unsafe { self.dom.post(RECV_TAG | i as u64, &Op::Recv { local }) } {
+            let posted = unsafe { self.dom.post(RECV_TAG | i as u64, &Op::Recv { local }) };
+            if let Some(t) = t {
+                self.calls.post += t.elapsed();
+            }
+            match posted {
                 Ok(()) => return Ok(()),
                 Err(PostError::Again) => self.poll()?,
                 Err(PostError::Failed(e)) => return Err(e.into()),
@@ -204,7 +229,12 @@ impl<D: Domain> Raw<D> {
     fn poll(&mut self) -> Result<(), BoxError> {
         self.dom.flush();
         let mut comps = std::mem::take(&mut self.comps);
-        if self.dom.poll(&mut comps, 64)? == 0 && self.yield_idle {
+        let t = self.clock();
+        let polled = self.dom.poll(&mut comps, 64);
+        if let Some(t) = t {
+            self.calls.poll += t.elapsed();
+        }
+        if polled? == 0 && self.yield_idle {
             std::thread::yield_now();
         }
         for c in comps.drain(..) {
@@ -233,8 +263,13 @@ impl<D: Domain> Raw<D> {
         let remote = RemoteSlice { addr: self.remote_base + off as u64, key: self.remote_key };
         let op = Op::Write { peer: self.peer, local, remote, imm: Some(imm) };
         self.next_token += 1;
+        let t = self.clock();
         // SAFETY: the local range lies in our registered buffer, alive until Drop.
-        match unsafe { self.dom.post(self.next_token, &op) } {
+        let posted = unsafe { self.dom.post(self.next_token, &op) };
+        if let Some(t) = t {
+            self.calls.post += t.elapsed();
+        }
+        match posted {
             Ok(()) => {
                 self.outstanding += 1;
                 Ok(true)

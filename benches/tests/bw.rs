@@ -51,6 +51,16 @@ fn temp_path(name: &str) -> PathBuf {
 
 /// Runs bw with `args` plus `--json`, checks it passed; the sweep's rows of the JSON.
 fn bw_rows(name: &str, args: &[&str]) -> Vec<Value> {
+    let (rows, out) = report_rows(name, args);
+    // The sweep's rows (not iperf3's, which has no pattern).
+    let rows: Vec<Value> =
+        rows.into_iter().filter(|r| r["test"] == "bw" && r.get("pattern").is_some()).collect();
+    assert!(!rows.is_empty(), "no bw rows:\n{out}");
+    rows
+}
+
+/// Runs bw with `args` plus `--json`, checks it passed: every row of the JSON, and stdout.
+fn report_rows(name: &str, args: &[&str]) -> (Vec<Value>, String) {
     let json = temp_path(&format!("{name}.json"));
     let plot = temp_path(&format!("{name}.png"));
     let mut a = vec!["bw", "--json", json.to_str().unwrap(), "--plot", plot.to_str().unwrap()];
@@ -61,16 +71,7 @@ fn bw_rows(name: &str, args: &[&str]) -> Vec<Value> {
     let _ = std::fs::remove_file(&json);
     let _ = std::fs::remove_file(&plot);
     eprintln!("{out}");
-    // The sweep's rows (not iperf3's, which has no pattern).
-    let rows: Vec<Value> = doc["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["test"] == "bw" && r.get("pattern").is_some())
-        .cloned()
-        .collect();
-    assert!(!rows.is_empty(), "no bw rows:\n{out}");
-    rows
+    (doc["results"].as_array().unwrap().clone(), out)
 }
 
 fn positive(r: &Value, key: &str) -> bool {
@@ -115,6 +116,43 @@ fn rounds_give_a_row_of_per_round_ratios() {
         assert!(!o.status.success(), "check_json.py took a CI without its median");
         assert!(String::from_utf8_lossy(&o.stderr).contains("outside ci95"), "{o:?}");
     }
+}
+
+/// `--time-calls`: for the size, each side's `bw-time` rows: the NIC thread's microseconds
+/// in the provider's post and poll calls per write (engine beside raw loop, both timed), its
+/// busy share of the burst (at most the whole burst; a little over only by a call that began
+/// before the burst did), and the engine's completion work per write. Without the flag there
+/// are none.
+#[test]
+fn time_calls_account_for_each_sides_nic_thread() {
+    let args = ["--quick", "--rounds", "2", "--buffer", "hot", "--provider", "tcp", "--sizes", "64K"];
+    let (rows, out) = report_rows("time-calls", &[&args[..], &["--time-calls"]].concat());
+    let t: Vec<&Value> = rows.iter().filter(|r| r["test"] == "bw-time").collect();
+    assert_eq!(t.len(), 6, "{out}");
+    for side in ["sender", "receiver"] {
+        let row = |what: &str| {
+            let case = format!("64 KiB hot {side}: {what}");
+            *t.iter()
+                .find(|r| r["case"] == case.as_str())
+                .unwrap_or_else(|| panic!("no row {case:?}:\n{out}"))
+        };
+        let nic = row("NIC calls per write");
+        assert!(
+            positive(nic, "engine_us") && positive(nic, "baseline_us") && positive(nic, "ratio"),
+            "{nic}"
+        );
+        let busy = row("busy share");
+        for k in ["engine_pct", "baseline_pct"] {
+            let v = busy[k].as_f64().unwrap_or(f64::NAN);
+            assert!(v > 0.0 && v <= 105.0, "{side} {k} {v}: {busy}");
+        }
+        assert!(positive(row("completing per write"), "engine_us"), "{side}:\n{out}");
+    }
+    if let Some(o) = check_json("time-calls-check", &rows) {
+        assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let (rows, _) = report_rows("untimed", &args);
+    assert!(rows.iter().all(|r| r["test"] != "bw-time"), "bw-time rows without --time-calls");
 }
 
 /// `benches/check_json.py` run on a report of `rows` (tcp); `None` where there is no python3.
