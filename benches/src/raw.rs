@@ -131,6 +131,13 @@ pub struct Raw<D: Domain = AnyDomain> {
     calls: crate::account::Calls,
 }
 
+/// Adds the time since `t` (read where calls are timed; `None`: untimed) to `total`.
+fn charge(total: &mut Duration, t: Option<Instant>) {
+    if let Some(t) = t {
+        *total += t.elapsed();
+    }
+}
+
 impl Raw {
     /// Opens the provider's domain (as the engine does) and registers `len` bytes (plus a few
     /// receive buffers). Returns the side and the bytes to give to the other side.
@@ -212,9 +219,7 @@ impl<D: Domain> Raw<D> {
             let t = self.clock();
             // SAFETY: the slot lies in our registered buffer, alive until Drop.
             let posted = unsafe { self.dom.post(RECV_TAG | i as u64, &Op::Recv { local }) };
-            if let Some(t) = t {
-                self.calls.post += t.elapsed();
-            }
+            charge(&mut self.calls.post, t);
             match posted {
                 Ok(()) => return Ok(()),
                 Err(PostError::Again) => self.poll()?,
@@ -231,9 +236,7 @@ impl<D: Domain> Raw<D> {
         let mut comps = std::mem::take(&mut self.comps);
         let t = self.clock();
         let polled = self.dom.poll(&mut comps, 64);
-        if let Some(t) = t {
-            self.calls.poll += t.elapsed();
-        }
+        charge(&mut self.calls.poll, t);
         if polled? == 0 && self.yield_idle {
             std::thread::yield_now();
         }
@@ -266,9 +269,7 @@ impl<D: Domain> Raw<D> {
         let t = self.clock();
         // SAFETY: the local range lies in our registered buffer, alive until Drop.
         let posted = unsafe { self.dom.post(self.next_token, &op) };
-        if let Some(t) = t {
-            self.calls.post += t.elapsed();
-        }
+        charge(&mut self.calls.post, t);
         match posted {
             Ok(()) => {
                 self.outstanding += 1;

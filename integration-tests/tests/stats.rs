@@ -20,6 +20,25 @@ fn all_done(s: &OpStats, ops: u64, bytes: u64) {
     assert_eq!(s.backlog, 0, "backlog: {s}");
 }
 
+/// A writer and a receiver on provider `p`, their reactors timed or not
+/// (`EngineBuilder::time_reactor`).
+fn pair(p: &str, timed: bool) -> (Engine, Engine) {
+    let b = || Engine::builder().provider(p).time_reactor(timed);
+    (b().build().expect("writer"), b().build().expect("receiver"))
+}
+
+/// `e`'s stats once its reactor has charged completion work (at most [`WAIT`]).
+async fn settled(e: &Engine) -> EngineStats {
+    let t0 = std::time::Instant::now();
+    loop {
+        let s = e.stats();
+        if !s.reactor.completing.is_zero() || t0.elapsed() > WAIT {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// N write_imm of S bytes from `w` to `r`; returns both engines' stats afterwards.
 async fn run(w: &Engine, r: &Engine, n: usize, s: usize) -> (EngineStats, EngineStats, fabric_async::PeerId) {
     let dst_region = r.alloc(n * s).await.expect("alloc dst");
@@ -57,8 +76,7 @@ async fn writes_add_up_on_nic_peer_and_counter() {
     const N: usize = 32;
     const S: usize = 64 << 10;
     for p in providers() {
-        let w = Engine::builder().provider(p.as_str()).build().expect("writer");
-        let r = Engine::builder().provider(p.as_str()).build().expect("receiver");
+        let (w, r) = pair(&p, false);
         let (ws, rs, peer) = run(&w, &r, N, S).await;
         eprintln!("{p}: writer after {N} x {S} B:\n{ws}\n{p}: receiver:\n{rs}");
         assert_eq!(ws.nics.len(), 1);
@@ -84,9 +102,11 @@ async fn a_timed_reactor_splits_its_time_between_nic_calls_and_completions() {
     const N: usize = 32;
     const S: usize = 64 << 10;
     for p in providers() {
-        let w = Engine::builder().provider(p.as_str()).time_reactor(true).build().expect("writer");
-        let r = Engine::builder().provider(p.as_str()).time_reactor(true).build().expect("receiver");
-        let (ws, rs, peer) = run(&w, &r, N, S).await;
+        let (w, r) = pair(&p, true);
+        let (_, _, peer) = run(&w, &r, N, S).await;
+        // A call's time is added when it returns: the pass that completed the last writes
+        // (and woke this task) may still be finishing.
+        let (ws, rs) = (settled(&w).await, settled(&r).await);
         eprintln!("{p}: timed writer:\n{ws}\n{p}: timed receiver:\n{rs}");
         all_done(ws.peer(peer).expect("peer entry"), N as u64, (N * S) as u64);
         let (a, b) = (&ws.reactor, &rs.reactor);

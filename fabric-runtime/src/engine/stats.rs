@@ -90,7 +90,9 @@ pub struct ReactorStats {
     /// `in_post + in_poll` is the NICs' share of the reactor's time, `completing` the
     /// engine's own per-completion work; the rest of `polling` is passes that found nothing
     /// to do (spinning or yielding) and the loop itself. `fabric-bench bw --time-calls` sets
-    /// these per write beside the raw provider loop's (`docs/performance.md`).
+    /// these per write beside the raw provider loop's (`docs/performance.md`). Each call's
+    /// time is added when it returns, so a snapshot taken while a pass runs (by the task its
+    /// completions just woke, say) lacks that pass's share.
     pub completing: Duration,
 }
 
