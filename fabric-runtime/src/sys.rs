@@ -122,9 +122,48 @@ pub(crate) fn physical_memory() -> Option<u64> {
     u64::try_from(pages).ok().filter(|&p| p > 0).map(|p| p.saturating_mul(page_size() as u64))
 }
 
+/// The transparent huge page size (x86-64, and arm64 with 4 KiB pages): a mapping that asks
+/// for huge pages starts on a multiple of it.
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
 /// Maps `len` (a non-zero multiple of the page size) bytes of zeroed, page-aligned,
 /// read-write anonymous memory. An error (`ENOMEM`), never an abort, when it cannot.
-pub(crate) fn map_zeroed(len: usize) -> io::Result<std::ptr::NonNull<u8>> {
+///
+/// With `huge`, a mapping of at least [`HUGE_PAGE`] bytes starts on a huge-page boundary and
+/// is advised `MADV_HUGEPAGE`: the kernel backs each whole 2 MiB of it with one transparent
+/// huge page where it can (THP `always` or `madvise`, and a free huge page at the first
+/// touch), and with small pages otherwise; either way the memory behaves the same. What it
+/// changes is the cost of every walk over the pages: shm's `process_vm_readv` copy, `ibv_reg_mr`
+/// pinning, the TLB (`docs/performance.md`, fifth pass).
+pub(crate) fn map_zeroed(len: usize, huge: bool) -> io::Result<std::ptr::NonNull<u8>> {
+    if !huge || len < HUGE_PAGE {
+        return map_anonymous(len);
+    }
+    // Over-map by one huge page, then give back the parts before the first boundary and
+    // after `len` bytes from it.
+    let span = len.checked_add(HUGE_PAGE).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))?;
+    let start = map_anonymous(span)?.as_ptr() as usize;
+    let aligned = start.next_multiple_of(HUGE_PAGE);
+    let head = aligned - start;
+    let tail = span - head - len;
+    // SAFETY: `start..aligned` and `aligned+len..start+span` lie inside the mapping just made
+    // (head + len + tail == span), begin on page boundaries (`start`, `aligned` and `len`
+    // are page multiples) and are used by nobody; the kept range is untouched.
+    unsafe {
+        unmap_unused(start, head);
+        unmap_unused(aligned + len, tail);
+    }
+    // SAFETY: advice on a range of our own fresh mapping; it changes how the range is
+    // backed, never what it holds. A kernel without THP refuses it (`EINVAL`): small pages.
+    if unsafe { libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE) } != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), len, "no transparent huge pages for a region");
+    }
+    std::ptr::NonNull::new(aligned as *mut u8).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))
+}
+
+/// An anonymous private read-write mapping of `len` bytes at an address of the kernel's
+/// choosing.
+fn map_anonymous(len: usize) -> io::Result<std::ptr::NonNull<u8>> {
     // SAFETY: an anonymous private mapping at an address of the kernel's choosing; no
     // existing memory is touched.
     let p = unsafe {
@@ -141,6 +180,22 @@ pub(crate) fn map_zeroed(len: usize) -> io::Result<std::ptr::NonNull<u8>> {
         return Err(io::Error::last_os_error());
     }
     std::ptr::NonNull::new(p.cast()).ok_or_else(|| io::Error::from_raw_os_error(libc::ENOMEM))
+}
+
+/// Unmaps `len` bytes at `addr` (nothing when `len` is 0). A failure leaves the range mapped
+/// and untouched: address space, no memory.
+///
+/// # Safety
+///
+/// `addr..addr+len` must be page-aligned, part of a mapping of ours, and unused.
+unsafe fn unmap_unused(addr: usize, len: usize) {
+    if len == 0 {
+        return;
+    }
+    // SAFETY: the caller's contract.
+    if unsafe { libc::munmap(addr as *mut libc::c_void, len) } != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), len, "could not unmap the slack of a mapping");
+    }
 }
 
 /// Gives a mapping made by [`map_zeroed`] back: its pages are freed, but the virtual range

@@ -7,10 +7,11 @@ use std::time::Duration;
 use fabric_async::{Engine, Error, MemoryRegion};
 use integration_tests::providers;
 
-/// Region size. Each region is its own mapping; without the engine's retired ranges the
+/// Region sizes. Each region is its own mapping; without the engine's retired ranges the
 /// kernel places a new mapping of the same size in the hole the dropped one left (which is
-/// how this test fails when `sys::retire_mapping` merely unmaps).
-const LEN: usize = 64 * 1024;
+/// how this test fails when `sys::retire_mapping` merely unmaps). 4 MiB: a region aligned to
+/// huge pages (`EngineBuilder::huge_pages`, on by default), mapped with slack around it.
+const LENS: [usize; 2] = [64 * 1024, 4 << 20];
 /// How many regions of the same size the owner allocates after dropping the first.
 const REALLOCS: usize = 8;
 
@@ -28,18 +29,18 @@ const ROUNDS: usize = 3;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_descriptor_never_lands_in_a_reused_region() {
-    for p in providers() {
+    for (p, len) in providers().into_iter().flat_map(|p| LENS.map(|len| (p.clone(), len))) {
         // A short op_timeout bounds the worst case (shm: see docs/security.md).
         let timeout = Some(Duration::from_secs(3));
         let owner = Engine::builder().provider(p.as_str()).op_timeout(timeout).build().unwrap();
         let mut reused = 0;
         for round in 0..ROUNDS {
             let writer = Engine::builder().provider(p.as_str()).op_timeout(timeout).build().unwrap();
-            let src = writer.alloc(LEN).await.unwrap();
-            src.write_at(0, &vec![0xA5; LEN]).unwrap();
+            let src = writer.alloc(len).await.unwrap();
+            src.write_at(0, &vec![0xA5; len]).unwrap();
 
             // A live region first: the path works and the peer is connected.
-            let first = owner.alloc(LEN).await.unwrap();
+            let first = owner.alloc(len).await.unwrap();
             let first_addr = first.as_ptr() as u64;
             let stale = writer.remote_region(&first.descriptor().to_bytes()).await.unwrap();
             bounded(writer.write(&src, 0, &stale, 0, 64)).await.expect("a write to a live region");
@@ -49,23 +50,23 @@ async fn stale_descriptor_never_lands_in_a_reused_region() {
             // New regions of the same size, where the allocator would like to put them.
             let mut fresh = Vec::new();
             for _ in 0..REALLOCS {
-                let r = owner.alloc(LEN).await.unwrap();
+                let r = owner.alloc(len).await.unwrap();
                 reused += usize::from(r.as_ptr() as u64 == first_addr);
                 fresh.push(r);
             }
-            let r = bounded(writer.write(&src, 0, &stale, 0, LEN as u64)).await;
+            let r = bounded(writer.write(&src, 0, &stale, 0, len as u64)).await;
             // Let anything still in flight land before looking.
             tokio::time::sleep(Duration::from_millis(50)).await;
             for (j, r) in fresh.iter().enumerate() {
-                assert!(all_zero(r), "{p}: round {round}: the stale write landed in new region {j}");
+                assert!(all_zero(r), "{p} {len}: round {round}: the stale write landed in new region {j}");
             }
             assert!(
                 matches!(r, Err(Error::Completion { .. } | Error::PeerUnreachable { .. })),
-                "{p}: round {round}: a write through a stale descriptor: {r:?}"
+                "{p} {len}: round {round}: a write through a stale descriptor: {r:?}"
             );
         }
         eprintln!(
-            "{p}: {reused} of {} new regions were placed at a dropped region's address",
+            "{p}, {len} B: {reused} of {} new regions were placed at a dropped region's address",
             ROUNDS * REALLOCS
         );
     }

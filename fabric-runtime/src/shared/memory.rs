@@ -52,6 +52,17 @@ impl Backing {
     /// machine's physical memory (it could never be backed, and NICs that pin would fail
     /// late), or one the kernel refuses (`ENOMEM`) is an error, never an abort.
     pub(crate) fn zeroed(len: usize, align: usize) -> Result<Backing, Error> {
+        Backing::mapped(len, align, false)
+    }
+
+    /// Zeroed, page-aligned host memory of `len` bytes for a user's region: with `huge`
+    /// (`EngineBuilder::huge_pages`, on by default), from 2 MiB up it is aligned to huge
+    /// pages and advised to use them (`sys::map_zeroed`).
+    pub(crate) fn host(len: usize, huge: bool) -> Result<Backing, Error> {
+        Backing::mapped(len, crate::sys::page_size(), huge)
+    }
+
+    fn mapped(len: usize, align: usize, huge: bool) -> Result<Backing, Error> {
         if len == 0 {
             return Err(Error::Config("cannot register an empty region".into()));
         }
@@ -68,14 +79,14 @@ impl Backing {
         if let Some(phys) = crate::sys::physical_memory().filter(|&p| map_len as u64 > p) {
             return Err(oom(format!("larger than the machine's {phys} bytes of memory")));
         }
-        let ptr = crate::sys::map_zeroed(map_len).map_err(|e| oom(format!("out of memory: {e}")))?;
+        let ptr = crate::sys::map_zeroed(map_len, huge).map_err(|e| oom(format!("out of memory: {e}")))?;
         Ok(Backing { ptr, len, kind: BackingKind::Mapped(map_len) })
     }
 
     /// The bytes of `v` in memory of their own (copied, so that the range can be reserved
     /// when the region goes, which a `Vec`'s heap memory cannot be).
-    pub(crate) fn from_vec(v: Vec<u8>) -> Result<Backing, Error> {
-        let b = Backing::zeroed(v.len(), 1)?;
+    pub(crate) fn from_vec(v: Vec<u8>, huge: bool) -> Result<Backing, Error> {
+        let b = Backing::mapped(v.len(), 1, huge)?;
         // SAFETY: `b` is a fresh mapping of at least `v.len()` bytes, disjoint from `v`.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), b.as_ptr(), v.len()) };
         Ok(b)
@@ -236,7 +247,28 @@ mod tests {
             let r = Backing::zeroed(len, 4096);
             assert!(matches!(r, Err(Error::RegisterMemory { len: l, .. }) if l == len), "{len}");
         }
-        assert!(matches!(Backing::from_vec(Vec::new()), Err(Error::Config(_))));
+        assert!(matches!(Backing::from_vec(Vec::new(), true), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn host_memory_from_two_mib_up_is_aligned_to_huge_pages_and_usable_to_its_last_byte() {
+        let huge = crate::sys::HUGE_PAGE;
+        for (len, on, align) in [
+            (2 * huge + 4096, true, huge),
+            (huge, true, huge),
+            (huge - 4096, true, 4096),
+            (2 * huge, false, 4096),
+        ] {
+            let b = Backing::host(len, on).unwrap();
+            assert_eq!(b.addr() % align as u64, 0, "{len} huge={on}");
+            assert_eq!(b.len(), len);
+            // SAFETY: the backing owns `len` writable bytes; nothing else uses them.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(b.as_ptr(), len) };
+            assert!(bytes.iter().all(|&x| x == 0), "{len}: zeroed");
+            bytes[len - 1] = 7;
+            bytes[0] = 9;
+            assert_eq!((bytes[0], bytes[len - 1]), (9, 7));
+        }
     }
 
     #[test]
@@ -247,7 +279,7 @@ mod tests {
         // SAFETY: the backing owns 5000 readable bytes; nothing else uses them.
         assert!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 5000) }.iter().all(|&x| x == 0));
         let v: Vec<u8> = (0..=255).collect();
-        let b = Backing::from_vec(v.clone()).unwrap();
+        let b = Backing::from_vec(v.clone(), false).unwrap();
         // SAFETY: as above, 256 bytes.
         assert_eq!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 256) }, &v[..]);
     }

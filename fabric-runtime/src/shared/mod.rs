@@ -111,6 +111,8 @@ pub(crate) struct Shared {
     pub(crate) rotation: AtomicUsize,
     /// Every NIC's write completions are delivery-complete ([`Domain::delivery_complete`](crate::provider::Domain::delivery_complete)).
     pub(crate) delivery_complete: bool,
+    /// Host regions from 2 MiB up ask for transparent huge pages (`EngineBuilder::huge_pages`).
+    pub(crate) huge_pages: bool,
     /// Moves while callers of an `Inline` engine run passes (the reactor thread stands by
     /// while it does). Not an exact count: racing callers may each store the same value.
     pub(crate) inline_polls: AtomicU64,
@@ -175,6 +177,7 @@ impl Shared {
             default_opts,
             rotation: AtomicUsize::new(0),
             delivery_complete,
+            huge_pages: true,
             inline_polls: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             direct: OnceLock::new(),
