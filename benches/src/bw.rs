@@ -151,9 +151,11 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let with_ft = ctx.o.fabtests.is_some();
     let ft = match &ctx.o.fabtests {
         // On the CPUs of the raw loop's two threads (the leader's and the peer's NIC CPU).
-        Some(dir) if ctx.lead => {
-            Some(Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?.pinned(plan.map(|p| [p[0], p[2]])))
-        }
+        Some(dir) if ctx.lead => Some(
+            Fabtests::new(dir, &ctx.o.provider, &[fabtests::RMA_BW])?
+                .pinned(plan.map(|p| [p[0], p[2]]))
+                .huge_pages(ctx.o.huge_pages),
+        ),
         _ => None,
     };
     let (mut p, mut f) = (vec![Vec::new(); sizes.len()], vec![Vec::new(); sizes.len()]);
@@ -314,8 +316,11 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     };
     if ctx.lead {
         let several = counts.len() > 1 || counts[0] > 1;
-        let ft_tool =
-            format!("fi_rma_bw -e rdm -o writedata -W {window}{} (hot), Gbit/s", fabtests::extra_label());
+        let ft_tool = format!(
+            "fi_rma_bw -e rdm -o writedata -W {window}{} (hot{}), Gbit/s",
+            fabtests::extra_label(),
+            if ctx.o.huge_pages { ", glibc.malloc.hugetlb=1" } else { "" }
+        );
         for &d in &counts {
             for &pat in &patterns {
                 for (k, &size) in sizes.iter().enumerate() {
@@ -330,6 +335,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     }
                     if let Some(d) = ctx.o.await_spin.filter(|d| !d.is_zero()) {
                         case.push_str(&format!(" [await_spin {} us]", d.as_micros()));
+                    }
+                    if !ctx.o.huge_pages {
+                        case.push_str(" [4 KiB pages]");
                     }
                     let row = Row::new("bw", &case, "gbps", med(e.get(&(d, pat, k))))
                         .size(size)

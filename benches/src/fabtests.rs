@@ -58,6 +58,8 @@ pub struct Fabtests {
     /// The CPUs of the client and of the server (`Fabtests::pinned`); unset: the process's
     /// start mask.
     cpus: [Option<usize>; 2],
+    /// Children run with glibc's `glibc.malloc.hugetlb=1` (`Fabtests::huge_pages`).
+    huge: bool,
 }
 
 /// The figures of one result row.
@@ -110,7 +112,7 @@ impl Fabtests {
                 .into());
             }
         }
-        Ok(Fabtests { dir: dir.to_path_buf(), provider, cpus: [None, None] })
+        Ok(Fabtests { dir: dir.to_path_buf(), provider, cpus: [None, None], huge: false })
     }
 
     /// Runs the client on `cpus[0]` and the server on `cpus[1]`, each on that CPU only (the
@@ -118,6 +120,28 @@ impl Fabtests {
     pub fn pinned(mut self, cpus: Option<[usize; 2]>) -> Fabtests {
         self.cpus = cpus.map_or([None, None], |[c, s]| [Some(c), Some(s)]);
         self
+    }
+
+    /// Runs both sides with glibc's malloc tunable `glibc.malloc.hugetlb=1` (glibc 2.35+;
+    /// added to any `GLIBC_TUNABLES` of this process): their large buffers are advised to use
+    /// transparent huge pages, as the engine's and the raw loop's are with `--huge-pages on`.
+    /// fabtests has no option of its own for it.
+    pub fn huge_pages(mut self, on: bool) -> Fabtests {
+        self.huge = on;
+        self
+    }
+
+    /// The environment of the children: [`Fabtests::huge_pages`]' tunable.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        if !self.huge {
+            return Vec::new();
+        }
+        let mut t = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
+        if !t.is_empty() {
+            t.push(':');
+        }
+        t.push_str("glibc.malloc.hugetlb=1");
+        vec![("GLIBC_TUNABLES", t)]
     }
 
     /// `fi_rma_bw -e rdm -o writedata -W window -S size -I ops`: the writer's Gbit/s.
@@ -151,7 +175,8 @@ impl Fabtests {
         cargs.extend(opts);
         cargs.push("127.0.0.1".into());
         let deadline = Instant::now() + RUN_LIMIT;
-        let mut server = Spawned::start_on(&prog, &sargs, self.cpus[1])?;
+        let env = self.env();
+        let mut server = Spawned::start_on(&prog, &sargs, self.cpus[1], &env)?;
         // The client retries until the server is up (tcp and shm alike); a head start only
         // saves it the retries.
         std::thread::sleep(Duration::from_millis(100));
@@ -164,7 +189,7 @@ impl Fabtests {
             )
             .into());
         }
-        let client = Spawned::start_on(&prog, &cargs, self.cpus[0])?.finish(deadline);
+        let client = Spawned::start_on(&prog, &cargs, self.cpus[0], &env)?.finish(deadline);
         let srv = server.finish(if client.0.is_some() {
             deadline + Duration::from_secs(5)
         } else {
@@ -317,6 +342,13 @@ bytes   iters   total       time     MB/sec    usec/xfer   Mxfers/sec
         let e = Fabtests::new(&dir, "verbs", &[RMA_BW]).unwrap_err().to_string();
         assert!(e.contains("verbs is not supported"), "{e}");
         assert_eq!(provider_arg("shm"), Ok("shm"));
+        // --huge-pages on: both sides get glibc's malloc tunable, after any of this process.
+        let ft = Fabtests { dir: dir.clone(), provider: "shm", cpus: [None, None], huge: false };
+        assert!(ft.env().is_empty());
+        let env = ft.huge_pages(true).env();
+        assert_eq!(env.len(), 1);
+        assert_eq!(env[0].0, "GLIBC_TUNABLES");
+        assert!(env[0].1.ends_with("glibc.malloc.hugetlb=1"), "{env:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

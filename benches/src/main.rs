@@ -182,6 +182,12 @@ struct Cli {
     /// and BusyPoll mode) [default: 0, or FABRIC_AWAIT_SPIN_US].
     #[arg(long, global = true, value_name = "US")]
     await_spin: Option<u64>,
+    /// Host regions of 2 MiB and more, the engine's (EngineBuilder::huge_pages) and the raw
+    /// loop's alike, aligned to 2 MiB and advised to use transparent huge pages; with `on`,
+    /// bw's fi_rma_bw runs with glibc's malloc tunable glibc.malloc.hugetlb=1 to match.
+    /// `off`: 4 KiB pages everywhere (bw's rows say "[4 KiB pages]").
+    #[arg(long, global = true, value_name = "on|off", value_enum, default_value_t = Switch::On)]
+    huge_pages: Switch,
     /// rtt: interleaved rounds, each running every path once [default: 7; --quick: 2].
     /// bw: bursts per size and pattern, engine and raw loop in each, the raw loop first in
     /// every second one [default: 3; --quick: 1].
@@ -206,6 +212,13 @@ enum Tracing {
     Off,
     /// A fmt subscriber at info on stderr.
     On,
+}
+
+/// An option that is on or off.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Switch {
+    On,
+    Off,
 }
 
 /// The tests. `all` runs them in this order.
@@ -340,6 +353,9 @@ pub struct Opts {
     pub watch: bool,
     /// `--time-calls`: bw times each side's NIC thread (`account.rs`).
     pub time_calls: bool,
+    /// `--huge-pages`: engines' `EngineBuilder::huge_pages`, the raw loop's memory, and
+    /// fi_rma_bw's malloc tunable.
+    pub huge_pages: bool,
 }
 
 impl Opts {
@@ -397,6 +413,7 @@ impl From<Cli> for Opts {
             rounds: c.rounds,
             watch: c.watch,
             time_calls: c.time_calls,
+            huge_pages: c.huge_pages == Switch::On,
             await_spin: c.await_spin.map(Duration::from_micros),
         }
     }
@@ -543,6 +560,9 @@ mod tests {
         assert_eq!(opts(&["bw", "--quick"]).unwrap().buffers, [Cold]);
         assert_eq!(opts(&["bw", "--quick", "--buffer", "hot,cold"]).unwrap().buffers, [Hot, Cold]);
         assert_eq!(opts(&["bw", "--buffer", "hot"]).unwrap().buffers, [Hot]);
+        assert!(o.huge_pages, "huge pages by default, as the engine's");
+        assert!(!opts(&["bw", "--huge-pages", "off"]).unwrap().huge_pages);
+        assert!(opts(&["bw", "--huge-pages", "maybe"]).is_err());
         let o = opts(&["bw", "--domains", "1,2,4", "--fabtests", "/x"]).unwrap();
         assert_eq!((o.domains, o.domain_counts.as_slice()), (1, &[1, 2, 4][..]));
         assert_eq!(o.fabtests, Some(PathBuf::from("/x")));

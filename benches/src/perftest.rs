@@ -260,7 +260,7 @@ impl Spawned {
     /// leaves no process behind. The thread outlives the child in every caller: it waits for
     /// the child in [`Spawned::finish`].
     pub(crate) fn start(program: impl AsRef<std::ffi::OsStr>, args: &[String]) -> Res<Spawned> {
-        Spawned::start_on(program, args, None)
+        Spawned::start_on(program, args, None, &[])
     }
 
     /// [`Spawned::start`] with the child on `cpu` only (`None`: the process's start mask).
@@ -268,12 +268,14 @@ impl Spawned {
         program: impl AsRef<std::ffi::OsStr>,
         args: &[String],
         cpu: Option<usize>,
+        env: &[(&str, String)],
     ) -> Res<Spawned> {
         use std::os::unix::process::CommandExt;
         let program = program.as_ref();
         let mut cmd = Command::new(program);
         crate::pin::child_on(&mut cmd, cpu)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

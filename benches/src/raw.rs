@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
+use fabric_runtime::bench_hooks::HostMemory;
 use fabric_runtime::provider::libfabric::{LibfabricConfig, LibfabricDomain};
 use fabric_runtime::provider::verbs::{VerbsConfig, VerbsDomain};
 use fabric_runtime::provider::{
@@ -112,7 +113,8 @@ impl Domain for AnyDomain {
 /// One side of the raw loop over domain `D` (the bench uses [`AnyDomain`]).
 pub struct Raw<D: Domain = AnyDomain> {
     dom: D,
-    buf: Vec<u8>,
+    /// The registered bytes, made as the engine makes a region (`--huge-pages`).
+    buf: HostMemory,
     len: usize,
     reg: Registration,
     peer: PeerHandle,
@@ -141,20 +143,21 @@ fn charge(total: &mut Duration, t: Option<Instant>) {
 impl Raw {
     /// Opens the provider's domain (as the engine does) and registers `len` bytes (plus a few
     /// receive buffers). Returns the side and the bytes to give to the other side.
-    pub fn open(provider: &str, len: usize) -> Result<(Raw, Vec<u8>), BoxError> {
-        Raw::with_domain(AnyDomain::open(provider)?, len)
+    pub fn open(provider: &str, len: usize, huge: bool) -> Result<(Raw, Vec<u8>), BoxError> {
+        Raw::with_domain(AnyDomain::open(provider)?, len, huge)
     }
 }
 
 impl<D: Domain> Raw<D> {
-    /// Registers `len` bytes (plus a few receive buffers) with `dom`. Returns the side and
-    /// the bytes to give to the other side.
-    pub fn with_domain(mut dom: D, len: usize) -> Result<(Raw<D>, Vec<u8>), BoxError> {
+    /// Registers `len` bytes (plus a few receive buffers) with `dom`, in memory made as an
+    /// engine with `huge_pages(huge)` makes a region's. Returns the side and the bytes to
+    /// give to the other side.
+    pub fn with_domain(mut dom: D, len: usize, huge: bool) -> Result<(Raw<D>, Vec<u8>), BoxError> {
         let total = len + RECVS * RECV_SLOT;
-        let buf = vec![0x5au8; total];
-        // SAFETY: `buf` is owned by the returned `Raw`, never reallocated, and is dropped only
-        // after `Drop for Raw` deregistered it.
-        let reg = unsafe { dom.register(buf.as_ptr() as u64, total, MemoryLocation::Host)? };
+        let buf = HostMemory::new(total, huge, 0x5a)?;
+        // SAFETY: `buf` is owned by the returned `Raw`, never moved out of it, and is dropped
+        // only after `Drop for Raw` deregistered it.
+        let reg = unsafe { dom.register(buf.addr(), total, MemoryLocation::Host)? };
         let mut mine = Vec::new();
         let addr = dom.address();
         mine.extend_from_slice(&(addr.len() as u32).to_le_bytes());
@@ -211,7 +214,7 @@ impl<D: Domain> Raw<D> {
 
     fn post_recv(&mut self, i: usize) -> Result<(), BoxError> {
         let local = LocalSlice {
-            addr: self.buf.as_ptr() as u64 + (self.len + i * RECV_SLOT) as u64,
+            addr: self.buf.addr() + (self.len + i * RECV_SLOT) as u64,
             len: RECV_SLOT,
             desc: self.reg.local,
         };
@@ -259,7 +262,7 @@ impl<D: Domain> Raw<D> {
     /// (`len == 0`: imm-only). `Ok(false)`: the queue is full, poll and retry.
     fn try_post(&mut self, off: usize, len: usize, imm: u32) -> Result<bool, BoxError> {
         let local = LocalSlice {
-            addr: if len == 0 { 0 } else { self.buf.as_ptr() as u64 + off as u64 },
+            addr: if len == 0 { 0 } else { self.buf.addr() + off as u64 },
             len,
             desc: if len == 0 { 0 } else { self.reg.local },
         };

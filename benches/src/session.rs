@@ -186,7 +186,7 @@ pub fn builder(o: &Opts) -> fabric_async::EngineBuilder {
 
 /// [`builder`] with `domains` NICs (bw's `--domains 1,2,4`).
 pub fn builder_domains(o: &Opts, domains: usize) -> fabric_async::EngineBuilder {
-    let mut b = Engine::builder().provider(&o.provider);
+    let mut b = Engine::builder().provider(&o.provider).huge_pages(o.huge_pages);
     if let Some(d) = o.await_spin {
         b = b.await_spin(d);
     }
@@ -241,7 +241,7 @@ pub fn fill(r: &MemoryRegion) -> Res<()> {
 }
 
 pub async fn raw_side(ctx: &mut Ctx, len: usize) -> Res<Raw> {
-    let (mut raw, mine) = Raw::open(&ctx.o.provider, len)?;
+    let (mut raw, mine) = Raw::open(&ctx.o.provider, len, ctx.o.huge_pages)?;
     let theirs = ctx.swap("raw", mine).await?;
     raw.connect(&theirs)?;
     on_thread(raw, |r| r.warm_up(IMM_WARM)).await.map(|(r, ())| r)

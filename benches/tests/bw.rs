@@ -183,10 +183,25 @@ fn hot_and_cold_rows_for_engine_and_raw() {
         }
     }
     assert_eq!(rows.len(), 4, "{rows:?}");
+    assert!(
+        rows.iter().all(|r| !r["case"].as_str().unwrap().contains("pages")),
+        "huge pages by default: {rows:?}"
+    );
     // The shape CI checks (benches/check_json.py, when python3 is there).
     if let Some(o) = check_json("hot-cold-check", &rows) {
         assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
     }
+}
+
+/// `--huge-pages off`: engine and raw loop in 4 KiB pages, and the rows say so.
+#[test]
+fn huge_pages_off_is_said_in_the_rows() {
+    let rows =
+        bw_rows("small-pages", &["--quick", "--buffer", "hot", "--sizes", "4M", "--huge-pages", "off"]);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let r = &rows[0];
+    assert!(r["case"].as_str().unwrap().ends_with("[4 KiB pages]"), "{r}");
+    assert!(positive(r, "engine_gbps") && positive(r, "baseline_gbps"), "{r}");
 }
 
 #[test]

@@ -169,6 +169,43 @@ impl BenchReactor {
     }
 }
 
+/// Host memory made as the engine makes a region's ([`Engine::alloc`](crate::Engine::alloc)):
+/// `fabric-bench`'s raw loop copies from and into the same kind of pages as the engine it
+/// is compared with (`huge`: [`EngineBuilder::huge_pages`](crate::EngineBuilder::huge_pages)).
+/// Filled with `fill`; freed (and its range reserved, as a region's) when dropped.
+pub struct HostMemory(crate::shared::memory::Backing);
+
+impl HostMemory {
+    /// `len` bytes of `fill`.
+    pub fn new(len: usize, huge: bool, fill: u8) -> Result<HostMemory> {
+        let b = crate::shared::memory::Backing::host(len, huge)?;
+        // SAFETY: a fresh mapping of `len` writable bytes that nothing else uses yet.
+        unsafe { std::ptr::write_bytes(b.as_ptr(), fill, len) };
+        Ok(HostMemory(b))
+    }
+
+    /// The first byte's address.
+    pub fn addr(&self) -> u64 {
+        self.0.addr()
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Never: an empty mapping is refused by [`HostMemory::new`].
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+}
+
+impl fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostMemory").field("addr", &self.addr()).field("len", &self.len()).finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
