@@ -2,7 +2,8 @@
 //! NIC, compiled only with the `bench-hooks` feature: the counter table (an immediate's counter found or created, as the reactor
 //! dispatches `Completion::Imm`) and the wake path (a caller's submission, the
 //! `has_items` / eventfd decision, the reactor taking the queue, and the completion that
-//! wakes the parked future). Not part of the API: hidden from the docs.
+//! wakes the parked future). Also [`HostMemory`], the raw loop's buffer, made as the engine
+//! makes a region's. Not part of the API: hidden from the docs.
 //!
 //! [`BenchReactor`] holds a real `Shared` (queue, counter table, eventfd) and no reactor
 //! thread: the bench plays the reactor. Caller-side steps are the engine's own functions
