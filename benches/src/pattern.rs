@@ -66,11 +66,16 @@ pub fn parse_list(s: &str) -> Result<Vec<Pattern>, String> {
     Ok(v)
 }
 
+/// The least bw registers per side: 4 MiB, so that engine and raw loop memory is in huge
+/// pages at every size with `--huge-pages on` (the engine gives them to regions from 2 MiB),
+/// and in small pages with `off`: a hot sweep up to 1 MiB is not silently in small pages.
+pub const REGION_FLOOR: usize = 4 << 20;
+
 /// Bytes per side that bw registers: the largest size for `hot` alone; for `cold`,
 /// max(4 x `llc`, `window` x largest size), at most `cap` (but never below the largest
-/// size, nor below 1 MiB).
+/// size, nor below [`REGION_FLOOR`]).
 pub fn region_len(patterns: &[Pattern], llc: usize, window: usize, max_size: usize, cap: usize) -> usize {
-    let floor = max_size.max(1 << 20);
+    let floor = max_size.max(REGION_FLOOR);
     if !patterns.contains(&Pattern::Cold) {
         return floor;
     }
@@ -156,7 +161,8 @@ mod tests {
         let cap = region_cap(llc, false);
         assert_eq!(cap, 256 << 20);
         // Hot: the largest size, at least 1 MiB.
-        assert_eq!(region_len(&[Pattern::Hot], llc, 16, 64 << 10, cap), 1 << 20);
+        assert_eq!(region_len(&[Pattern::Hot], llc, 16, 64 << 10, cap), 4 << 20);
+        assert_eq!(region_len(&[Pattern::Hot], llc, 16, 16 << 20, cap), 16 << 20);
         assert_eq!(region_len(&[Pattern::Hot], llc, 16, 4 << 20, cap), 4 << 20);
         // Cold: 4 x LLC, or window x largest size when that is more, within the cap.
         assert_eq!(region_len(&[Pattern::Cold], llc, 16, 64 << 10, cap), 128 << 20);
