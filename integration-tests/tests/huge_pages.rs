@@ -81,8 +81,10 @@ async fn write_across(w: &Engine, r: &Engine) -> (MemoryRegion, MemoryRegion) {
 
 #[tokio::test]
 async fn regions_from_two_mib_up_are_aligned_and_advised_to_use_huge_pages_by_default() {
-    if std::env::var("FABRIC_HUGE_PAGES").is_ok_and(|v| v == "0") {
-        skipped("huge_pages", "FABRIC_HUGE_PAGES=0 turns the default off in this environment");
+    if std::env::var("FABRIC_HUGE_PAGES")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no"))
+    {
+        skipped("huge_pages", "FABRIC_HUGE_PAGES turns the default off in this environment");
         return;
     }
     for p in providers() {

@@ -62,7 +62,7 @@ impl Default for EngineBuilder {
                 .map_or(Duration::ZERO, Duration::from_micros),
             direct_post: std::env::var("FABRIC_DIRECT_POST").map_or(true, |v| v != "0"),
             time_reactor: false,
-            huge_pages: std::env::var("FABRIC_HUGE_PAGES").map_or(true, |v| v != "0"),
+            huge_pages: std::env::var("FABRIC_HUGE_PAGES").map_or(true, |v| !switched_off(&v)),
             nics: Vec::new(),
             domains: None,
             transfer: TransferOpts::default(),
@@ -174,7 +174,7 @@ impl EngineBuilder {
     /// Whether host regions of 2 MiB and more ([`Engine::alloc`](crate::Engine::alloc),
     /// [`Engine::register`](crate::Engine::register)) are aligned to 2 MiB and advised to use
     /// transparent huge pages (`madvise(MADV_HUGEPAGE)`). On by default; the environment
-    /// variable `FABRIC_HUGE_PAGES=0` turns the default off.
+    /// variable `FABRIC_HUGE_PAGES=0` (or `off`, `false`, `no`) turns the default off.
     ///
     /// Every walk over a region's pages then takes one step per 2 MiB instead of per 4 KiB:
     /// shm's copy (`process_vm_readv` pins the source pages of every write) moved 1.1-1.7x
@@ -527,9 +527,24 @@ fn start<D: crate::provider::Domain>(domains: Vec<D>, cfg: EngineBuilder) -> Res
     Engine::start(domains, cfg)
 }
 
+/// Whether an environment switch says off: `0`, `off`, `false` or `no`, in any case.
+fn switched_off(v: &str) -> bool {
+    matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_environment_switch_is_off_as_a_user_would_write_it() {
+        for v in ["0", "off", "OFF", "false", "No", " 0 "] {
+            assert!(switched_off(v), "{v:?}");
+        }
+        for v in ["1", "on", "yes", "", "2"] {
+            assert!(!switched_off(v), "{v:?}");
+        }
+    }
 
     #[test]
     fn staging_pool_is_cut_into_chunks_and_bad_sizes_are_refused() {
