@@ -160,7 +160,7 @@ mod tests {
         let llc = 32 << 20;
         let cap = region_cap(llc, false);
         assert_eq!(cap, 256 << 20);
-        // Hot: the largest size, at least 1 MiB.
+        // Hot: the largest size, at least REGION_FLOOR (4 MiB).
         assert_eq!(region_len(&[Pattern::Hot], llc, 16, 64 << 10, cap), 4 << 20);
         assert_eq!(region_len(&[Pattern::Hot], llc, 16, 16 << 20, cap), 16 << 20);
         assert_eq!(region_len(&[Pattern::Hot], llc, 16, 4 << 20, cap), 4 << 20);

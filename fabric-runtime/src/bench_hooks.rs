@@ -189,21 +189,11 @@ impl HostMemory {
     pub fn addr(&self) -> u64 {
         self.0.addr()
     }
-
-    /// Bytes.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Never: an empty mapping is refused by [`HostMemory::new`].
-    pub fn is_empty(&self) -> bool {
-        self.0.len() == 0
-    }
 }
 
 impl fmt::Debug for HostMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HostMemory").field("addr", &self.addr()).field("len", &self.len()).finish()
+        f.debug_struct("HostMemory").field("addr", &self.addr()).field("len", &self.0.len()).finish()
     }
 }
 

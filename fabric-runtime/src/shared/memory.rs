@@ -86,7 +86,7 @@ impl Backing {
     /// The bytes of `v` in memory of their own (copied, so that the range can be reserved
     /// when the region goes, which a `Vec`'s heap memory cannot be).
     pub(crate) fn from_vec(v: Vec<u8>, huge: bool) -> Result<Backing, Error> {
-        let b = Backing::mapped(v.len(), 1, huge)?;
+        let b = Backing::host(v.len(), huge)?;
         // SAFETY: `b` is a fresh mapping of at least `v.len()` bytes, disjoint from `v`.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), b.as_ptr(), v.len()) };
         Ok(b)
