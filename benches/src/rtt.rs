@@ -13,19 +13,26 @@
 //! futures on an `Event` engine, without and with a `CompletionWatch` (where the provider
 //! has a completion wait fd). Futures run on the pinned thread in a current-thread runtime,
 //! as docs/latency.md tells users of `Inline` to do.
+//!
+//! With `--fabtests DIR` (tcp, shm), fabtests' 8 B `fi_rdm_pingpong` is one more path of the
+//! rotation: its client and server each run on one of the two measuring CPUs, so the
+//! independent baseline is pinned like the paths it is compared with. It reports a mean
+//! (2 x its one-way `usec/xfer`), not a p50; its row says so. Without DIR the rows say
+//! "skipped", as in `lat`.
 
 use std::sync::Arc;
 
 use fabric_async::{CompletionWatch, ReactorMode};
 
+use crate::fabtests::{self, Fabtests};
 use crate::lat::{engine_ping, engine_pong};
 use crate::measure::{percentiles, spread};
 use crate::pin::{self, Pinned};
 use crate::raw::Raw;
-use crate::report::{Report, Rounds, Row};
+use crate::report::{FtRef, Report, Rounds, Row};
 use crate::session::{builder, engine_side_with, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG};
 use crate::wake::spin_ping;
-use crate::Opts;
+use crate::{on_verbs, Opts};
 
 const SIZE: usize = 8;
 
@@ -36,6 +43,8 @@ enum Path {
     InlineFutures,
     EventFutures,
     EventWatch,
+    /// fabtests' `fi_rdm_pingpong`, run by the leader (`--fabtests DIR`).
+    Fabtests,
 }
 
 impl Path {
@@ -47,6 +56,7 @@ impl Path {
             Path::InlineFutures => "futures",
             Path::EventFutures => "event",
             Path::EventWatch => "watch",
+            Path::Fabtests => "fabtests",
         }
     }
 
@@ -57,6 +67,7 @@ impl Path {
             Path::InlineFutures => "Inline futures",
             Path::EventFutures => "Event futures",
             Path::EventWatch => "Event futures + CompletionWatch",
+            Path::Fabtests => "fi_rdm_pingpong",
         }
     }
 }
@@ -83,12 +94,20 @@ struct Sides {
     raw: Option<Raw>,
     inline: Arc<Side>,
     event: Arc<Side>,
+    /// The leader's fabtests, pinned to the two measuring CPUs.
+    ft: Option<Fabtests>,
 }
 
 /// One path's round trips on this side, on a thread pinned to `cpu`: their p50 (µs) on the
-/// leader, `None` on the peer (which times nothing).
+/// leader, `None` on the peer (which times nothing). fabtests' path gives its mean round trip
+/// (the leader runs both of its processes; the peer waits at the next barrier).
 async fn run_path(path: Path, lead: bool, cpu: Option<usize>, n: usize, s: &mut Sides) -> Res<Option<f64>> {
     let rtts = match path {
+        Path::Fabtests => {
+            let Some(ft) = s.ft.clone() else { return Ok(None) };
+            let one_way = tokio::task::spawn_blocking(move || ft.pingpong(SIZE, n as u64)).await??;
+            return Ok(Some(2.0 * one_way));
+        }
         Path::Raw => {
             let (r, rtts) = on_thread(s.raw.take().expect("raw side"), move |r| {
                 let _pin = Pinned::to(cpu);
@@ -153,13 +172,25 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         Err(e) if ctx.lead => ctx.note(&format!("rtt: {} skipped: {e}", Path::EventWatch.name())),
         Err(_) => {}
     }
+    // fabtests' ping-pong: a path of its own, its processes on the measuring CPUs (the
+    // client on the leader's, the server on the peer's). Both sides know whether it runs.
+    let with_ft = ctx.o.fabtests.is_some() && !on_verbs(&ctx.o);
+    let ft = match &ctx.o.fabtests {
+        Some(dir) if with_ft && ctx.lead => {
+            Some(Fabtests::new(dir, &ctx.o.provider, &[fabtests::PINGPONG])?.pinned(plan))
+        }
+        _ => None,
+    };
+    if with_ft {
+        paths.push(Path::Fabtests);
+    }
     // Profiling one path (perf record on a run of it alone): FABRIC_BENCH_RTT_PATHS=raw,spin,
-    // futures,event,watch keeps those; the raw loop always runs, as every ratio's baseline.
+    // futures,event,watch,fabtests keeps those; the raw loop always runs, as every ratio's baseline.
     if let Ok(keep) = std::env::var("FABRIC_BENCH_RTT_PATHS") {
         let keep: Vec<&str> = keep.split(',').map(str::trim).collect();
         paths.retain(|p| *p == Path::Raw || keep.contains(&p.key()));
     }
-    let mut sides = Sides { raw, inline, event };
+    let mut sides = Sides { raw, inline, event, ft };
     // p50 per path per round (leader only).
     let mut p50: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
     let steps = (rounds * paths.len()) as f64;
@@ -182,11 +213,31 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     }
     let raw50 = &p50[0];
     let pinned = if plan.is_some() { "pinned" } else { "unpinned" };
+    // Beside every p50 row: fabtests' median round trip, or why there is none (verbs has
+    // perftest instead: no column, as in `lat`).
+    let ft_ref = match paths.iter().position(|&p| p == Path::Fabtests) {
+        Some(i) => Some(FtRef::Value {
+            tool: format!(
+                "fi_rdm_pingpong -S 8{}: mean round trip (2 x its one-way usec/xfer), us",
+                fabtests::extra_label()
+            ),
+            v: spread(&p50[i]).0,
+        }),
+        None if on_verbs(&ctx.o) => None,
+        None => Some(FtRef::Skipped(fabtests::SKIPPED.into())),
+    };
     for (i, path) in paths.iter().enumerate() {
         let (med, lo, hi) = spread(&p50[i]);
-        let case =
-            format!("{} 8 B p50, median of {rounds} rounds ({pinned}; range {lo:.2}-{hi:.2})", path.name());
+        let stat = if *path == Path::Fabtests { "mean round trip (2 x one-way)" } else { "p50" };
+        let case = format!(
+            "{} 8 B {stat}, median of {rounds} rounds ({pinned}; range {lo:.2}-{hi:.2})",
+            path.name()
+        );
         let mut row = Row::new("rtt", &case, "us", med).size(SIZE);
+        // The raw loop's own figure against fabtests is each path row's raw/ft column.
+        if let (Some(f), false) = (&ft_ref, matches!(path, Path::Raw | Path::Fabtests)) {
+            row = row.fabtests(f.clone());
+        }
         if *path != Path::Raw {
             row = row.baseline("raw", spread(raw50).0);
             let ratios: Vec<f64> = p50[i].iter().zip(raw50).map(|(e, b)| e / b).collect();

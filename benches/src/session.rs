@@ -78,7 +78,7 @@ pub async fn leader_main(o: Opts) -> Res<()> {
         if o.runs(Test::Bw) {
             tools.push(fabtests::RMA_BW);
         }
-        if o.runs(Test::Lat) || o.runs(Test::Wake) {
+        if o.runs(Test::Lat) || o.runs(Test::Wake) || o.runs(Test::Rtt) {
             tools.push(fabtests::PINGPONG);
         }
         Fabtests::new(dir, &o.provider, &tools)?;

@@ -1,7 +1,8 @@
 //! `fabric-bench bw` over the real tcp transport (loopback), as a user starts it: `--buffer`
 //! rows for the engine and the raw loop, `--domains` lists, and `--fabtests DIR` (a DIR
-//! without the binaries must fail clearly; the real fabtests only where
-//! `FABRIC_FABTESTS_DIR` names them). Every run is killed after [`LIMIT`].
+//! without the binaries must fail clearly; the real fabtests, beside bw, lat and rtt, only
+//! where `FABRIC_FABTESTS_DIR` names them; rtt's rows without them). Every run is killed
+//! after [`LIMIT`].
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -43,6 +44,23 @@ fn bench(args: &[&str]) -> (bool, String, String) {
         s
     };
     (status.success(), read(&out), read(&err))
+}
+
+/// Runs fabric-bench with `args` plus `--json`, checks it passed; the report's rows.
+fn json_rows(name: &str, args: &[&str]) -> Vec<Value> {
+    let json = temp_path(&format!("{name}.json"));
+    let mut a = args.to_vec();
+    a.extend(["--json", json.to_str().unwrap()]);
+    let (ok, out, err) = bench(&a);
+    assert!(ok, "fabric-bench {a:?} failed:\n{out}\n{err}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    doc["results"].as_array().unwrap().clone()
+}
+
+/// rtt's rows of one path kind: `p50` (every path's but fabtests') or `mean round trip`.
+fn rtt_rows<'a>(rows: &'a [Value], stat: &str) -> Vec<&'a Value> {
+    rows.iter().filter(|r| r["test"] == "rtt" && r["case"].as_str().unwrap().contains(stat)).collect()
 }
 
 fn temp_path(name: &str) -> PathBuf {
@@ -223,11 +241,15 @@ fn fabtests_dir_without_the_binaries_is_a_clear_error() {
     std::fs::create_dir_all(&dir).unwrap();
     let t0 = Instant::now();
     let (ok, out, err) = bench(&["bw", "--quick", "--sizes", "64K", "--fabtests", dir.to_str().unwrap()]);
+    // rtt runs fi_rdm_pingpong: the same check, before any test.
+    let (rtt_ok, rtt_out, rtt_err) = bench(&["rtt", "--quick", "--fabtests", dir.to_str().unwrap()]);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(!ok, "accepted an empty --fabtests dir:\n{out}");
     assert!(err.contains("no executable fi_rma_bw"), "the missing binary is named:\n{err}");
     assert!(!err.contains("panicked"), "{err}");
-    assert!(t0.elapsed() < Duration::from_secs(20), "it failed before running anything");
+    assert!(!rtt_ok, "rtt accepted an empty --fabtests dir:\n{rtt_out}");
+    assert!(rtt_err.contains("no executable fi_rdm_pingpong") && !rtt_err.contains("panicked"), "{rtt_err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "they failed before running anything");
     let (ok, _, err) = bench(&["bw", "--provider", "verbs", "--fabtests", "/nonexistent"]);
     assert!(!ok && err.contains("verbs is not supported"), "{err}");
 }
@@ -255,21 +277,45 @@ fn beside_the_real_fabtests() {
             }
         }
     }
-    let json = temp_path("ft-lat.json");
-    let (ok, out, err) =
-        bench(&["lat", "--quick", "--iters", "100", "--fabtests", &dir, "--json", json.to_str().unwrap()]);
-    assert!(ok, "{out}\n{err}");
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&json);
-    let p50: Vec<&Value> = doc["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["case"].as_str().unwrap().contains("p50"))
-        .collect();
-    assert_eq!(p50.len(), 3, "{doc}");
+    let rows = json_rows("ft-lat", &["lat", "--quick", "--iters", "100", "--fabtests", &dir]);
+    let p50: Vec<&Value> = rows.iter().filter(|r| r["case"].as_str().unwrap().contains("p50")).collect();
+    assert_eq!(p50.len(), 3, "{rows:?}");
     for r in p50 {
         assert!(positive(r, "fabtests_us"), "{r}");
+    }
+    // rtt: fi_rdm_pingpong is a path of its own in every round; every engine path's row
+    // carries its median beside the raw loop's.
+    for provider in ["tcp", "shm"] {
+        let args = ["rtt", "--quick", "--iters", "100", "--provider", provider, "--fabtests", &dir];
+        let rows = json_rows(&format!("ft-rtt-{provider}"), &args);
+        let ft = rtt_rows(&rows, "mean round trip");
+        assert_eq!(ft.len(), 1, "{provider}: {rows:?}");
+        assert!(ft[0]["case"].as_str().unwrap().starts_with("fi_rdm_pingpong 8 B"), "{}", ft[0]);
+        assert!(positive(ft[0], "engine_us") && positive(ft[0], "ratio"), "{}", ft[0]);
+        let paths = rtt_rows(&rows, " p50,");
+        assert!(paths.len() >= 4, "{provider}: {rows:?}");
+        for r in paths.iter().filter(|r| !r["case"].as_str().unwrap().starts_with("raw loop")) {
+            assert_eq!(r["fabtests_us"], ft[0]["engine_us"], "{provider}: {r}");
+            assert!(positive(r, "ratio_raw_fabtests") && positive(r, "ratio_engine_fabtests"), "{r}");
+        }
+    }
+}
+
+/// rtt without `--fabtests` (a real tcp ping-pong per path): no fabtests path runs, and every
+/// engine path's row says why there is no fabtests figure beside it.
+#[test]
+fn rtt_rows_say_when_fabtests_did_not_run() {
+    let rows = json_rows("rtt-noft", &["rtt", "--quick", "--iters", "50", "--provider", "tcp"]);
+    assert!(rtt_rows(&rows, "fi_rdm_pingpong").is_empty(), "{rows:?}");
+    let paths = rtt_rows(&rows, " p50,");
+    assert!(paths.len() >= 4, "{rows:?}");
+    for r in paths {
+        assert!(positive(r, "engine_us"), "{r}");
+        if r["case"].as_str().unwrap().starts_with("raw loop") {
+            assert!(r.get("fabtests").is_none(), "{r}");
+        } else {
+            assert_eq!(r["fabtests"], "skipped: no --fabtests DIR", "{r}");
+        }
     }
 }
 
