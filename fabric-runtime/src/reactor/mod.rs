@@ -5,11 +5,12 @@
 //! submission queue (swapping buffers, so no allocation in steady state) → post (a full send
 //! queue leaves the rest in a backlog, in order) → poll every domain → complete futures,
 //! count immediates, deliver messages. This file runs passes on the reactor thread and
-//! decides how to wait when a pass found nothing to do: `BusyPoll` spins, `Adaptive` spins
-//! until its window since the last activity has passed, `Event` sleeps in `ppoll` on the
-//! eventfd and each domain's wait fd, after `arm`ing every domain (so a completion racing the
-//! decision to sleep is never missed). A domain with no wait fd turns that sleep into a
-//! timed poll. In `Inline` mode the awaiting callers run passes themselves (through
+//! decides how to wait when a pass found nothing to do ([`Windows::idle`]): `BusyPoll` spins,
+//! `Adaptive` spins until its window since the last activity has passed and then waits as
+//! `Event` does, `Event` sleeps in `ppoll` on the eventfd and each domain's wait fd, after
+//! `arm`ing every domain (so a completion racing the decision to sleep is never missed). A
+//! domain with no wait fd is polled (yielding the core) for 1 ms after activity, and its
+//! sleep is a timed poll. In `Inline` mode the awaiting callers run passes themselves (through
 //! [`Progress`]), and the thread stands by while they do.
 //!
 //! The core sits behind a mutex: the thread takes it for a pass (and to arm before a sleep,
@@ -49,7 +50,9 @@ pub enum ReactorMode {
     /// completions too (one OS wake-up fewer per completion; `docs/latency.md`).
     #[default]
     Event,
-    /// Spin for `spin` after the last activity, then behave like `Event`.
+    /// Spin for `spin` after the last activity, then behave like `Event`: on a NIC with no
+    /// wait fd (shm, EFA) that includes `Event`'s polling for 1 ms after the last activity,
+    /// so a `spin` shorter than that never makes the reactor sleep sooner than `Event` would.
     Adaptive {
         /// How long to keep spinning after the last completion or submission.
         spin: Duration,
@@ -254,6 +257,55 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
     Ok(Started { thread, driver, direct })
 }
 
+/// What the reactor thread does after a pass that found nothing to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Idle {
+    /// Pass again at once (`BusyPoll`; `Adaptive`'s window).
+    Spin,
+    /// Pass again after yielding the core: the window in which a domain without a wait fd
+    /// (shm, EFA) is polled rather than put on a timer, so a transfer in progress is not
+    /// paced by timer sleeps. Yielding lets a caller waiting to run (the task that submits
+    /// the next operation) go first, instead of waiting for the end of a timeslice.
+    Yield,
+    /// Sleep as `ReactorMode::Event` does (`Core::prepare_sleep`).
+    Sleep,
+}
+
+/// The windows after the last activity in which an idle reactor thread does not sleep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Windows {
+    /// `Adaptive`'s spin.
+    spin: Duration,
+    /// Polling with yields: [`EVENT_NO_FD_SPIN`] where a domain has no wait fd.
+    poll: Duration,
+}
+
+impl Windows {
+    fn of(mode: ReactorMode, fdless: bool) -> Windows {
+        let spin = match mode {
+            ReactorMode::Adaptive { spin } => spin,
+            _ => Duration::ZERO,
+        };
+        let poll = if fdless && mode != ReactorMode::BusyPoll { EVENT_NO_FD_SPIN } else { Duration::ZERO };
+        Windows { spin, poll }
+    }
+
+    /// Whether the time of the last activity matters (it is read on every busy pass).
+    fn track_activity(&self) -> bool {
+        !self.spin.is_zero() || !self.poll.is_zero()
+    }
+
+    /// What to do `since` the last activity (`Duration::MAX` when not tracked).
+    fn idle(&self, mode: ReactorMode, since: Duration) -> Idle {
+        match mode {
+            ReactorMode::BusyPoll => Idle::Spin,
+            _ if since < self.spin => Idle::Spin,
+            _ if since < self.poll => Idle::Yield,
+            _ => Idle::Sleep,
+        }
+    }
+}
+
 /// The reactor thread's loop: passes, and waiting between them as the mode says.
 fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorConfig) {
     if let Some(c) = cfg.pin_core {
@@ -263,15 +315,8 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
     }
     let mut last_activity = Instant::now();
     let mut idle_interval = Duration::from_micros(50);
-    // How long to keep polling after the last activity before sleeping: Adaptive's window;
-    // in Event (and Inline) mode, only when a domain has no wait fd (shm, EFA), which is
-    // otherwise polled on a timer, so a transfer in progress is not paced by timer sleeps.
-    let spin_after_activity = match cfg.mode {
-        ReactorMode::Adaptive { spin } => spin,
-        ReactorMode::Event | ReactorMode::Inline if lock(&core).has_fdless_domain() => EVENT_NO_FD_SPIN,
-        _ => Duration::ZERO,
-    };
-    let spins = !spin_after_activity.is_zero();
+    let windows = Windows::of(cfg.mode, lock(&core).has_fdless_domain());
+    let spins = windows.track_activity();
     // Callers may run passes (`Inline`, `await_spin`): stand by while they do.
     let inline = cfg.mode == ReactorMode::Inline || !cfg.await_spin.is_zero();
     let mut seen_polls = shared.inline_polls.load(Ordering::Relaxed);
@@ -304,24 +349,17 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
             }
             continue;
         }
-        let in_window = spins && last_activity.elapsed() < spin_after_activity;
-        match cfg.mode {
-            ReactorMode::BusyPoll => {
+        let since = if spins { last_activity.elapsed() } else { Duration::MAX };
+        match windows.idle(cfg.mode, since) {
+            Idle::Spin => {
                 drop(c);
                 std::hint::spin_loop();
             }
-            // Event mode's window on a domain without a wait fd polls, but yields the core
-            // on every empty pass: a caller waiting to run (the task that will submit the
-            // next operation) goes first, instead of waiting for the end of a timeslice.
-            ReactorMode::Event | ReactorMode::Inline if in_window => {
+            Idle::Yield => {
                 drop(c);
                 std::thread::yield_now();
             }
-            _ if in_window => {
-                drop(c);
-                std::hint::spin_loop();
-            }
-            _ => {
+            Idle::Sleep => {
                 let Ok(timeout) = c.prepare_sleep(idle_interval) else { continue };
                 let mut fds = std::mem::take(&mut c.pollfds);
                 // Never across the sleep: an inline caller may drive meanwhile (it finds the
@@ -333,6 +371,53 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
                 lock(&core).after_sleep(fds);
                 idle_interval = (idle_interval * 2).min(cfg.idle_poll_interval);
             }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn adaptive_never_sleeps_sooner_than_event() {
+        let us = Duration::from_micros;
+        let adaptive = ReactorMode::Adaptive { spin: us(50) };
+        // No wait fd (shm): Adaptive spins, then polls like Event until Event would sleep.
+        let w = Windows::of(adaptive, true);
+        assert!(w.track_activity());
+        assert_eq!(w.idle(adaptive, us(10)), Idle::Spin);
+        assert_eq!(w.idle(adaptive, us(100)), Idle::Yield);
+        assert_eq!(w.idle(adaptive, 2 * MS), Idle::Sleep);
+        let e = Windows::of(ReactorMode::Event, true);
+        for t in [us(0), us(10), us(100), us(999)] {
+            assert_eq!(e.idle(ReactorMode::Event, t), Idle::Yield, "{t:?}");
+            assert_ne!(w.idle(adaptive, t), Idle::Sleep, "{t:?}");
+        }
+        assert_eq!(e.idle(ReactorMode::Event, 2 * MS), Idle::Sleep);
+        // A spin longer than Event's window: spinning all along.
+        let long = ReactorMode::Adaptive { spin: 5 * MS };
+        assert_eq!(Windows::of(long, true).idle(long, 2 * MS), Idle::Spin);
+        assert_eq!(Windows::of(long, true).idle(long, 6 * MS), Idle::Sleep);
+    }
+
+    #[test]
+    fn with_a_wait_fd_only_adaptive_waits_before_sleeping() {
+        let us = Duration::from_micros;
+        for mode in [ReactorMode::Event, ReactorMode::Inline] {
+            let w = Windows::of(mode, false);
+            assert!(!w.track_activity());
+            assert_eq!(w.idle(mode, Duration::MAX), Idle::Sleep);
+        }
+        let adaptive = ReactorMode::Adaptive { spin: us(50) };
+        let w = Windows::of(adaptive, false);
+        assert_eq!(w.idle(adaptive, us(10)), Idle::Spin);
+        assert_eq!(w.idle(adaptive, us(100)), Idle::Sleep);
+        for fdless in [false, true] {
+            let b = Windows::of(ReactorMode::BusyPoll, fdless);
+            assert_eq!(b.idle(ReactorMode::BusyPoll, Duration::MAX), Idle::Spin);
         }
     }
 }
