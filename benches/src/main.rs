@@ -91,10 +91,10 @@ struct Cli {
     /// bw's access pattern, for the engine and the raw loop alike: hot, cold or hot,cold.
     ///
     /// hot: every write from offset 0 of the source to offset 0 of the target, a buffer of the
-    /// write's size (what fabtests' fi_rma_bw does) at the start of a region of at least 4 MiB. cold: writes swept sequentially over a
-    /// region of max(4 x last-level cache, window x largest size) per side (the LLC from
-    /// /sys/devices/system/cpu/cpu0/cache, else 32 MiB; at most 256 MiB, or 4 x LLC up to
-    /// 1 GiB; verbs 64 MiB). Every row names its pattern [default: hot,cold; --quick: cold].
+    /// write's size (what fabtests' fi_rma_bw does) at the start of a region of at least
+    /// 4 MiB. cold: writes swept sequentially over a region of max(4 x last-level cache,
+    /// window x largest size) per side (the LLC from /sys/devices/system/cpu/cpu0/cache, else
+    /// 32 MiB; at most 256 MiB, or 4 x LLC up to 1 GiB; verbs 64 MiB). Every row names its pattern [default: hot,cold; --quick: cold].
     #[arg(long, global = true, value_name = "hot|cold|hot,cold", value_parser = buffer_list)]
     buffer: Option<Buffers>,
     /// A directory of fabtests 1.17 binaries: run them beside the engine and the raw loop.

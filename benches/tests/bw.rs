@@ -46,8 +46,9 @@ fn bench(args: &[&str]) -> (bool, String, String) {
     (status.success(), read(&out), read(&err))
 }
 
-/// Runs fabric-bench with `args` plus `--json`, checks it passed; the report's rows.
-fn json_rows(name: &str, args: &[&str]) -> Vec<Value> {
+/// Runs fabric-bench with `args` plus `--json`, checks it passed; the report's rows and the
+/// run's standard output.
+fn run_json(name: &str, args: &[&str]) -> (Vec<Value>, String) {
     let json = temp_path(&format!("{name}.json"));
     let mut a = args.to_vec();
     a.extend(["--json", json.to_str().unwrap()]);
@@ -55,7 +56,12 @@ fn json_rows(name: &str, args: &[&str]) -> Vec<Value> {
     assert!(ok, "fabric-bench {a:?} failed:\n{out}\n{err}");
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let _ = std::fs::remove_file(&json);
-    doc["results"].as_array().unwrap().clone()
+    (doc["results"].as_array().unwrap().clone(), out)
+}
+
+/// [`run_json`]'s rows.
+fn json_rows(name: &str, args: &[&str]) -> Vec<Value> {
+    run_json(name, args).0
 }
 
 /// rtt's rows of one path kind: `p50` (every path's but fabtests') or `mean round trip`.
@@ -79,17 +85,13 @@ fn bw_rows(name: &str, args: &[&str]) -> Vec<Value> {
 
 /// Runs bw with `args` plus `--json`, checks it passed: every row of the JSON, and stdout.
 fn report_rows(name: &str, args: &[&str]) -> (Vec<Value>, String) {
-    let json = temp_path(&format!("{name}.json"));
     let plot = temp_path(&format!("{name}.png"));
-    let mut a = vec!["bw", "--json", json.to_str().unwrap(), "--plot", plot.to_str().unwrap()];
+    let mut a = vec!["bw", "--plot", plot.to_str().unwrap()];
     a.extend_from_slice(args);
-    let (ok, out, err) = bench(&a);
-    assert!(ok, "fabric-bench {a:?} failed:\n{out}\n{err}");
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&json);
+    let (rows, out) = run_json(name, &a);
     let _ = std::fs::remove_file(&plot);
     eprintln!("{out}");
-    (doc["results"].as_array().unwrap().clone(), out)
+    (rows, out)
 }
 
 fn positive(r: &Value, key: &str) -> bool {

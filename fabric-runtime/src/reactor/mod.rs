@@ -274,6 +274,8 @@ enum Idle {
 /// The windows after the last activity in which an idle reactor thread does not sleep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Windows {
+    /// `BusyPoll`: never sleeps nor yields.
+    always_spin: bool,
     /// `Adaptive`'s spin.
     spin: Duration,
     /// Polling with yields: [`EVENT_NO_FD_SPIN`] where a domain has no wait fd.
@@ -286,8 +288,9 @@ impl Windows {
             ReactorMode::Adaptive { spin } => spin,
             _ => Duration::ZERO,
         };
-        let poll = if fdless && mode != ReactorMode::BusyPoll { EVENT_NO_FD_SPIN } else { Duration::ZERO };
-        Windows { spin, poll }
+        let always_spin = mode == ReactorMode::BusyPoll;
+        let poll = if fdless && !always_spin { EVENT_NO_FD_SPIN } else { Duration::ZERO };
+        Windows { always_spin, spin, poll }
     }
 
     /// Whether the time of the last activity matters (it is read on every busy pass).
@@ -296,12 +299,13 @@ impl Windows {
     }
 
     /// What to do `since` the last activity (`Duration::MAX` when not tracked).
-    fn idle(&self, mode: ReactorMode, since: Duration) -> Idle {
-        match mode {
-            ReactorMode::BusyPoll => Idle::Spin,
-            _ if since < self.spin => Idle::Spin,
-            _ if since < self.poll => Idle::Yield,
-            _ => Idle::Sleep,
+    fn idle(&self, since: Duration) -> Idle {
+        if self.always_spin || since < self.spin {
+            Idle::Spin
+        } else if since < self.poll {
+            Idle::Yield
+        } else {
+            Idle::Sleep
         }
     }
 }
@@ -350,7 +354,7 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
             continue;
         }
         let since = if spins { last_activity.elapsed() } else { Duration::MAX };
-        match windows.idle(cfg.mode, since) {
+        match windows.idle(since) {
             Idle::Spin => {
                 drop(c);
                 std::hint::spin_loop();
@@ -388,19 +392,19 @@ mod tests {
         // No wait fd (shm): Adaptive spins, then polls like Event until Event would sleep.
         let w = Windows::of(adaptive, true);
         assert!(w.track_activity());
-        assert_eq!(w.idle(adaptive, us(10)), Idle::Spin);
-        assert_eq!(w.idle(adaptive, us(100)), Idle::Yield);
-        assert_eq!(w.idle(adaptive, 2 * MS), Idle::Sleep);
+        assert_eq!(w.idle(us(10)), Idle::Spin);
+        assert_eq!(w.idle(us(100)), Idle::Yield);
+        assert_eq!(w.idle(2 * MS), Idle::Sleep);
         let e = Windows::of(ReactorMode::Event, true);
         for t in [us(0), us(10), us(100), us(999)] {
-            assert_eq!(e.idle(ReactorMode::Event, t), Idle::Yield, "{t:?}");
-            assert_ne!(w.idle(adaptive, t), Idle::Sleep, "{t:?}");
+            assert_eq!(e.idle(t), Idle::Yield, "{t:?}");
+            assert_ne!(w.idle(t), Idle::Sleep, "{t:?}");
         }
-        assert_eq!(e.idle(ReactorMode::Event, 2 * MS), Idle::Sleep);
+        assert_eq!(e.idle(2 * MS), Idle::Sleep);
         // A spin longer than Event's window: spinning all along.
         let long = ReactorMode::Adaptive { spin: 5 * MS };
-        assert_eq!(Windows::of(long, true).idle(long, 2 * MS), Idle::Spin);
-        assert_eq!(Windows::of(long, true).idle(long, 6 * MS), Idle::Sleep);
+        assert_eq!(Windows::of(long, true).idle(2 * MS), Idle::Spin);
+        assert_eq!(Windows::of(long, true).idle(6 * MS), Idle::Sleep);
     }
 
     #[test]
@@ -409,15 +413,15 @@ mod tests {
         for mode in [ReactorMode::Event, ReactorMode::Inline] {
             let w = Windows::of(mode, false);
             assert!(!w.track_activity());
-            assert_eq!(w.idle(mode, Duration::MAX), Idle::Sleep);
+            assert_eq!(w.idle(Duration::MAX), Idle::Sleep);
         }
         let adaptive = ReactorMode::Adaptive { spin: us(50) };
         let w = Windows::of(adaptive, false);
-        assert_eq!(w.idle(adaptive, us(10)), Idle::Spin);
-        assert_eq!(w.idle(adaptive, us(100)), Idle::Sleep);
+        assert_eq!(w.idle(us(10)), Idle::Spin);
+        assert_eq!(w.idle(us(100)), Idle::Sleep);
         for fdless in [false, true] {
             let b = Windows::of(ReactorMode::BusyPoll, fdless);
-            assert_eq!(b.idle(ReactorMode::BusyPoll, Duration::MAX), Idle::Spin);
+            assert_eq!(b.idle(Duration::MAX), Idle::Spin);
         }
     }
 }
