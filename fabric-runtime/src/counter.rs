@@ -32,7 +32,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::error::Error;
-use crate::sync::{lock, Arc, AtomicU64, Driver, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicU64, Driver, Linger, Mutex, Ordering};
 
 /// Shared state of one immediate value's counter.
 pub(crate) struct CounterCell {
@@ -271,7 +271,14 @@ impl ImmCounter {
     /// waiter. So `tokio::time::timeout(d, counter.wait_for(n))` that expires leaves the
     /// count exactly as it was.
     pub fn wait_for(&self, n: u64) -> WaitFor {
-        WaitFor { cell: self.cell.clone(), n, id: None, done: false, driver: self.driver.clone() }
+        WaitFor {
+            cell: self.cell.clone(),
+            n,
+            id: None,
+            done: false,
+            driver: self.driver.clone(),
+            linger: Linger::default(),
+        }
     }
 
     /// Consumes `n` arrivals if they are available now and no async waiter is queued.
@@ -329,6 +336,8 @@ pub struct WaitFor {
     done: bool,
     /// `ReactorMode::Inline`: see [`ImmCounter::wait_for`].
     driver: Option<Driver>,
+    /// `EngineBuilder::await_linger`: where this wait stands in its lingering.
+    linger: Linger,
 }
 
 impl fmt::Debug for WaitFor {
@@ -343,6 +352,23 @@ impl Future for WaitFor {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_queue(cx) };
         let this = &mut *self;
+        if let Some(budget) = driver.linger() {
+            let (cell, n) = (this.cell.clone(), this.n);
+            let mut linger = std::mem::take(&mut this.linger);
+            if this.id.is_some() || cell.has_waiters() {
+                // Queued, or others are queued ahead: our place in line, not a peek, decides.
+                linger.skip();
+            }
+            let peek = || (n == 0 || (!cell.has_waiters() && cell.take(n))).then_some(Ok(()));
+            let r = crate::sync::linger_poll(&driver, budget, &mut linger, cx, peek, |cx| {
+                Pin::new(&mut *this).poll_queue(cx)
+            });
+            this.linger = linger;
+            if matches!(r, Poll::Ready(Ok(()))) {
+                this.done = true;
+            }
+            return r;
+        }
         if this.id.is_some() {
             if !driver.repolls() {
                 // `await_spin`: it spun once and parked; the reactor thread wakes it, and a

@@ -45,6 +45,26 @@ pub(crate) trait Progress: Send + Sync {
     /// passes that complete it (the reactor thread, standing by) is told at once.
     fn parking(&self) {}
 
+    /// `EngineBuilder::await_linger`: how long a pending future of this engine keeps
+    /// looking for its result before it registers its waker and parks. `None` for drivers
+    /// that run passes (`Inline`, `await_spin`): their futures spin as [`inline_poll`] says.
+    fn linger(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// A future asks to linger for `budget`. One future of an engine lingers at a time:
+    /// `None` when another does (this one then waits as without lingering), else the token
+    /// to end it with. While one lingers, the reactor thread polls instead of sleeping, so
+    /// that the result is seen as soon as it lands; it stops when the budget ends whether or
+    /// not the future is polled again.
+    fn linger_begin(&self, _budget: std::time::Duration) -> Option<u64> {
+        None
+    }
+
+    /// The lingering future that holds `token` stops: its result came, it spent its budget
+    /// and parks (`parked`), or it was dropped.
+    fn linger_end(&self, _token: u64, _parked: bool) {}
+
     /// Posts an operation's submission on the caller's thread at once, instead of queueing
     /// it for the next pass: one lock (the core's) instead of the queue's twice. Gives it
     /// back when another thread is in a pass, the engine is shutting down, or the
@@ -128,3 +148,101 @@ pub(crate) fn inline_poll<T>(
 
 /// A handle to an inline engine's progress, cloned into its futures and counters.
 pub(crate) type Driver = std::sync::Arc<dyn Progress>;
+
+/// Where one pending future stands in its lingering (`EngineBuilder::await_linger`; see
+/// [`linger_poll`]). Dropping it mid-linger tells the driver that it stopped.
+#[derive(Default)]
+pub(crate) struct Linger {
+    /// When the future began to linger.
+    since: Option<std::time::Instant>,
+    /// The driver it lingers on and its token, until it stops.
+    counted: Option<(Driver, u64)>,
+    /// It does not linger (any more): an ordinary future from now on.
+    parked: bool,
+}
+
+impl Linger {
+    fn stop(&mut self, parked: bool) {
+        if let Some((d, token)) = self.counted.take() {
+            d.linger_end(token, parked);
+        }
+    }
+
+    /// Lingering does not apply to this wait (it cannot be satisfied by a peek): the future
+    /// registers its waker at once, as without lingering.
+    pub(crate) fn skip(&mut self) {
+        self.stop(false);
+        self.parked = true;
+    }
+}
+
+impl Drop for Linger {
+    fn drop(&mut self) {
+        self.stop(false);
+    }
+}
+
+/// How long one `poll` of a lingering future may spin before it hands its thread back to
+/// the executor (as `Inline`'s default `inline_spin`).
+pub(crate) const LINGER_SLICE: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// The `poll` of a future whose engine lingers (`EngineBuilder::await_linger`): `peek` looks
+/// for the result without registering the waker; `register` is the future's ordinary poll.
+///
+/// The first future of an engine to find itself pending becomes its lingerer (one at a
+/// time; the others wait as usual, so that a `join_all` of many futures never spins for
+/// each). Each `poll` of the lingerer spins, peeking, for up to [`LINGER_SLICE`], then asks
+/// to be polled again (`wake_by_ref`) so that the executor runs its other tasks in between;
+/// the reactor thread keeps driving the NICs and does not sleep meanwhile. The result is
+/// seen within a peek of its landing, with no OS wake-up of either thread on its path. Once
+/// the budget (from its first pending poll) is spent, the future registers its waker and
+/// parks like any other.
+pub(crate) fn linger_poll<T>(
+    driver: &Driver,
+    budget: std::time::Duration,
+    st: &mut Linger,
+    cx: &mut std::task::Context<'_>,
+    mut peek: impl FnMut() -> Option<T>,
+    register: impl FnOnce(&mut std::task::Context<'_>) -> std::task::Poll<T>,
+) -> std::task::Poll<T> {
+    use std::task::Poll;
+    use std::time::Instant;
+    if st.parked {
+        return register(cx);
+    }
+    if let Some(r) = peek() {
+        st.stop(false);
+        return Poll::Ready(r);
+    }
+    let mut now = Instant::now();
+    if st.counted.is_none() {
+        let Some(token) = driver.linger_begin(budget) else {
+            st.skip();
+            return register(cx);
+        };
+        st.counted = Some((driver.clone(), token));
+        st.since = Some(now);
+    }
+    let end = st.since.unwrap_or(now) + budget;
+    let slice_end = (now + LINGER_SLICE).min(end);
+    // The clock is read every 16 peeks (~20 ns each read).
+    let mut spins = 0u32;
+    while now < slice_end {
+        std::hint::spin_loop();
+        if let Some(r) = peek() {
+            st.stop(false);
+            return Poll::Ready(r);
+        }
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(16) {
+            now = Instant::now();
+        }
+    }
+    if now >= end {
+        st.stop(true);
+        st.parked = true;
+        return register(cx);
+    }
+    cx.waker().wake_by_ref();
+    Poll::Pending
+}

@@ -115,6 +115,37 @@ pub(crate) fn page_size() -> usize {
     }
 }
 
+/// CPUs this process may use, whatever the calling thread's own affinity: the CPUs online,
+/// capped by a cgroup v2 CPU quota where one is set (`cpu.max` of the process's cgroup, as
+/// containers set it). Not `std::thread::available_parallelism`, which counts the calling
+/// thread's affinity mask: a caller pinned to one core (as a latency-critical loop is) would
+/// read 1 on a machine of many.
+pub(crate) fn machine_cpus() -> usize {
+    // SAFETY: sysconf takes no pointers.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    let online = usize::try_from(online).ok().filter(|&n| n > 0).unwrap_or(1);
+    let quota = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|c| cgroup_v2_path(&c))
+        .and_then(|path| std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cpu.max")).ok())
+        .and_then(|m| cpu_max_quota(&m));
+    quota.map_or(online, |q| q.min(online))
+}
+
+/// The cgroup v2 path in `/proc/self/cgroup` (its `0::` line).
+fn cgroup_v2_path(cgroup: &str) -> Option<String> {
+    cgroup.lines().find_map(|l| l.strip_prefix("0::")).map(|p| p.trim().to_string())
+}
+
+/// CPUs a cgroup v2 `cpu.max` ("QUOTA PERIOD", or "max PERIOD") allows, rounded up; `None`
+/// without a quota or on anything unreadable.
+fn cpu_max_quota(cpu_max: &str) -> Option<usize> {
+    let mut it = cpu_max.split_whitespace();
+    let quota: u64 = it.next()?.parse().ok()?;
+    let period: u64 = it.next()?.parse().ok().filter(|&p| p > 0)?;
+    Some(quota.div_ceil(period).max(1) as usize)
+}
+
 /// Bytes of physical memory of the machine (`None` if `sysconf` cannot tell).
 pub(crate) fn physical_memory() -> Option<u64> {
     // SAFETY: sysconf takes no pointers.
@@ -252,4 +283,36 @@ pub(crate) fn readable_now(fds: &[RawFd]) -> io::Result<Vec<usize>> {
         return Ok(Vec::new());
     }
     Ok(set.iter().enumerate().filter(|(_, p)| p.revents != 0).map(|(i, _)| i).collect())
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_quota_and_cgroup_path_are_read_as_the_kernel_writes_them() {
+        assert_eq!(cpu_max_quota("max 100000\n"), None, "no quota");
+        assert_eq!(cpu_max_quota("200000 100000\n"), Some(2));
+        assert_eq!(cpu_max_quota("150000 100000"), Some(2), "rounded up");
+        assert_eq!(cpu_max_quota("5000 100000"), Some(1), "at least one");
+        assert_eq!(cpu_max_quota("garbage"), None);
+        assert_eq!(cpu_max_quota("100 0"), None, "a zero period is not a quota");
+        let v2 = "0::/system.slice/job.scope\n";
+        assert_eq!(cgroup_v2_path(v2).as_deref(), Some("/system.slice/job.scope"));
+        assert_eq!(cgroup_v2_path("12:cpu,cpuacct:/x\n"), None, "cgroup v1 only");
+    }
+
+    #[test]
+    fn a_thread_pinned_to_one_cpu_still_sees_the_machines_cpus() {
+        let all = machine_cpus();
+        assert!(all >= 1);
+        let on_one = std::thread::spawn(|| {
+            pin_to_core(0).expect("pin to cpu 0");
+            (std::thread::available_parallelism().map_or(0, |n| n.get()), machine_cpus())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(on_one.0, 1, "std counts the pinned thread's mask");
+        assert_eq!(on_one.1, all, "machine_cpus does not");
+    }
 }

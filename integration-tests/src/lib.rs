@@ -5,6 +5,7 @@
 //! `TcpStore` on 127.0.0.1.
 
 pub mod etcd_server;
+pub mod ping;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};

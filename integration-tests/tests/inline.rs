@@ -2,86 +2,32 @@
 //! awaits never parks; a background reactor thread takes over when nobody awaits. Every test
 //! moves real bytes through libfabric (tcp, shm) between two engines.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_async::bootstrap::Rendezvous;
-use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion};
-use integration_tests::{get_str, primary, providers, store, Peer};
+use fabric_async::{Engine, OpBatch, ReactorMode};
+use integration_tests::{get_str, ping, primary, providers, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 
-/// One side of a ping-pong: its engine, its region (bytes 0..8 are what it sends, 8..16
-/// what it receives) and the peer's region.
-struct Side {
-    engine: Engine,
-    region: MemoryRegion,
-    remote: RemoteRegion,
+/// Two engines of `mode` on provider `p` (`integration_tests::ping`). Direct posting is off:
+/// a write started while the reactor sleeps then always goes through the reactor thread, so
+/// an `Event` engine's awaiting thread parks once per hop (the control of
+/// `inline_futures_never_park_the_awaiting_thread`; with direct posting the caller's own
+/// pass sometimes finds its completion already and does not park). Lingering is off for the
+/// same reason (on by default on machines with 8 or more CPUs).
+async fn pair(p: &str, mode: ReactorMode) -> (ping::Side, ping::Side) {
+    ping::pair(|| Engine::builder().provider(p).mode(mode).direct_post(false).await_linger(Duration::ZERO))
+        .await
 }
 
-/// Two engines of `mode` on provider `p`, each with a 4 KiB region the other can write.
-/// Direct posting is off: a write started while the reactor sleeps then always goes
-/// through the reactor thread, so an `Event` engine's awaiting thread parks once per hop
-/// (the control of `inline_futures_never_park_the_awaiting_thread`; with direct posting the
-/// caller's own pass sometimes finds its completion already and does not park).
-async fn pair(p: &str, mode: ReactorMode) -> (Side, Side) {
-    let a = Engine::builder().provider(p).mode(mode).direct_post(false).build().unwrap();
-    let b = Engine::builder().provider(p).mode(mode).direct_post(false).build().unwrap();
-    let (ra, rb) = (a.alloc(4096).await.unwrap(), b.alloc(4096).await.unwrap());
-    let to_b = a.remote_region(&rb.descriptor().to_bytes()).await.unwrap();
-    let to_a = b.remote_region(&ra.descriptor().to_bytes()).await.unwrap();
-    (Side { engine: a, region: ra, remote: to_b }, Side { engine: b, region: rb, remote: to_a })
-}
-
-/// `n` round trips of 8 bytes with immediates: the leader writes `i`, the other side checks
-/// it landed and echoes it, the leader checks the echo. Returns how often the thread's
-/// runtime parked while doing it.
-fn ping_pong(s: Side, lead: bool, n: u64) -> usize {
-    let parks = Arc::new(AtomicUsize::new(0));
-    let p2 = parks.clone();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .on_thread_park(move || {
-            p2.fetch_add(1, Ordering::Relaxed);
-        })
-        .build()
-        .unwrap();
-    let counted = rt.block_on(async {
-        let (send, wait) = if lead { (1, 2) } else { (2, 1) };
-        let c = s.engine.imm_counter(wait);
-        // Parks before the first round trip (the runtime starting) do not count.
-        let before = parks.load(Ordering::Relaxed);
-        let mut got = [0u8; 8];
-        for i in 0..n {
-            if lead {
-                s.region.write_at(0, &i.to_le_bytes()).unwrap();
-                s.engine.write_imm(&s.region, 0, &s.remote, 8, 8, send).await.unwrap();
-                c.wait_for(1).await.unwrap();
-                s.region.read_at(8, &mut got).unwrap();
-                assert_eq!(u64::from_le_bytes(got), i, "the echo of round trip {i}");
-            } else {
-                c.wait_for(1).await.unwrap();
-                s.region.read_at(8, &mut got).unwrap();
-                assert_eq!(u64::from_le_bytes(got), i, "round trip {i} landed before its immediate");
-                s.region.write_at(0, &got).unwrap();
-                s.engine.write_imm(&s.region, 0, &s.remote, 8, 8, send).await.unwrap();
-            }
-        }
-        assert_eq!(c.available(), 0, "exactly one arrival per round trip");
-        parks.load(Ordering::Relaxed) - before
-    });
-    drop(s);
-    counted
-}
-
+/// The ping-pong of `integration_tests::ping`: how often each side's awaiting thread parked.
 async fn run_ping_pong(p: &str, mode: ReactorMode, n: u64) -> (usize, usize) {
     let (a, b) = pair(p, mode).await;
     assert_eq!(a.engine.is_inline(), mode == ReactorMode::Inline);
-    let pong = std::thread::spawn(move || ping_pong(b, false, n));
-    let ping = std::thread::spawn(move || ping_pong(a, true, n));
-    let lead = tokio::task::spawn_blocking(move || ping.join().expect("ping thread")).await.unwrap();
-    let other = tokio::task::spawn_blocking(move || pong.join().expect("pong thread")).await.unwrap();
+    let (lead, other, _, _) = ping::run(a, b, n).await;
     (lead, other)
 }
 

@@ -58,7 +58,10 @@ async fn ping_pong_on(a: &Engine, b: &Engine, n: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_post_posts_from_the_caller() {
     let p = primary();
-    let (a, b) = ping_pong(|| Engine::builder().provider(&p).mode(ReactorMode::Event), 300).await;
+    // Not lingering (on by default with 8 or more CPUs): a lingering wait keeps its reactor
+    // awake, and only a sleeping reactor's engine posts directly.
+    let event = || Engine::builder().provider(&p).mode(ReactorMode::Event).await_linger(Duration::ZERO);
+    let (a, b) = ping_pong(event, 300).await;
     // Between hops both reactors sleep: a write started then is posted by its task.
     assert!(a.direct_posts() + b.direct_posts() > 0, "no operation was posted directly");
     let (a, b) =
@@ -123,8 +126,10 @@ async fn verified_writes(a: &Engine, b: &Engine) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completion_watch_runs_the_passes() {
     let p = primary();
-    let a = Engine::builder().provider(&p).build().unwrap();
-    let b = Engine::builder().provider(&p).build().unwrap();
+    // Not lingering: a lingering wait keeps the reactor thread polling, and the watch runs
+    // passes only when the reactor thread sleeps.
+    let a = Engine::builder().provider(&p).await_linger(Duration::ZERO).build().unwrap();
+    let b = Engine::builder().provider(&p).await_linger(Duration::ZERO).build().unwrap();
     let (wa, wb) = (CompletionWatch::spawn(&a).unwrap(), CompletionWatch::spawn(&b).unwrap());
     verified_writes(&a, &b).await;
     ping_pong_on(&a, &b, 100).await;

@@ -23,6 +23,8 @@ pub struct EngineBuilder {
     pub(crate) inline_spin: Duration,
     /// Not `Inline`: how long a pending future runs passes on its own thread before parking.
     pub(crate) await_spin: Duration,
+    /// Not `Inline`, without `await_spin`: how long a pending future lingers before parking.
+    pub(crate) await_linger: Duration,
     /// Post on the submitter's thread while the reactor sleeps.
     pub(crate) direct_post: bool,
     pub(crate) time_reactor: bool,
@@ -60,6 +62,10 @@ impl Default for EngineBuilder {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .map_or(Duration::ZERO, Duration::from_micros),
+            await_linger: std::env::var("FABRIC_AWAIT_LINGER_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map_or_else(default_linger, Duration::from_micros),
             direct_post: std::env::var("FABRIC_DIRECT_POST").map_or(true, |v| v != "0"),
             time_reactor: false,
             huge_pages: std::env::var("FABRIC_HUGE_PAGES").map_or(true, |v| !switched_off(&v)),
@@ -74,6 +80,24 @@ impl Default for EngineBuilder {
             #[cfg(feature = "faults")]
             faults: None,
         }
+    }
+}
+
+/// CPUs from which [`EngineBuilder::await_linger`] is on by default.
+pub(crate) const LINGER_MIN_CPUS: usize = 8;
+
+/// [`EngineBuilder::await_linger`]'s default budget where it is on.
+pub(crate) const LINGER_DEFAULT: Duration = Duration::from_micros(200);
+
+/// [`LINGER_DEFAULT`] where this process may run on [`LINGER_MIN_CPUS`] or more CPUs (those
+/// online, capped by a cgroup CPU quota), else zero. Not the building thread's own affinity:
+/// an engine built on a thread pinned to one core (as a latency-critical loop is) would
+/// otherwise never linger on a machine of many.
+fn default_linger() -> Duration {
+    if crate::sys::machine_cpus() >= LINGER_MIN_CPUS {
+        LINGER_DEFAULT
+    } else {
+        Duration::ZERO
     }
 }
 
@@ -131,6 +155,43 @@ impl EngineBuilder {
     /// does. Bandwidth loops gain nothing measurable from it (`docs/performance.md`).
     pub fn await_spin(mut self, d: Duration) -> Self {
         self.await_spin = d;
+        self
+    }
+
+    /// `Event`, `Adaptive` and `BusyPoll`: how long a pending future (an operation's, a
+    /// `wait_for`, a `recv`) keeps checking for its result before it registers its waker and
+    /// parks its thread until the reactor thread wakes it. Default: 200 µs on a machine
+    /// where this process may run on 8 or more CPUs (online, within its cgroup's CPU quota;
+    /// the building thread's own affinity does not count), else 0 (off); the environment variable
+    /// `FABRIC_AWAIT_LINGER_US` sets another default. Ignored with [`Self::await_spin`]
+    /// (which runs passes itself) and in [`ReactorMode::Inline`] (which never parks).
+    ///
+    /// While it lingers, each `poll` of the future looks for its result for up to 20 µs and,
+    /// still pending, asks its executor to poll it again (as `tokio::task::yield_now` does),
+    /// so other tasks of the runtime run in between; the reactor thread meanwhile keeps
+    /// polling the NICs rather than sleeping, yielding its core when a pass finds nothing. The result is then seen as soon as it lands, with no OS wake-up
+    /// of either thread on its path: a parked thread on an idle CPU takes several
+    /// microseconds to wake (6-10 µs on the 16-core reference VM), which a stream of writes
+    /// pays once per window (shm completes a whole window together) and a round trip once
+    /// per hop. On that machine the default took a 64 KiB stream of 16 writes in flight on
+    /// shm from 0.85-0.90 to 0.98 of the raw provider loop, and an 8 B tcp round trip from
+    /// the raw loop's + 30 µs to + 5 µs (`docs/performance.md`, seventh pass;
+    /// `docs/latency.md`, "Lingering awaits").
+    ///
+    /// One future of an engine lingers at a time (the first to find itself pending; the
+    /// others wait as without lingering), each `poll` of it spins for at most 20 µs before it
+    /// hands the thread back, and a lingerer that nobody polls again stops counting at the
+    /// end of its budget all the same.
+    ///
+    /// The cost is CPU while something is awaited and has not completed: the awaiting
+    /// thread and the reactor thread each keep a core busy for up to this long per wait (a
+    /// wait that ends sooner stops sooner; [`ReactorStats`](crate::ReactorStats) counts the
+    /// waits that lingered and those that parked). An idle engine, with nothing awaited,
+    /// spins nowhere. On a machine with few CPUs the spinning threads would take the cores
+    /// the transfer itself needs (on 2 cores a tcp stream fell to half), hence no default
+    /// there. 0 turns it off.
+    pub fn await_linger(mut self, d: Duration) -> Self {
+        self.await_linger = d;
         self
     }
 
@@ -393,6 +454,17 @@ impl EngineBuilder {
         self.pin_core
     }
 
+    /// How long a pending future will linger before it parks ([`Self::await_linger`]: the
+    /// value set, or this machine's default); zero when it does not linger, including with
+    /// `await_spin` or in `Inline` mode.
+    pub fn linger_budget(&self) -> Duration {
+        if self.mode == ReactorMode::Inline || !self.await_spin.is_zero() {
+            Duration::ZERO
+        } else {
+            self.await_linger
+        }
+    }
+
     /// What the reactor thread needs of these settings.
     pub(crate) fn reactor_config(&self) -> ReactorConfig {
         ReactorConfig {
@@ -406,6 +478,7 @@ impl EngineBuilder {
             msg_slot: self.max_msg_size + crate::pure::control::HEADER_LEN,
             inline_spin: self.inline_spin,
             await_spin: self.await_spin,
+            await_linger: self.await_linger,
             direct_post: self.direct_post,
             time_calls: self.time_reactor,
         }

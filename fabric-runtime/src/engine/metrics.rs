@@ -54,6 +54,9 @@ impl EngineStats {
         metrics::gauge!("fabric_reactor_post_seconds", &e).set(r.in_post.as_secs_f64());
         metrics::gauge!("fabric_reactor_poll_seconds", &e).set(r.in_poll.as_secs_f64());
         metrics::gauge!("fabric_reactor_completing_seconds", &e).set(r.completing.as_secs_f64());
+        metrics::gauge!("fabric_reactor_lingering", &e).set(r.lingering as f64);
+        metrics::counter!("fabric_reactor_lingered_total", &e).absolute(r.lingered);
+        metrics::counter!("fabric_reactor_linger_parked_total", &e).absolute(r.linger_parked);
         for c in &self.counters {
             let l = [("engine", engine.to_string()), ("imm", c.imm.to_string())];
             metrics::counter!("fabric_counter_arrivals_total", &l).absolute(c.arrivals);

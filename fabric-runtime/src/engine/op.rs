@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::shared::notify::{BatchState, OpState};
-use crate::sync::{lock, Driver};
+use crate::sync::{lock, Driver, Linger};
 
 /// A future that resolves when one posted operation has completed locally.
 ///
@@ -28,8 +28,10 @@ use crate::sync::{lock, Driver};
 #[must_use = "the operation is posted either way; await the future to learn whether it succeeded"]
 pub struct OpFuture {
     inner: Inner,
-    /// `ReactorMode::Inline`: polling runs a reactor pass and never waits to be woken.
+    /// `ReactorMode::Inline`: polling runs a reactor pass and never waits to be woken;
+    /// `await_spin`: the first poll runs passes; `await_linger`: pending polls linger.
     driver: Option<Driver>,
+    linger: Linger,
 }
 
 enum Inner {
@@ -39,11 +41,11 @@ enum Inner {
 
 impl OpFuture {
     pub(crate) fn pending(state: Arc<OpState>) -> Self {
-        OpFuture { inner: Inner::Pending(state), driver: None }
+        OpFuture { inner: Inner::Pending(state), driver: None, linger: Linger::default() }
     }
 
     pub(crate) fn failed(e: Error) -> Self {
-        OpFuture { inner: Inner::Failed(Some(e)), driver: None }
+        OpFuture { inner: Inner::Failed(Some(e)), driver: None, linger: Linger::default() }
     }
 
     /// Makes polling drive `driver` (an `Inline` engine's NICs).
@@ -81,14 +83,27 @@ impl Future for OpFuture {
     type Output = Result<(), Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let OpFuture { inner, driver } = self.get_mut();
+        let OpFuture { inner, driver, linger } = self.get_mut();
         match inner {
             Inner::Failed(e) => Poll::Ready(Err(e.take().unwrap_or(Error::Shutdown))),
             Inner::Pending(state) => match driver {
                 None => state.poll_result(cx.waker()),
-                Some(d) => {
-                    crate::sync::inline_poll(d, cx, || state.try_take(), |cx| state.poll_result(cx.waker()))
-                }
+                Some(d) => match d.linger() {
+                    Some(budget) => crate::sync::linger_poll(
+                        d,
+                        budget,
+                        linger,
+                        cx,
+                        || state.try_take(),
+                        |cx| state.poll_result(cx.waker()),
+                    ),
+                    None => crate::sync::inline_poll(
+                        d,
+                        cx,
+                        || state.try_take(),
+                        |cx| state.poll_result(cx.waker()),
+                    ),
+                },
             },
         }
     }

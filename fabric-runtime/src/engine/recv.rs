@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::PeerId;
 use crate::error::{Error, Result};
 use crate::shared::Shared;
-use crate::sync::{lock, Driver};
+use crate::sync::{lock, Driver, Linger};
 
 /// Future returned by [`Engine::recv`](super::Engine::recv).
 #[must_use = "futures do nothing unless polled"]
@@ -20,11 +20,13 @@ pub struct RecvFuture {
     id: Option<u64>,
     /// `ReactorMode::Inline`: polling runs a reactor pass and never waits to be woken.
     driver: Option<Driver>,
+    /// `EngineBuilder::await_linger`: where this wait stands in its lingering.
+    linger: Linger,
 }
 
 impl RecvFuture {
     pub(crate) fn new(shared: Arc<Shared>, driver: Option<Driver>) -> Self {
-        RecvFuture { shared, id: None, driver }
+        RecvFuture { shared, id: None, driver, linger: Linger::default() }
     }
 }
 
@@ -40,6 +42,25 @@ impl Future for RecvFuture {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(driver) = self.driver.clone() else { return self.poll_inbox(cx) };
         let this = &mut *self;
+        if let Some(budget) = driver.linger() {
+            let mut linger = std::mem::take(&mut this.linger);
+            if this.id.is_some() {
+                linger.skip();
+            }
+            let shared = this.shared.clone();
+            // Never waits for the inbox's lock while spinning: the reactor thread delivering
+            // into it must not queue behind a peek.
+            let peek = || match shared.inbox.try_lock() {
+                Ok(mut inbox) => inbox.msgs.pop_front().map(Ok),
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().msgs.pop_front().map(Ok),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            let r = crate::sync::linger_poll(&driver, budget, &mut linger, cx, peek, |cx| {
+                Pin::new(&mut *this).poll_inbox(cx)
+            });
+            this.linger = linger;
+            return r;
+        }
         if this.id.is_some() {
             if !driver.repolls() {
                 // `await_spin`: it spun once and parked; the reactor thread wakes it.

@@ -94,6 +94,16 @@ pub struct ReactorStats {
     /// time is added when it returns, so a snapshot taken while a pass runs (by the task its
     /// completions just woke, say) lacks that pass's share.
     pub completing: Duration,
+    /// Futures lingering now, 0 or 1 ([`EngineBuilder::await_linger`](crate::EngineBuilder::await_linger)):
+    /// one pending future of the engine looks for its result rather than parking, and the
+    /// reactor thread polls the NICs instead of sleeping.
+    pub lingering: u64,
+    /// Futures that began to linger, since the engine started.
+    pub lingered: u64,
+    /// Of those, the ones whose result did not come within the linger budget: they then
+    /// registered their waker and parked, as without lingering. `lingered - linger_parked`
+    /// (less those lingering now or dropped while lingering) saved an OS wake-up each.
+    pub linger_parked: u64,
 }
 
 /// One immediate value's counter.
@@ -187,6 +197,13 @@ impl fmt::Display for EngineStats {
             r.slept.as_secs_f64(),
             r.polling.as_secs_f64()
         )?;
+        if r.lingered > 0 {
+            write!(
+                f,
+                ", {} awaits lingered ({} parked after the budget, {} lingering now)",
+                r.lingered, r.linger_parked, r.lingering
+            )?;
+        }
         if !(r.in_post + r.in_poll + r.completing).is_zero() {
             write!(
                 f,
@@ -238,6 +255,9 @@ impl Engine {
             in_post: Duration::from_nanos(r.post_ns.load(Ordering::Relaxed)),
             in_poll: Duration::from_nanos(r.poll_ns.load(Ordering::Relaxed)),
             completing: Duration::from_nanos(r.complete_ns.load(Ordering::Relaxed)),
+            lingering: u64::from(r.lingering()),
+            lingered: r.linger.began.load(Ordering::Relaxed),
+            linger_parked: r.linger.parked.load(Ordering::Relaxed),
         };
         let cells: Vec<_> = lock(&self.shared().counters).map.values().cloned().collect();
         let mut counters: Vec<CounterStats> = cells

@@ -47,7 +47,10 @@ pub enum ReactorMode {
     /// An operation started while the reactor sleeps is posted on the starting thread
     /// (`EngineBuilder::direct_post`) rather than by waking the reactor, on providers with a
     /// wait fd. `fabric_async::CompletionWatch` lets the awaiting runtime's own thread wake on
-    /// completions too (one OS wake-up fewer per completion; `docs/latency.md`).
+    /// completions too (one OS wake-up fewer per completion; `docs/latency.md`). On machines
+    /// with 8 or more CPUs a pending future first lingers for up to 200 µs
+    /// (`EngineBuilder::await_linger`), during which the reactor polls rather than sleeps: a
+    /// result that comes within it costs no wake-up at all.
     #[default]
     Event,
     /// Spin for `spin` after the last activity, then behave like `Event`: on a NIC with no
@@ -58,7 +61,8 @@ pub enum ReactorMode {
         spin: Duration,
     },
     /// Spin continuously (one core at 100%): completions are seen at once, but an awaiting
-    /// task whose executor thread parked still pays an OS wake-up (~10 µs); see `Inline`.
+    /// task whose executor thread parked still pays an OS wake-up (~10 µs), unless it was
+    /// lingering (`EngineBuilder::await_linger`); see `Inline`.
     BusyPoll,
     /// The task that awaits drives the NICs itself, for latency-critical paths (MoE
     /// dispatch/combine). Polling an `OpFuture`, a `wait_for` or a `recv`, and the
@@ -93,6 +97,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) inline_spin: Duration,
     /// Other modes: how long a pending future runs passes before parking (0: never).
     pub(crate) await_spin: Duration,
+    /// Other modes, without `await_spin`: how long a pending future lingers (0: never).
+    pub(crate) await_linger: Duration,
     /// Post on the submitter's thread while the reactor thread sleeps.
     pub(crate) direct_post: bool,
     /// `EngineBuilder::time_reactor`: time the backends' post and poll calls.
@@ -190,6 +196,64 @@ impl<D: Domain> Progress for AwaitSpin<D> {
     }
 }
 
+/// `EngineBuilder::await_linger`: the first pending future of the engine spins in short
+/// slices, peeking at its result, for up to `budget` before it parks
+/// ([`crate::sync::linger_poll`]); it never touches the NICs. While it lingers the reactor
+/// thread does not sleep: it polls, yielding its core between passes that find nothing, so
+/// that the result is seen as soon as it lands, and no OS wake-up of either thread is on
+/// its path.
+struct Lingering {
+    shared: Arc<Shared>,
+    budget: Duration,
+}
+
+impl Progress for Lingering {
+    fn progress(&self) -> bool {
+        // The reactor thread drives the NICs; the synchronous spin path just spins.
+        false
+    }
+
+    fn spin_budget(&self) -> Duration {
+        Duration::ZERO
+    }
+
+    fn linger(&self) -> Option<Duration> {
+        Some(self.budget)
+    }
+
+    fn linger_begin(&self, budget: Duration) -> Option<u64> {
+        let r = &self.shared.stats.reactor;
+        let now = r.clock_ns();
+        let until = now.saturating_add(budget.as_nanos() as u64).max(1);
+        let cur = r.linger.until.load(Ordering::SeqCst);
+        // Free, or its holder's budget is over (a future polled once and then left alone).
+        if cur != 0 && now < cur {
+            return None;
+        }
+        r.linger.until.compare_exchange(cur, until, Ordering::SeqCst, Ordering::Relaxed).ok()?;
+        r.linger.began.fetch_add(1, Ordering::Relaxed);
+        // A reactor thread asleep in `ppoll` must poll instead. It looks at `until` under
+        // the queue's lock before it sleeps (`Core::prepare_sleep`), and this looks at its
+        // flag under the same lock after `until` was set: one of the two sees the other.
+        let mut q = lock(&self.shared.queue);
+        if q.sleeping {
+            q.sleeping = false;
+            drop(q);
+            self.shared.wake.notify();
+        }
+        Some(until)
+    }
+
+    fn linger_end(&self, token: u64, parked: bool) {
+        let l = &self.shared.stats.reactor.linger;
+        if parked {
+            l.parked.fetch_add(1, Ordering::Relaxed);
+        }
+        // Only if still ours: after our budget another future may have taken it.
+        let _ = l.until.compare_exchange(token, 0, Ordering::SeqCst, Ordering::Relaxed);
+    }
+}
+
 /// Direct posting (`EngineBuilder::direct_post`): a submitter that finds the reactor
 /// thread asleep runs a pass itself (`reactor/sleep.rs` shows the handshake).
 struct Direct<D: Domain> {
@@ -235,6 +299,8 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
     } else if !cfg.await_spin.is_zero() {
         Some(Arc::new(AwaitSpin { core: core.clone(), shared: shared.clone(), spin: cfg.await_spin })
             as Driver)
+    } else if !cfg.await_linger.is_zero() {
+        Some(Arc::new(Lingering { shared: shared.clone(), budget: cfg.await_linger }) as Driver)
     } else {
         None
     };
@@ -264,8 +330,9 @@ enum Idle {
     Spin,
     /// Pass again after yielding the core: the window in which a domain without a wait fd
     /// (shm, EFA) is polled rather than put on a timer, so a transfer in progress is not
-    /// paced by timer sleeps. Yielding lets a caller waiting to run (the task that submits
-    /// the next operation) go first, instead of waiting for the end of a timeslice.
+    /// paced by timer sleeps, and any time a future lingers (`await_linger`). Yielding lets
+    /// a caller waiting to run (the task that submits the next operation) go first,
+    /// instead of waiting for the end of a timeslice.
     Yield,
     /// Sleep as `ReactorMode::Event` does (`Core::prepare_sleep`).
     Sleep,
@@ -298,11 +365,12 @@ impl Windows {
         !self.spin.is_zero() || !self.poll.is_zero()
     }
 
-    /// What to do `since` the last activity (`Duration::MAX` when not tracked).
-    fn idle(&self, since: Duration) -> Idle {
+    /// What to do `since` the last activity (`Duration::MAX` when not tracked), while
+    /// `lingering` futures wait for a result (`await_linger`).
+    fn idle(&self, since: Duration, lingering: bool) -> Idle {
         if self.always_spin || since < self.spin {
             Idle::Spin
-        } else if since < self.poll {
+        } else if since < self.poll || lingering {
             Idle::Yield
         } else {
             Idle::Sleep
@@ -354,7 +422,8 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
             continue;
         }
         let since = if spins { last_activity.elapsed() } else { Duration::MAX };
-        match windows.idle(since) {
+        let lingering = shared.stats.reactor.lingering();
+        match windows.idle(since, lingering) {
             Idle::Spin => {
                 drop(c);
                 std::hint::spin_loop();
@@ -392,19 +461,19 @@ mod tests {
         // No wait fd (shm): Adaptive spins, then polls like Event until Event would sleep.
         let w = Windows::of(adaptive, true);
         assert!(w.track_activity());
-        assert_eq!(w.idle(us(10)), Idle::Spin);
-        assert_eq!(w.idle(us(100)), Idle::Yield);
-        assert_eq!(w.idle(2 * MS), Idle::Sleep);
+        assert_eq!(w.idle(us(10), false), Idle::Spin);
+        assert_eq!(w.idle(us(100), false), Idle::Yield);
+        assert_eq!(w.idle(2 * MS, false), Idle::Sleep);
         let e = Windows::of(ReactorMode::Event, true);
         for t in [us(0), us(10), us(100), us(999)] {
-            assert_eq!(e.idle(t), Idle::Yield, "{t:?}");
-            assert_ne!(w.idle(t), Idle::Sleep, "{t:?}");
+            assert_eq!(e.idle(t, false), Idle::Yield, "{t:?}");
+            assert_ne!(w.idle(t, false), Idle::Sleep, "{t:?}");
         }
-        assert_eq!(e.idle(2 * MS), Idle::Sleep);
+        assert_eq!(e.idle(2 * MS, false), Idle::Sleep);
         // A spin longer than Event's window: spinning all along.
         let long = ReactorMode::Adaptive { spin: 5 * MS };
-        assert_eq!(Windows::of(long, true).idle(2 * MS), Idle::Spin);
-        assert_eq!(Windows::of(long, true).idle(6 * MS), Idle::Sleep);
+        assert_eq!(Windows::of(long, true).idle(2 * MS, false), Idle::Spin);
+        assert_eq!(Windows::of(long, true).idle(6 * MS, false), Idle::Sleep);
     }
 
     #[test]
@@ -413,15 +482,30 @@ mod tests {
         for mode in [ReactorMode::Event, ReactorMode::Inline] {
             let w = Windows::of(mode, false);
             assert!(!w.track_activity());
-            assert_eq!(w.idle(Duration::MAX), Idle::Sleep);
+            assert_eq!(w.idle(Duration::MAX, false), Idle::Sleep);
         }
         let adaptive = ReactorMode::Adaptive { spin: us(50) };
         let w = Windows::of(adaptive, false);
-        assert_eq!(w.idle(us(10)), Idle::Spin);
-        assert_eq!(w.idle(us(100)), Idle::Sleep);
+        assert_eq!(w.idle(us(10), false), Idle::Spin);
+        assert_eq!(w.idle(us(100), false), Idle::Sleep);
         for fdless in [false, true] {
             let b = Windows::of(ReactorMode::BusyPoll, fdless);
-            assert_eq!(b.idle(Duration::MAX), Idle::Spin);
+            assert_eq!(b.idle(Duration::MAX, false), Idle::Spin);
+            assert_eq!(b.idle(Duration::MAX, true), Idle::Spin);
+        }
+    }
+
+    #[test]
+    fn a_lingering_future_keeps_the_reactor_from_sleeping() {
+        let us = Duration::from_micros;
+        for fdless in [false, true] {
+            let e = Windows::of(ReactorMode::Event, fdless);
+            assert_eq!(e.idle(Duration::MAX, true), Idle::Yield, "fdless {fdless}");
+            assert_eq!(e.idle(Duration::MAX, false), Idle::Sleep, "fdless {fdless}");
+            let a = Windows::of(ReactorMode::Adaptive { spin: us(50) }, fdless);
+            // Adaptive's own spin still comes first; after it, polling, not sleeping.
+            assert_eq!(a.idle(us(10), true), Idle::Spin);
+            assert_eq!(a.idle(Duration::MAX, true), Idle::Yield);
         }
     }
 }

@@ -97,7 +97,11 @@ impl<D: Domain> Core<D> {
             timeout = min_timeout(timeout, t);
         }
         let mut q = lock(&self.shared.queue);
-        if !q.items.is_empty() || q.state != QueueState::Open {
+        // A future that began to linger (`await_linger`) after the pass: it looks at
+        // `sleeping` under this lock after taking the lingering slot, so one of us sees
+        // the other.
+        let lingering = self.shared.stats.reactor.lingering();
+        if !q.items.is_empty() || q.state != QueueState::Open || lingering {
             return Err(());
         }
         q.sleeping = true;

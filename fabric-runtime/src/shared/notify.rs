@@ -2,7 +2,7 @@
 //! operation shares with its future, the counters of a synchronous batch, the group of a
 //! sharded transfer, and the replies to control requests.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
@@ -123,6 +123,9 @@ struct OpSlot {
 #[derive(Default)]
 pub(crate) struct OpState {
     slot: Mutex<OpSlot>,
+    /// Set once the result is in `slot`: a caller that peeks while spinning or lingering
+    /// reads this (the reactor's cache line stays shared) instead of taking the lock.
+    done: AtomicBool,
 }
 
 impl OpState {
@@ -130,6 +133,7 @@ impl OpState {
         let waker = {
             let mut s = lock(&self.slot);
             s.result = Some(result);
+            self.done.store(true, Ordering::Release);
             s.waker.take()
         };
         if let Some(w) = waker {
@@ -140,6 +144,9 @@ impl OpState {
     /// Takes the result if there is one, without registering a waker (a later call then
     /// reports [`Error::Shutdown`]).
     pub(crate) fn try_take(&self) -> Option<Result<(), Error>> {
+        if !self.done.load(Ordering::Acquire) {
+            return None;
+        }
         let mut s = lock(&self.slot);
         let r = s.result.take()?;
         s.result = Some(Err(Error::Shutdown));

@@ -79,9 +79,38 @@ pub(crate) struct ReactorCounters {
     pub(crate) post_ns: AtomicU64,
     pub(crate) poll_ns: AtomicU64,
     pub(crate) complete_ns: AtomicU64,
+    pub(crate) linger: LingerCounters,
+}
+
+/// `EngineBuilder::await_linger`, written by the awaiting callers (read-modify-writes; on a
+/// cache line of their own, away from the reactor's counters that every pass writes).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct LingerCounters {
+    /// While a future lingers: the end of its budget, in ns since the reactor started
+    /// (`ReactorCounters::started`); 0 when none does. One future lingers at a time (it
+    /// takes this with a compare-and-swap); the reactor thread polls instead of sleeping
+    /// until this passes, so a lingering future that is never polled again cannot keep it
+    /// awake for longer than its budget.
+    pub(crate) until: AtomicU64,
+    /// Futures that began to linger, and those of them that spent their budget and parked.
+    pub(crate) began: AtomicU64,
+    pub(crate) parked: AtomicU64,
 }
 
 impl ReactorCounters {
+    /// Now, in ns since the reactor started (the time base of [`LingerCounters::until`]).
+    pub(crate) fn clock_ns(&self) -> u64 {
+        self.started.elapsed().as_nanos() as u64
+    }
+
+    /// Whether a future lingers now (`EngineBuilder::await_linger`): the reactor thread
+    /// polls rather than sleeps.
+    pub(crate) fn lingering(&self) -> bool {
+        let until = self.linger.until.load(Ordering::SeqCst);
+        until != 0 && self.clock_ns() < until
+    }
+
     /// A sleep begins now.
     pub(crate) fn sleep_begins(&self, now: Instant) {
         bump(&self.sleeps, 1);
@@ -126,6 +155,7 @@ impl Stats {
                 wakeups: AtomicU64::new(0),
                 slept_ns: AtomicU64::new(0),
                 asleep_since: AtomicU64::new(0),
+                linger: LingerCounters::default(),
                 post_ns: AtomicU64::new(0),
                 poll_ns: AtomicU64::new(0),
                 complete_ns: AtomicU64::new(0),
