@@ -59,6 +59,16 @@ pub(crate) const EVENT_NO_FD_SPIN: Duration = Duration::from_millis(1);
 /// operations in flight sleeps).
 const DEADLINE_TICK: Duration = Duration::from_millis(100);
 
+/// Whether `c` ends an operation held in the slab (not an arrival, a message or a posted
+/// receive's failure).
+fn ends_op(c: &Completion) -> bool {
+    match c {
+        Completion::Done { .. } => true,
+        Completion::Failed { token, .. } => token & RECV_TAG == 0,
+        _ => false,
+    }
+}
+
 /// An operation the engine has posted and not yet seen complete.
 struct InFlight {
     notify: Notify,
@@ -716,8 +726,31 @@ impl<D: Domain> Core<D> {
                 Ok(_) => {
                     any = true;
                     let t = self.clock();
+                    let mut took = false;
+                    // Completions of this batch for operations in the slab, not yet handled.
+                    let mut ops_left = comps.iter().filter(|c| ends_op(c)).count();
                     for c in comps.drain(..) {
+                        ops_left -= usize::from(ends_op(&c));
                         self.complete(d, c);
+                        // When this batch completes everything that was in flight (shm
+                        // completes a whole window of writes together), the NIC has nothing
+                        // to do until something is posted: a caller woken (or lingering) on
+                        // an earlier completion of the batch may have submitted its next
+                        // operation already, so post it now, before the rest of the batch,
+                        // not after. Once per batch. With operations still in flight (tcp's
+                        // completions trickle in) the NIC is busy and the batch goes first:
+                        // posting between its completions would only split the submitters'
+                        // next batch of posts.
+                        if !took
+                            && self.slab.len() <= ops_left
+                            && self.shared.has_items.load(Ordering::Acquire)
+                        {
+                            took = true;
+                            if self.take_submissions() {
+                                self.closing = true;
+                            }
+                            self.flush_posted();
+                        }
                     }
                     ReactorCounters::charge(&self.shared.stats.reactor.complete_ns, t);
                 }
