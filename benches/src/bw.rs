@@ -336,6 +336,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     if let Some(d) = ctx.o.await_spin.filter(|d| !d.is_zero()) {
                         case.push_str(&format!(" [await_spin {} us]", d.as_micros()));
                     }
+                    if let Some(d) = ctx.o.await_linger {
+                        case.push_str(&format!(" [linger {} us]", d.as_micros()));
+                    }
                     if !ctx.o.huge_pages {
                         case.push_str(" [4 KiB pages]");
                     }

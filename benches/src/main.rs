@@ -182,6 +182,13 @@ struct Cli {
     /// and BusyPoll mode) [default: 0, or FABRIC_AWAIT_SPIN_US].
     #[arg(long, global = true, value_name = "US")]
     await_spin: Option<u64>,
+    /// Every test's engines: a pending future looks for its result at each poll and asks to
+    /// be polled again for up to US microseconds before it parks, while the reactor thread
+    /// polls instead of sleeping (EngineBuilder::await_linger; Event, Adaptive and BusyPoll
+    /// mode; 0: off) [default: the engine's, 200 us with 8 or more CPUs, else 0, or
+    /// FABRIC_AWAIT_LINGER_US]. The run's first line says what the engines do.
+    #[arg(long, global = true, value_name = "US")]
+    await_linger: Option<u64>,
     /// Host regions of 2 MiB and more, the engine's (EngineBuilder::huge_pages) and the raw
     /// loop's alike, aligned to 2 MiB and advised to use transparent huge pages; with `on`,
     /// bw's fi_rma_bw runs with glibc's malloc tunable glibc.malloc.hugetlb=1 to match.
@@ -349,6 +356,8 @@ pub struct Opts {
     pub rounds: Option<usize>,
     /// `--await-spin`: `EngineBuilder::await_spin` of the engines.
     pub await_spin: Option<Duration>,
+    /// `--await-linger`: `EngineBuilder::await_linger` of the engines (`None`: their default).
+    pub await_linger: Option<Duration>,
     /// `--watch`: bw's engines get a `CompletionWatch`.
     pub watch: bool,
     /// `--time-calls`: bw times each side's NIC thread (`account.rs`).
@@ -415,6 +424,7 @@ impl From<Cli> for Opts {
             time_calls: c.time_calls,
             huge_pages: c.huge_pages == Switch::On,
             await_spin: c.await_spin.map(Duration::from_micros),
+            await_linger: c.await_linger.map(Duration::from_micros),
         }
     }
 }

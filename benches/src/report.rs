@@ -143,6 +143,8 @@ pub struct Report {
     provider: String,
     rows: Vec<Row>,
     raw_rate: Option<f64>,
+    /// The engines' `await_linger` budget, in µs (0: they park at once).
+    linger_us: u64,
 }
 
 fn unit_label(u: &str) -> &str {
@@ -174,7 +176,12 @@ fn fmt(v: f64) -> String {
 
 impl Report {
     pub fn new(provider: &str) -> Report {
-        Report { provider: provider.into(), rows: Vec::new(), raw_rate: None }
+        Report { provider: provider.into(), rows: Vec::new(), raw_rate: None, linger_us: 0 }
+    }
+
+    /// The engines' `await_linger` budget (zero: their futures park at once).
+    pub fn set_linger(&mut self, d: std::time::Duration) {
+        self.linger_us = d.as_micros() as u64;
     }
 
     pub fn push(&mut self, r: Row) {
@@ -340,7 +347,12 @@ impl Report {
             })
             .collect();
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        let doc = json!({ "provider": self.provider, "cores": cores, "results": results });
+        let doc = json!({
+            "provider": self.provider,
+            "cores": cores,
+            "linger_us": self.linger_us,
+            "results": results
+        });
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
                 .map_err(|e| format!("cannot create {} for the JSON report: {e}", dir.display()))?;

@@ -11,8 +11,12 @@
 //! Paths (8 B write_imm ping-pong): the raw loop; the synchronous spin path
 //! (`post_write_imm` + `spin_wait`) on an `Inline` engine; futures on that `Inline` engine;
 //! futures on an `Event` engine, without and with a `CompletionWatch` (where the provider
-//! has a completion wait fd). Futures run on the pinned thread in a current-thread runtime,
-//! as docs/latency.md tells users of `Inline` to do.
+//! has a completion wait fd); and, where the measuring threads are pinned (three physical
+//! cores or more: its reactor thread spins all along and needs a core of its own), the spin
+//! path and futures on a `BusyPoll` engine. Futures run on the pinned thread in a
+//! current-thread runtime, as docs/latency.md tells users of `Inline` to do. Futures of
+//! the `Event` and `BusyPoll` engines linger as the engines' default says (the run's first
+//! line; `--await-linger US` sets it).
 //!
 //! With `--fabtests DIR` (tcp, shm), fabtests' 8 B `fi_rdm_pingpong` is one more path of the
 //! rotation: its client and server each run on one of the two measuring CPUs, so the
@@ -43,6 +47,8 @@ enum Path {
     InlineFutures,
     EventFutures,
     EventWatch,
+    BusySpin,
+    BusyFutures,
     /// fabtests' `fi_rdm_pingpong`, run by the leader (`--fabtests DIR`).
     Fabtests,
 }
@@ -56,6 +62,8 @@ impl Path {
             Path::InlineFutures => "futures",
             Path::EventFutures => "event",
             Path::EventWatch => "watch",
+            Path::BusySpin => "busyspin",
+            Path::BusyFutures => "busy",
             Path::Fabtests => "fabtests",
         }
     }
@@ -67,6 +75,8 @@ impl Path {
             Path::InlineFutures => "Inline futures",
             Path::EventFutures => "Event futures",
             Path::EventWatch => "Event futures + CompletionWatch",
+            Path::BusySpin => "BusyPoll spin path",
+            Path::BusyFutures => "BusyPoll futures",
             Path::Fabtests => "fi_rdm_pingpong",
         }
     }
@@ -94,6 +104,8 @@ struct Sides {
     raw: Option<Raw>,
     inline: Arc<Side>,
     event: Arc<Side>,
+    /// A `BusyPoll` engine, where the measuring threads are pinned.
+    busy: Option<Arc<Side>>,
     /// The leader's fabtests, pinned to the two measuring CPUs.
     ft: Option<Fabtests>,
 }
@@ -121,16 +133,21 @@ async fn run_path(path: Path, lead: bool, cpu: Option<usize>, n: usize, s: &mut 
             s.raw = Some(r);
             rtts
         }
-        Path::InlineSpin => {
-            let side = s.inline.clone();
+        Path::InlineSpin | Path::BusySpin => {
+            let side =
+                if path == Path::InlineSpin { s.inline.clone() } else { s.busy.clone().expect("busy side") };
             tokio::task::spawn_blocking(move || {
                 let _pin = Pinned::to(cpu);
                 spin_ping(&side, SIZE, n, lead)
             })
             .await??
         }
-        Path::InlineFutures | Path::EventFutures | Path::EventWatch => {
-            let side = if path == Path::InlineFutures { s.inline.clone() } else { s.event.clone() };
+        Path::InlineFutures | Path::EventFutures | Path::EventWatch | Path::BusyFutures => {
+            let side = match path {
+                Path::InlineFutures => s.inline.clone(),
+                Path::BusyFutures => s.busy.clone().expect("busy side"),
+                _ => s.event.clone(),
+            };
             let watch = path == Path::EventWatch;
             tokio::task::spawn_blocking(move || -> Res<Vec<_>> {
                 let _pin = Pinned::to(cpu);
@@ -164,7 +181,23 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let raw = Some(raw_side(ctx, 1 << 20).await?);
     let inline = Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(ReactorMode::Inline), 1 << 20).await?);
     let event = Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(ReactorMode::Event), 1 << 20).await?);
+    // A BusyPoll reactor spins for as long as its engine lives: only where the measuring
+    // threads have cores of their own (both sides see the same machine and decide alike).
+    let busy = match plan {
+        Some(_) => {
+            Some(Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(ReactorMode::BusyPoll), 1 << 20).await?))
+        }
+        None => {
+            if ctx.lead {
+                ctx.note("rtt: BusyPoll paths skipped: fewer than three physical cores");
+            }
+            None
+        }
+    };
     let mut paths = vec![Path::Raw, Path::InlineSpin, Path::InlineFutures, Path::EventFutures];
+    if busy.is_some() {
+        paths.extend([Path::BusySpin, Path::BusyFutures]);
+    }
     // A watch needs a completion wait fd on every NIC (not shm): both sides have the same
     // provider, so they decide alike.
     match CompletionWatch::spawn(&event.engine) {
@@ -190,7 +223,7 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
         let keep: Vec<&str> = keep.split(',').map(str::trim).collect();
         paths.retain(|p| *p == Path::Raw || keep.contains(&p.key()));
     }
-    let mut sides = Sides { raw, inline, event, ft };
+    let mut sides = Sides { raw, inline, event, busy, ft };
     // p50 per path per round (leader only).
     let mut p50: Vec<Vec<f64>> = vec![Vec::new(); paths.len()];
     let steps = (rounds * paths.len()) as f64;

@@ -89,12 +89,19 @@ pub async fn leader_main(o: Opts) -> Res<()> {
     args.extend(["--peer-of".to_string(), server.local_addr().to_string()]);
     let mut child = Command::new(std::env::current_exe()?).args(&args).stdin(Stdio::null()).spawn()?;
     let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0, progress: Progress::new(true) };
+    let linger = builder(&o).mode(o.mode).linger_budget();
     let mut rep = Report::new(&o.provider);
+    rep.set_linger(linger);
     eprintln!(
-        "fabric-bench {} on {} ({} cores){}{}",
+        "fabric-bench {} on {} ({} cores{}){}{}",
         o.test.name(),
         o.provider,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
+        if linger.is_zero() {
+            ", futures park at once".to_string()
+        } else {
+            format!(", futures linger {} us", linger.as_micros())
+        },
         if o.quick { ", quick" } else { "" },
         if o.domain_counts.len() > 1 || o.domains > 1 {
             let n: Vec<String> = o.domain_counts.iter().map(|n| n.to_string()).collect();
@@ -189,6 +196,9 @@ pub fn builder_domains(o: &Opts, domains: usize) -> fabric_async::EngineBuilder 
     let mut b = Engine::builder().provider(&o.provider).huge_pages(o.huge_pages);
     if let Some(d) = o.await_spin {
         b = b.await_spin(d);
+    }
+    if let Some(d) = o.await_linger {
+        b = b.await_linger(d);
     }
     if let Some(n) = o.staging_pool {
         b = b.staging_pool(n as u64);
