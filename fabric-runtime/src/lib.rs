@@ -14,6 +14,8 @@ pub mod counter;
 pub mod cuda;
 #[cfg(not(loom))]
 pub mod engine;
+#[cfg(not(loom))]
+pub(crate) mod env;
 pub mod error;
 #[cfg(not(loom))]
 pub mod provider;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use super::Engine;
+use crate::env;
 use crate::error::{Error, Result};
 use crate::pure::route::TransferOpts;
 use crate::reactor::{ReactorConfig, ReactorMode};
@@ -58,17 +59,11 @@ impl Default for EngineBuilder {
             node: None,
             op_timeout: Some(Duration::from_secs(30)),
             inline_spin: Duration::from_micros(20),
-            await_spin: std::env::var("FABRIC_AWAIT_SPIN_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map_or(Duration::ZERO, Duration::from_micros),
-            await_linger: std::env::var("FABRIC_AWAIT_LINGER_US")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .map_or_else(default_linger, Duration::from_micros),
-            direct_post: std::env::var("FABRIC_DIRECT_POST").map_or(true, |v| v != "0"),
+            await_spin: env::micros("FABRIC_AWAIT_SPIN_US").unwrap_or(Duration::ZERO),
+            await_linger: env::micros("FABRIC_AWAIT_LINGER_US").unwrap_or_else(default_linger),
+            direct_post: env::switch("FABRIC_DIRECT_POST", true),
             time_reactor: false,
-            huge_pages: std::env::var("FABRIC_HUGE_PAGES").map_or(true, |v| !switched_off(&v)),
+            huge_pages: env::switch("FABRIC_HUGE_PAGES", true),
             nics: Vec::new(),
             domains: None,
             transfer: TransferOpts::default(),
@@ -208,7 +203,8 @@ impl EngineBuilder {
     /// `post_*` path (`OpBatch`: no allocation and no reactor work on its caller's thread)
     /// always go to the reactor thread. Used only where every NIC has a completion wait fd (tcp, verbs): on
     /// a provider without one (shm, EFA), only the reactor thread's poll window moves a
-    /// transfer, so it is woken as before. `FABRIC_DIRECT_POST=0` sets the default to off.
+    /// transfer, so it is woken as before. `FABRIC_DIRECT_POST=0` (or `off`, `false`, `no`) sets
+    /// the default to off.
     ///
     /// In [`ReactorMode::Inline`] it means more, on every provider: each write (a future's,
     /// or the synchronous path's) is posted on the caller's thread when it is submitted,
@@ -600,24 +596,9 @@ fn start<D: crate::provider::Domain>(domains: Vec<D>, cfg: EngineBuilder) -> Res
     Engine::start(domains, cfg)
 }
 
-/// Whether an environment switch says off: `0`, `off`, `false` or `no`, in any case.
-fn switched_off(v: &str) -> bool {
-    matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_environment_switch_is_off_as_a_user_would_write_it() {
-        for v in ["0", "off", "OFF", "false", "No", " 0 "] {
-            assert!(switched_off(v), "{v:?}");
-        }
-        for v in ["1", "on", "yes", "", "2"] {
-            assert!(!switched_off(v), "{v:?}");
-        }
-    }
 
     #[test]
     fn staging_pool_is_cut_into_chunks_and_bad_sizes_are_refused() {

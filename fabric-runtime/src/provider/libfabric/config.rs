@@ -31,7 +31,8 @@ pub struct LibfabricConfig {
     /// 1.17 offers 8, so asking for more is how that path is tested).
     pub cq_data_size: usize,
     /// Ask `tcp` for delivery-complete writes (see [`Domain::delivery_complete`](crate::provider::Domain::delivery_complete)).
-    /// Default `true`; the environment variable `FABRIC_DELIVERY_COMPLETE=0` makes the
+    /// Default `true`; the environment variable `FABRIC_DELIVERY_COMPLETE=0` (or `off`, `false`,
+    /// `no`) makes the
     /// default `false`, for measuring what the guarantee costs (without it a write to a bad
     /// key can look successful on tcp, and `Arrivals::One` over several NICs is refused).
     pub delivery_complete: bool,
@@ -48,7 +49,7 @@ impl LibfabricConfig {
             rx_depth: None,
             domain: None,
             cq_data_size: IMM_BYTES,
-            delivery_complete: std::env::var("FABRIC_DELIVERY_COMPLETE").map_or(true, |v| v.trim() != "0"),
+            delivery_complete: crate::env::switch("FABRIC_DELIVERY_COMPLETE", true),
         }
     }
 }

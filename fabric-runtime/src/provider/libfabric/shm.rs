@@ -95,7 +95,7 @@ pub(super) struct ShmState {
 
 impl ShmState {
     pub(super) fn new() -> ShmState {
-        let liveness_off = std::env::var("FABRIC_SHM_LIVENESS").is_ok_and(|v| v == "0");
+        let liveness_off = !crate::env::switch("FABRIC_SHM_LIVENESS", true);
         ShmState { liveness_off, ..Default::default() }
     }
 
