@@ -359,7 +359,17 @@ impl Future for WaitFor {
                 // Queued, or others are queued ahead: our place in line, not a peek, decides.
                 linger.skip();
             }
-            let peek = || (n == 0 || (!cell.has_waiters() && cell.take(n))).then_some(Ok(()));
+            // As `poll_queue` decides: counted arrivals first, then the engine's shutdown (which
+            // must end a lingering wait at once, not at the end of its budget).
+            let peek = || {
+                if n == 0 || (!cell.has_waiters() && cell.take(n)) {
+                    Some(Ok(()))
+                } else if cell.is_closed() {
+                    Some(Err(Error::Shutdown))
+                } else {
+                    None
+                }
+            };
             let r = crate::sync::linger_poll(&driver, budget, &mut linger, cx, peek, |cx| {
                 Pin::new(&mut *this).poll_queue(cx)
             });

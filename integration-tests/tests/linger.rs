@@ -265,3 +265,35 @@ fn the_linger_budget_is_what_the_builder_says() {
     assert_eq!(builder("tcp", ms(3)).mode(ReactorMode::BusyPoll).linger_budget(), ms(3));
     assert_eq!(builder("tcp", Duration::ZERO).linger_budget(), Duration::ZERO);
 }
+
+/// A wait that lingers when its engine shuts down ends with `Error::Shutdown` at once, not
+/// at the end of its budget: a counter's wait and a `recv` alike.
+#[tokio::test]
+async fn a_lingering_wait_ends_at_shutdown_not_at_its_budget() {
+    let p = primary();
+    let budget = Duration::from_secs(20);
+    for what in ["wait_for", "recv"] {
+        let (a, b) = (builder(&p, budget).build().unwrap(), builder(&p, Duration::ZERO).build().unwrap());
+        // One arrival first: the engine and its counter work before the shutdown.
+        let c = a.imm_counter(11);
+        let ra = a.alloc(4096).await.unwrap();
+        let to_a = b.remote_region(&ra.descriptor().to_bytes()).await.unwrap();
+        b.imm(&to_a, 11).await.unwrap();
+        bounded(c.wait_for(1)).await.unwrap();
+        let t0 = Instant::now();
+        let wait = if what == "wait_for" {
+            let c = c.clone();
+            tokio::spawn(async move { c.wait_for(1).await.map(|_| ()) })
+        } else {
+            let r = a.recv();
+            tokio::spawn(async move { r.await.map(|_| ()) })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(a.stats().reactor.lingering, 1, "{what}: lingering before the shutdown");
+        a.shutdown();
+        let r = tokio::time::timeout(Duration::from_secs(5), wait).await;
+        let r = r.unwrap_or_else(|_| panic!("{what}: still waiting 5 s after the shutdown")).unwrap();
+        assert!(matches!(r, Err(fabric_async::Error::Shutdown)), "{what}: {r:?}");
+        assert!(t0.elapsed() < budget / 2, "{what}: ended after {:?}", t0.elapsed());
+    }
+}

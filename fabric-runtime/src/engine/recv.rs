@@ -49,11 +49,20 @@ impl Future for RecvFuture {
             }
             let shared = this.shared.clone();
             // Never waits for the inbox's lock while spinning: the reactor thread delivering
-            // into it must not queue behind a peek.
-            let peek = || match shared.inbox.try_lock() {
-                Ok(mut inbox) => inbox.msgs.pop_front().map(Ok),
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().msgs.pop_front().map(Ok),
-                Err(std::sync::TryLockError::WouldBlock) => None,
+            // into it must not queue behind a peek. A message first, then the engine's
+            // shutdown, as `poll_inbox` decides (a lingering recv ends at the shutdown, not at
+            // the end of its budget).
+            let peek = || {
+                let mut inbox = match shared.inbox.try_lock() {
+                    Ok(inbox) => inbox,
+                    Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                    Err(std::sync::TryLockError::WouldBlock) => return None,
+                };
+                match inbox.msgs.pop_front() {
+                    Some(m) => Some(Ok(m)),
+                    None if inbox.closed => Some(Err(Error::Shutdown)),
+                    None => None,
+                }
             };
             let r = crate::sync::linger_poll(&driver, budget, &mut linger, cx, peek, |cx| {
                 Pin::new(&mut *this).poll_inbox(cx)
