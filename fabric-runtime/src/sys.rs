@@ -307,7 +307,10 @@ mod tests {
         let all = machine_cpus();
         assert!(all >= 1);
         let on_one = std::thread::spawn(|| {
-            pin_to_core(0).expect("pin to cpu 0");
+            // The CPU it runs on now is one it may use (a cpuset need not include cpu 0).
+            // SAFETY: sched_getcpu takes no arguments.
+            let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).expect("sched_getcpu");
+            pin_to_core(cpu).expect("pin to the cpu it runs on");
             (std::thread::available_parallelism().map_or(0, |n| n.get()), machine_cpus())
         })
         .join()
