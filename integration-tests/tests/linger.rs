@@ -116,8 +116,11 @@ fn a_lingering_wait_lets_the_other_tasks_of_its_runtime_run() {
     assert_eq!(lingering, 1, "the wait lingered all along");
     assert!(slept < Duration::from_secs(2), "a 100 ms timer fired after {slept:?}");
     // A task that yields runs again once tokio polls its drivers (every 61 polls: about
-    // every 1.2 ms beside a lingering wait's 20 µs slices).
-    assert!(ticks >= 20, "the other task ran only {ticks} times in {slept:?} beside the lingering wait");
+    // every 1.2 ms beside a lingering wait's 20 µs slices: 73-79 times in 100 ms on the
+    // 2-core host, as few as 13 once in the emulated rxe VM, where the rest of each poll is
+    // slower). A poll that kept the thread, or a runtime that never came back to the
+    // ticker, gives 0 or 1.
+    assert!(ticks >= 5, "the other task ran only {ticks} times in {slept:?} beside the lingering wait");
 }
 
 /// A lingering future that is dropped (here by a timeout) stops lingering: nothing lingers
