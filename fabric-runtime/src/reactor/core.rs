@@ -261,7 +261,6 @@ impl<D: Domain> Core<D> {
         let mut busy = false;
         if self.shared.has_items.load(Ordering::Acquire) {
             if self.take_submissions() {
-                self.closing = true;
                 return true;
             }
             busy = true;
@@ -292,7 +291,6 @@ impl<D: Domain> Core<D> {
             return Err(s);
         }
         if self.shared.has_items.load(Ordering::Acquire) && self.take_submissions() {
-            self.closing = true;
             return Err(s);
         }
         self.handle(s);
@@ -340,7 +338,8 @@ impl<D: Domain> Core<D> {
         }
     }
 
-    /// Takes and handles every queued submission. Returns true if shutdown was requested.
+    /// Takes and handles every queued submission. Returns true if shutdown was requested
+    /// (and sets `closing`, which the reactor thread acts on).
     fn take_submissions(&mut self) -> bool {
         let closing = {
             let mut q = lock(&self.shared.queue);
@@ -353,6 +352,7 @@ impl<D: Domain> Core<D> {
             self.handle(s);
         }
         self.items = items;
+        self.closing |= closing;
         closing
     }
 
@@ -746,9 +746,7 @@ impl<D: Domain> Core<D> {
                             && self.shared.has_items.load(Ordering::Acquire)
                         {
                             took = true;
-                            if self.take_submissions() {
-                                self.closing = true;
-                            }
+                            self.take_submissions();
                             self.flush_posted();
                         }
                     }

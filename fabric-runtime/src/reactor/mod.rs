@@ -365,12 +365,13 @@ impl Windows {
         !self.spin.is_zero() || !self.poll.is_zero()
     }
 
-    /// What to do `since` the last activity (`Duration::MAX` when not tracked), while
-    /// `lingering` futures wait for a result (`await_linger`).
-    fn idle(&self, since: Duration, lingering: bool) -> Idle {
+    /// What to do `since` the last activity (`Duration::MAX` when not tracked); `lingering`
+    /// says whether a future waits for a result (`await_linger`), asked only where the
+    /// answer matters (never on a spinning pass).
+    fn idle(&self, since: Duration, lingering: impl FnOnce() -> bool) -> Idle {
         if self.always_spin || since < self.spin {
             Idle::Spin
-        } else if since < self.poll || lingering {
+        } else if since < self.poll || lingering() {
             Idle::Yield
         } else {
             Idle::Sleep
@@ -422,8 +423,7 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
             continue;
         }
         let since = if spins { last_activity.elapsed() } else { Duration::MAX };
-        let lingering = shared.stats.reactor.lingering();
-        match windows.idle(since, lingering) {
+        match windows.idle(since, || shared.stats.reactor.lingering()) {
             Idle::Spin => {
                 drop(c);
                 std::hint::spin_loop();
@@ -461,19 +461,19 @@ mod tests {
         // No wait fd (shm): Adaptive spins, then polls like Event until Event would sleep.
         let w = Windows::of(adaptive, true);
         assert!(w.track_activity());
-        assert_eq!(w.idle(us(10), false), Idle::Spin);
-        assert_eq!(w.idle(us(100), false), Idle::Yield);
-        assert_eq!(w.idle(2 * MS, false), Idle::Sleep);
+        assert_eq!(w.idle(us(10), || false), Idle::Spin);
+        assert_eq!(w.idle(us(100), || false), Idle::Yield);
+        assert_eq!(w.idle(2 * MS, || false), Idle::Sleep);
         let e = Windows::of(ReactorMode::Event, true);
         for t in [us(0), us(10), us(100), us(999)] {
-            assert_eq!(e.idle(t, false), Idle::Yield, "{t:?}");
-            assert_ne!(w.idle(t, false), Idle::Sleep, "{t:?}");
+            assert_eq!(e.idle(t, || false), Idle::Yield, "{t:?}");
+            assert_ne!(w.idle(t, || false), Idle::Sleep, "{t:?}");
         }
-        assert_eq!(e.idle(2 * MS, false), Idle::Sleep);
+        assert_eq!(e.idle(2 * MS, || false), Idle::Sleep);
         // A spin longer than Event's window: spinning all along.
         let long = ReactorMode::Adaptive { spin: 5 * MS };
-        assert_eq!(Windows::of(long, true).idle(2 * MS, false), Idle::Spin);
-        assert_eq!(Windows::of(long, true).idle(6 * MS, false), Idle::Sleep);
+        assert_eq!(Windows::of(long, true).idle(2 * MS, || false), Idle::Spin);
+        assert_eq!(Windows::of(long, true).idle(6 * MS, || false), Idle::Sleep);
     }
 
     #[test]
@@ -482,16 +482,16 @@ mod tests {
         for mode in [ReactorMode::Event, ReactorMode::Inline] {
             let w = Windows::of(mode, false);
             assert!(!w.track_activity());
-            assert_eq!(w.idle(Duration::MAX, false), Idle::Sleep);
+            assert_eq!(w.idle(Duration::MAX, || false), Idle::Sleep);
         }
         let adaptive = ReactorMode::Adaptive { spin: us(50) };
         let w = Windows::of(adaptive, false);
-        assert_eq!(w.idle(us(10), false), Idle::Spin);
-        assert_eq!(w.idle(us(100), false), Idle::Sleep);
+        assert_eq!(w.idle(us(10), || false), Idle::Spin);
+        assert_eq!(w.idle(us(100), || false), Idle::Sleep);
         for fdless in [false, true] {
             let b = Windows::of(ReactorMode::BusyPoll, fdless);
-            assert_eq!(b.idle(Duration::MAX, false), Idle::Spin);
-            assert_eq!(b.idle(Duration::MAX, true), Idle::Spin);
+            assert_eq!(b.idle(Duration::MAX, || false), Idle::Spin);
+            assert_eq!(b.idle(Duration::MAX, || true), Idle::Spin);
         }
     }
 
@@ -500,12 +500,12 @@ mod tests {
         let us = Duration::from_micros;
         for fdless in [false, true] {
             let e = Windows::of(ReactorMode::Event, fdless);
-            assert_eq!(e.idle(Duration::MAX, true), Idle::Yield, "fdless {fdless}");
-            assert_eq!(e.idle(Duration::MAX, false), Idle::Sleep, "fdless {fdless}");
+            assert_eq!(e.idle(Duration::MAX, || true), Idle::Yield, "fdless {fdless}");
+            assert_eq!(e.idle(Duration::MAX, || false), Idle::Sleep, "fdless {fdless}");
             let a = Windows::of(ReactorMode::Adaptive { spin: us(50) }, fdless);
             // Adaptive's own spin still comes first; after it, polling, not sleeping.
-            assert_eq!(a.idle(us(10), true), Idle::Spin);
-            assert_eq!(a.idle(Duration::MAX, true), Idle::Yield);
+            assert_eq!(a.idle(us(10), || true), Idle::Spin);
+            assert_eq!(a.idle(Duration::MAX, || true), Idle::Yield);
         }
     }
 }
