@@ -1,5 +1,5 @@
 //! The reactor's state and one pass of its loop ([`Core::turn`]): take the submission
-//! queue, post, poll every domain, complete. The reactor thread (`reactor/mod.rs`) runs
+//! queue, post, poll every domain, complete (`complete.rs`). The reactor thread (`reactor/mod.rs`) runs
 //! passes and decides how to wait between them; in `ReactorMode::Inline` the awaiting
 //! caller runs them too, under the same lock, so a domain still has one user at a time.
 
@@ -8,15 +8,12 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
 use super::ReactorConfig;
 use crate::counter::CounterCell;
 use crate::error::{Error, Result};
 use crate::provider::{
-    is_peer_errno, Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+    Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
-use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::pure::int_map::IntMap;
 use crate::pure::slab::Slab;
 use crate::shared::events::PeerEvent;
@@ -47,6 +44,10 @@ mod sleep;
 // on `Core`'s fields directly.
 #[path = "close.rs"]
 mod close;
+// The completion half of a pass (poll the domains, count arrivals, finish operations,
+// deliver messages) and operation deadlines: a child module, so it works on `Core`'s fields.
+#[path = "complete.rs"]
+mod complete;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -58,16 +59,6 @@ pub(crate) const EVENT_NO_FD_SPIN: Duration = Duration::from_millis(1);
 /// How often operation deadlines are checked (and the longest an `Event`-mode reactor with
 /// operations in flight sleeps).
 const DEADLINE_TICK: Duration = Duration::from_millis(100);
-
-/// Whether `c` ends an operation held in the slab (not an arrival, a message or a posted
-/// receive's failure).
-fn ends_op(c: &Completion) -> bool {
-    match c {
-        Completion::Done { .. } => true,
-        Completion::Failed { token, .. } => token & RECV_TAG == 0,
-        _ => false,
-    }
-}
 
 /// An operation the engine has posted and not yet seen complete.
 struct InFlight {
@@ -712,213 +703,5 @@ impl<D: Domain> Core<D> {
 
     fn has_pending(&self) -> bool {
         !self.pending_peers.is_empty()
-    }
-
-    fn poll_domains(&mut self) -> bool {
-        let mut any = false;
-        for d in 0..self.domains.len() {
-            let mut comps = std::mem::take(&mut self.completions);
-            let t = self.clock();
-            let polled = self.domains[d].poll(&mut comps, POLL_BATCH);
-            ReactorCounters::charge(&self.shared.stats.reactor.poll_ns, t);
-            match polled {
-                Ok(0) => {}
-                Ok(_) => {
-                    any = true;
-                    let t = self.clock();
-                    let mut took = false;
-                    // Completions of this batch for operations in the slab, not yet handled.
-                    let mut ops_left = comps.iter().filter(|c| ends_op(c)).count();
-                    for c in comps.drain(..) {
-                        ops_left -= usize::from(ends_op(&c));
-                        self.complete(d, c);
-                        // When this batch completes everything that was in flight (shm
-                        // completes a whole window of writes together), the NIC has nothing
-                        // to do until something is posted: a caller woken (or lingering) on
-                        // an earlier completion of the batch may have submitted its next
-                        // operation already, so post it now, before the rest of the batch,
-                        // not after. Once per batch. With operations still in flight (tcp's
-                        // completions trickle in) the NIC is busy and the batch goes first:
-                        // posting between its completions would only split the submitters'
-                        // next batch of posts.
-                        if !took
-                            && self.slab.len() <= ops_left
-                            && self.shared.has_items.load(Ordering::Acquire)
-                        {
-                            took = true;
-                            self.take_submissions();
-                            self.flush_posted();
-                        }
-                    }
-                    ReactorCounters::charge(&self.shared.stats.reactor.complete_ns, t);
-                }
-                Err(e) => tracing::error!(domain = d, error = %e, "polling the completion queue failed"),
-            }
-            self.completions = comps;
-        }
-        any
-    }
-
-    /// One arrival of `imm`. The counter of the last immediate seen is kept at hand: the
-    /// map's SipHash (kept, since a peer chooses the keys) is paid only when it changes.
-    fn arrive(&mut self, imm: u32) {
-        if let Some((last, cell)) = &self.last_counter {
-            if *last == imm {
-                cell.arrive(1);
-                return;
-            }
-        }
-        let shared = &self.shared;
-        let cell = self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).clone();
-        cell.arrive(1);
-        self.last_counter = Some((imm, cell));
-    }
-
-    fn complete(&mut self, d: usize, c: Completion) {
-        match c {
-            Completion::Imm { imm } => self.arrive(imm),
-            Completion::Done { token } => {
-                if let Some(op) = self.slab.remove(token) {
-                    self.finish(op, Ok(()));
-                } else {
-                    tracing::warn!(token, "completion for an unknown operation");
-                }
-            }
-            Completion::Failed { token, errno, message } => {
-                if token & RECV_TAG != 0 {
-                    tracing::debug!(errno, %message, "a posted receive failed (cancelled at shutdown?)");
-                    return;
-                }
-                let Some(op) = self.slab.remove(token) else {
-                    tracing::warn!(token, errno, %message, "failure for an unknown operation");
-                    return;
-                };
-                let e = if is_peer_errno(errno) {
-                    let peer = op.peer;
-                    if self.peers.get(peer.0 as usize).is_some_and(|p| p.failed.is_none()) {
-                        tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
-                    }
-                    self.mark_down(peer, &message);
-                    Error::PeerUnreachable { peer: peer.0, message }
-                } else {
-                    Error::Completion { op: op.name, errno, message }
-                };
-                self.finish(op, Err(e));
-            }
-            Completion::PeerDown { peer: handle, message } => {
-                let Some(&peer) = self.handle_to_peer[d].get(&handle) else { return };
-                tracing::warn!(peer = peer.0, nic = d, %message, "peer down");
-                self.mark_down(peer, &message);
-                self.fail_peer(peer, &message);
-            }
-            Completion::Recv { token, len, src } => {
-                let slot = (token & 0xffff_ffff) as u32;
-                let pool = &self.recv_pools[d];
-                let local = pool.slot(slot);
-                let len = len.min(pool.slot_size);
-                // SAFETY: the NIC has completed this receive, so the slot holds `len` bytes
-                // and nothing writes to it until it is posted again below.
-                let data = Bytes::copy_from_slice(unsafe {
-                    std::slice::from_raw_parts(local.addr as *const u8, len)
-                });
-                let from = src.and_then(|h| self.handle_to_peer[d].get(&h).copied());
-                if let Err(e) = self.post_recv(d, slot) {
-                    tracing::error!(error = %e, "re-posting a receive buffer failed");
-                }
-                self.unflushed = true;
-                match MsgKind::of(&data) {
-                    Some(MsgKind::User) => {
-                        let waker = lock(&self.shared.inbox).push((from, data.slice(HEADER_LEN..)));
-                        if let Some(w) = waker {
-                            w.wake();
-                        }
-                    }
-                    #[cfg(feature = "cuda")]
-                    Some(MsgKind::Pull) => self.on_pull(&data),
-                    #[cfg(feature = "cuda")]
-                    Some(MsgKind::Ack) => self.on_ack(&data),
-                    #[cfg(feature = "cuda")]
-                    Some(MsgKind::Push) => self.on_push(&data),
-                    kind => {
-                        tracing::warn!(?kind, len, "dropped a message of a kind this engine does not serve")
-                    }
-                }
-            }
-        }
-    }
-
-    /// Fails every operation that has waited longer than `limit` for its completion and
-    /// marks its peer failed. The slab entry stays (keeping its memory alive) until the
-    /// provider completes or shutdown cancels it.
-    fn expire(&mut self, now: Instant, limit: Duration) {
-        #[cfg(feature = "cuda")]
-        self.expire_acks(now, limit);
-        // Operations that never even reached the NIC (a peer whose connection never comes
-        // up keeps refusing them).
-        for i in 0..self.pending_peers.len() {
-            let peer = self.pending_peers[i];
-            let p = &mut self.peers[peer.0 as usize];
-            if p.pending.front().is_some_and(|(since, _)| now.duration_since(*since) >= limit) {
-                let message = format!("operations could not be posted within {limit:?}; peer marked failed");
-                tracing::warn!(peer = peer.0, %message, "operations timed out");
-                p.failed.get_or_insert_with(|| message.clone());
-                self.shared.peer_events.publish(PeerEvent::Down { peer, reason: message.clone() });
-                for (_, s) in p.pending.drain(..) {
-                    self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
-                    self.shared.stats.failed(s.nic(), Some(&p.stats), false);
-                    s.fail(Error::PeerUnreachable { peer: peer.0, message: message.clone() });
-                }
-            }
-        }
-        let peers = &self.peers;
-        self.pending_peers.retain(|p| !peers[p.0 as usize].pending.is_empty());
-        for op in self.slab.iter_mut() {
-            if matches!(op.notify, Notify::None) || now.duration_since(op.posted) < limit {
-                continue;
-            }
-            let message = format!("no completion for a {} within {limit:?}; peer marked failed", op.name);
-            tracing::warn!(peer = op.peer.0, %message, "operation timed out");
-            if let Some(p) = self.peers.get_mut(op.peer.0 as usize) {
-                p.failed.get_or_insert_with(|| message.clone());
-                if !p.removed {
-                    self.shared
-                        .peer_events
-                        .publish(PeerEvent::Down { peer: op.peer, reason: message.clone() });
-                }
-            }
-            let notify = std::mem::replace(&mut op.notify, Notify::None);
-            notify.fail(Error::PeerUnreachable { peer: op.peer.0, message });
-            op.expired = true;
-            let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
-            self.shared.stats.failed(op.nic, peer, false);
-        }
-    }
-
-    fn finish(&mut self, op: InFlight, result: Result<()>) {
-        let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
-        match &result {
-            // Counted as an error when it timed out; the NIC is done with it only now.
-            _ if op.expired => self.shared.stats.landed(op.nic, peer),
-            Ok(()) => self.shared.stats.completed(op.nic, peer, op.bytes),
-            Err(e) => {
-                self.shared.stats.failed(op.nic, peer, true);
-                tracing::warn!(peer = op.peer.0, nic = op.nic, op = op.name, error = %e, "operation failed");
-            }
-        }
-        if let Some((d, slot)) = op.send_slot {
-            self.send_pools[d].free.push(slot);
-        }
-        #[cfg(feature = "cuda")]
-        if let Notify::Internal(tag, _) = op.notify {
-            drop(op.keep);
-            self.internal_done(tag, result);
-            return;
-        }
-        let next = op.notify.complete(result);
-        drop(op.keep);
-        for s in next {
-            // The imm-only writes of an `Arrivals::One` transfer: its shards are all done.
-            self.handle(s);
-        }
     }
 }
