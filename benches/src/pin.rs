@@ -15,6 +15,15 @@ pub fn plan() -> Option<[usize; 2]> {
     Some([free[0], free[1]])
 }
 
+/// Where `rtt` pins each side's `BusyPoll` reactor thread: a physical core of its own
+/// besides the two of [`plan`], as a user of that mode would (`EngineBuilder::pin_core`), so
+/// that the reactor never shares a CPU with a measuring thread. `None` with fewer than five
+/// physical cores (the reactors are then left unpinned).
+pub fn plan_reactors() -> Option<[usize; 2]> {
+    let free = free_cores(4)?;
+    Some([free[2], free[3]])
+}
+
 /// `bw`'s plan: four CPUs of four physical cores other than core 0's, leader first, each
 /// side's "NIC" CPU (the raw loop's thread and the engine's reactor thread, which do the same
 /// work and never run at once) then its "app" CPU (the runtime's thread that awaits). `None`

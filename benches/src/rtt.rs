@@ -13,7 +13,8 @@
 //! futures on an `Event` engine, without and with a `CompletionWatch` (where the provider
 //! has a completion wait fd); and, where the measuring threads are pinned (three physical
 //! cores or more: its reactor thread spins all along and needs a core of its own), the spin
-//! path and futures on a `BusyPoll` engine. Futures run on the pinned thread in a
+//! path and futures on a `BusyPoll` engine, whose reactor thread is pinned to one more core
+//! of its own where there are five (`pin::plan_reactors`). Futures run on the pinned thread in a
 //! current-thread runtime, as docs/latency.md tells users of `Inline` to do. Futures of
 //! the `Event` and `BusyPoll` engines linger as the engines' default says (the run's first
 //! line; `--await-linger US` sets it).
@@ -174,7 +175,13 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     let cpu = plan.map(|p| if ctx.lead { p[0] } else { p[1] });
     if ctx.lead {
         ctx.note(&match plan {
-            Some([a, b]) => format!("rtt: measuring threads pinned to cpu {a} (leader) and cpu {b} (peer)"),
+            Some([a, b]) => {
+                let busy = match pin::plan_reactors() {
+                    Some([c, d]) => format!("; BusyPoll reactor threads to cpu {c} and cpu {d}"),
+                    None => String::new(),
+                };
+                format!("rtt: measuring threads pinned to cpu {a} (leader) and cpu {b} (peer){busy}")
+            }
             None => "rtt: not pinned (fewer than three physical cores)".to_string(),
         });
     }
@@ -185,7 +192,11 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
     // threads have cores of their own (both sides see the same machine and decide alike).
     let busy = match plan {
         Some(_) => {
-            Some(Arc::new(engine_side_with(ctx, builder(&ctx.o).mode(ReactorMode::BusyPoll), 1 << 20).await?))
+            let mut b = builder(&ctx.o).mode(ReactorMode::BusyPoll);
+            if let Some(r) = pin::plan_reactors() {
+                b = b.pin_core(if ctx.lead { r[0] } else { r[1] });
+            }
+            Some(Arc::new(engine_side_with(ctx, b, 1 << 20).await?))
         }
         None => {
             if ctx.lead {
