@@ -35,6 +35,8 @@ pub(super) struct TcpLiveness {
     outbound: Vec<(PeerHandle, SocketAddr, TcpStream)>,
     /// Peers' connections to our port, held until their far end closes.
     inbound: Vec<TcpStream>,
+    /// The checks' `poll` buffers, reused.
+    scratch: crate::sys::PollScratch,
 }
 
 fn io_error(call: &'static str, e: std::io::Error) -> Error {
@@ -57,7 +59,13 @@ impl TcpLiveness {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| io_error("liveness bind", e))?;
         listener.set_nonblocking(true).map_err(|e| io_error("liveness listener", e))?;
         let port = listener.local_addr().map_err(|e| io_error("liveness listener", e))?.port();
-        Ok(TcpLiveness { listener, port, outbound: Vec::new(), inbound: Vec::new() })
+        Ok(TcpLiveness {
+            listener,
+            port,
+            outbound: Vec::new(),
+            inbound: Vec::new(),
+            scratch: Default::default(),
+        })
     }
 
     /// The trailer to append to this domain's address.
@@ -86,6 +94,8 @@ impl TcpLiveness {
 
     /// Accepts new inbound connections, drops closed ones, and returns the peers whose
     /// connection was closed, reset or refused (taken off the watch list), with a reason.
+    /// Allocates nothing while nothing changes (it runs in reactor passes, which may run on
+    /// the synchronous fast path's threads).
     pub(super) fn check(&mut self) -> Vec<(PeerHandle, String)> {
         loop {
             match self.listener.accept() {
@@ -97,15 +107,13 @@ impl TcpLiveness {
                 }
             }
         }
-        let fds: Vec<_> = self.inbound.iter().map(|s| s.as_raw_fd()).collect();
-        if let Ok(ready) = crate::sys::readable_now(&fds) {
+        if let Ok(ready) = self.scratch.readable_now(self.inbound.iter().map(|s| s.as_raw_fd())) {
             // Nothing is ever sent on these: readable means the far end closed.
-            for i in ready.into_iter().rev() {
+            for &i in ready.iter().rev() {
                 self.inbound.swap_remove(i);
             }
         }
-        let fds: Vec<_> = self.outbound.iter().map(|(_, _, s)| s.as_raw_fd()).collect();
-        let ready = match crate::sys::readable_now(&fds) {
+        let ready = match self.scratch.readable_now(self.outbound.iter().map(|(_, _, s)| s.as_raw_fd())) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "checking the liveness connections failed");
@@ -113,7 +121,7 @@ impl TcpLiveness {
             }
         };
         let mut dead = Vec::with_capacity(ready.len());
-        for i in ready.into_iter().rev() {
+        for &i in ready.iter().rev() {
             let (peer, addr, s) = self.outbound.swap_remove(i);
             let why = match s.take_error() {
                 Ok(Some(e)) => e.to_string(),

@@ -91,6 +91,8 @@ pub(super) struct ShmState {
     rma_eps: IntMap<PeerHandle, Fid<sys::fid_ep>>,
     watched: Vec<Watched>,
     liveness_off: bool,
+    /// The pidfd check's `poll` buffers, reused (a check in a pass allocates nothing).
+    scratch: crate::sys::PollScratch,
 }
 
 impl ShmState {
@@ -129,16 +131,17 @@ impl ShmState {
     }
 
     /// The watched peers whose process has exited, taken off the watch list: (peer, pid).
+    /// Allocates nothing while every peer lives (it runs in reactor passes, which may run on
+    /// the synchronous fast path's threads).
     fn take_dead(&mut self) -> Vec<(PeerHandle, libc::pid_t)> {
         if self.watched.is_empty() {
             return Vec::new();
         }
-        let fds: Vec<_> =
-            self.watched.iter().map(|w| w.pidfd.as_ref().map_or(-1, |f| f.as_raw_fd())).collect();
         let mut dead: Vec<usize> =
             self.watched.iter().enumerate().filter(|(_, w)| w.pidfd.is_none()).map(|(i, _)| i).collect();
-        match crate::sys::readable_now(&fds) {
-            Ok(ready) => dead.extend(ready.into_iter().filter(|&i| self.watched[i].pidfd.is_some())),
+        let fds = self.watched.iter().map(|w| w.pidfd.as_ref().map_or(-1, |f| f.as_raw_fd()));
+        match self.scratch.readable_now(fds) {
+            Ok(ready) => dead.extend(ready.iter().copied().filter(|&i| self.watched[i].pidfd.is_some())),
             Err(e) => tracing::warn!(error = %e, "checking the shm peers' pidfds failed"),
         }
         dead.sort_unstable();
