@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use fabric_async::bootstrap::Rendezvous;
 use fabric_async::{Engine, OpBatch, ReactorMode};
-use integration_tests::{fill_pattern, get, get_str, hash, primary, providers, store, Peer};
+use integration_tests::{fill_pattern, get, get_str, hash, ping, primary, providers, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 
@@ -120,4 +120,89 @@ async fn every_mode_moves_bytes() {
             assert!(peer.wait_success(Duration::from_secs(20)).await);
         }
     }
+}
+
+/// A `BusyPoll` engine's spinning callers run its passes themselves (the reactor thread
+/// stands by meanwhile): an 8 B ping-pong on the synchronous spin paths (`post_write_imm` +
+/// `OpBatch::spin_until`, `ImmCounter::spin_wait`) between two engines lands every round
+/// trip's bytes, and both engines count passes run on the callers' threads (none before
+/// this change: every completion came from the reactor thread's core).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spinning_callers_drive_a_busy_poll_engine() {
+    let n = 200u64;
+    for p in providers() {
+        let (a, b) = ping::pair(|| Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll)).await;
+        let side = |s: ping::Side, lead: bool| {
+            std::thread::spawn(move || {
+                let (send, wait) = if lead { (1, 2) } else { (2, 1) };
+                let c = s.engine.imm_counter(wait);
+                let batch = OpBatch::new();
+                let mut got = [0u8; 8];
+                let limit = Duration::from_secs(20);
+                for i in 0..n {
+                    if lead {
+                        s.region.write_at(0, &i.to_le_bytes()).unwrap();
+                        s.engine.post_write_imm(&batch, &s.region, 0, &s.remote, 8, 8, send).unwrap();
+                        assert!(c.spin_wait(1, limit), "echo {i} within {limit:?}");
+                        s.region.read_at(8, &mut got).unwrap();
+                        assert_eq!(u64::from_le_bytes(got), i, "the echo of round trip {i}");
+                    } else {
+                        assert!(c.spin_wait(1, limit), "ping {i} within {limit:?}");
+                        s.region.read_at(8, &mut got).unwrap();
+                        assert_eq!(u64::from_le_bytes(got), i, "round trip {i} landed before its immediate");
+                        s.region.write_at(0, &got).unwrap();
+                        s.engine.post_write_imm(&batch, &s.region, 0, &s.remote, 8, 8, send).unwrap();
+                    }
+                }
+                assert!(batch.spin_until(n, limit).unwrap(), "every write completed");
+                s
+            })
+        };
+        let (tb, ta) = (side(b, false), side(a, true));
+        let a = tokio::task::spawn_blocking(move || ta.join().expect("leader")).await.unwrap();
+        let b = tokio::task::spawn_blocking(move || tb.join().expect("other side")).await.unwrap();
+        let (ra, rb) = (a.engine.stats().reactor, b.engine.stats().reactor);
+        assert!(
+            ra.caller_passes > 0 && rb.caller_passes > 0,
+            "{p}: no pass on a caller's thread: {ra:?} {rb:?}"
+        );
+        assert!(ra.caller_passes <= ra.passes, "{p}: {ra:?}");
+    }
+}
+
+/// While a caller of a `BusyPoll` engine spins (and drives), a future that parked (no
+/// lingering here) is completed by the caller's passes; once the caller stops, the reactor
+/// thread takes over again (it stands by only while callers drive): a later parked wait is
+/// answered too. Every wait is bounded, so a reactor that stood by for good fails the test.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_poll_reactor_resumes_when_its_spinning_callers_stop() {
+    let p = primary();
+    let a = Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).await_linger(Duration::ZERO);
+    let a = a.build().unwrap();
+    let b = Engine::builder().provider(p.as_str()).build().unwrap();
+    let ra = a.alloc(4096).await.unwrap();
+    let to_a = b.remote_region(&ra.descriptor().to_bytes()).await.unwrap();
+    let spinner = {
+        let c = a.imm_counter(5);
+        std::thread::spawn(move || c.spin_wait(1, Duration::from_secs(20)))
+    };
+    let bounded = |f| tokio::time::timeout(Duration::from_secs(10), f);
+    let c6 = a.imm_counter(6);
+    let w6 = tokio::spawn(async move { c6.wait_for(1).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    b.imm(&to_a, 6).await.unwrap();
+    bounded(w6).await.expect("answered while a caller drives").unwrap().unwrap();
+    assert!(!spinner.is_finished(), "the spinner still waits (for imm 5)");
+    b.imm(&to_a, 5).await.unwrap();
+    let spun = tokio::task::spawn_blocking(move || spinner.join().expect("spinner")).await.unwrap();
+    assert!(spun, "the spinner saw its immediate");
+    let passes = a.stats().reactor.caller_passes;
+    assert!(passes > 0, "the spinner ran no pass");
+    // Nobody spins now: this wait parks and only the reactor thread can answer it.
+    let c7 = a.imm_counter(7);
+    let w7 = tokio::spawn(async move { c7.wait_for(1).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    b.imm(&to_a, 7).await.unwrap();
+    bounded(w7).await.expect("answered after the callers stopped").unwrap().unwrap();
+    assert_eq!(a.stats().reactor.caller_passes, passes, "a pass on a caller's thread with none spinning");
 }

@@ -300,3 +300,22 @@ async fn a_lingering_wait_ends_at_shutdown_not_at_its_budget() {
         assert!(t0.elapsed() < budget / 2, "{what}: ended after {:?}", t0.elapsed());
     }
 }
+
+/// On a `BusyPoll` engine a lingering future runs the engine's passes between its peeks (the
+/// reactor thread stands by while it does): a ping-pong of futures never parks, every wait
+/// ends inside its budget, and the passes ran on the awaiting threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lingering_future_of_a_busy_poll_engine_drives_it() {
+    for p in providers() {
+        let n = 100;
+        let (a, b) = ping::pair(|| builder(&p, Duration::from_secs(2)).mode(ReactorMode::BusyPoll)).await;
+        let (lead, other, a, b) = ping::run(a, b, n).await;
+        let (sa, sb) = (a.engine.stats().reactor, b.engine.stats().reactor);
+        assert_eq!((lead, other), (0, 0), "{p}: parks of the awaiting threads in {n} round trips");
+        assert_eq!((sa.linger_parked, sb.linger_parked), (0, 0), "{p}: a wait spent 2 s");
+        assert!(
+            sa.caller_passes > 0 && sb.caller_passes > 0,
+            "{p}: no pass on an awaiting thread: {sa:?} {sb:?}"
+        );
+    }
+}

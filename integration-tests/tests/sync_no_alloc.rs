@@ -1,6 +1,8 @@
 //! The synchronous fast path allocates nothing per operation: `post_write_imm`, `post_imm`
 //! and `OpBatch::spin_until`, measured with a counting global allocator on the posting
-//! thread, while real writes move through the provider to a `fabric-peer` process.
+//! thread, while real writes move through the provider to a `fabric-peer` process. On the
+//! `BusyPoll` engine the spinning thread runs the reactor's passes itself, so those are
+//! counted too (the periodic peer liveness check included).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;

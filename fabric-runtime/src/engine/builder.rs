@@ -178,6 +178,13 @@ impl EngineBuilder {
     /// hands the thread back, and a lingerer that nobody polls again stops counting at the
     /// end of its budget all the same.
     ///
+    /// On a [`ReactorMode::BusyPoll`] engine the lingering future also drives the NICs: it
+    /// runs the reactor's pass between its peeks (first up to 32 passes before it takes the
+    /// engine's lingering slot, which most waits of a round trip never need), while the
+    /// reactor thread stands by. That took an 8 B shm round trip with futures from the raw
+    /// loop's + 2.5 µs to + 0.65-0.8 µs (`docs/latency.md`). A budget of 0 there makes futures
+    /// park at once; the synchronous spin paths drive all the same.
+    ///
     /// The cost is CPU while something is awaited and has not completed: the awaiting
     /// thread and the reactor thread each keep a core busy for up to this long per wait (a
     /// wait that ends sooner stops sooner; [`ReactorStats`](crate::ReactorStats) counts the

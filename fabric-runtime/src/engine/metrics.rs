@@ -46,6 +46,7 @@ impl EngineStats {
         let e = [("engine", engine.to_string())];
         let r = &self.reactor;
         metrics::counter!("fabric_reactor_passes_total", &e).absolute(r.passes);
+        metrics::counter!("fabric_reactor_caller_passes_total", &e).absolute(r.caller_passes);
         metrics::counter!("fabric_reactor_sleeps_total", &e).absolute(r.sleeps);
         metrics::counter!("fabric_reactor_wakeups_total", &e).absolute(r.wakeups);
         metrics::gauge!("fabric_reactor_slept_seconds", &e).set(r.slept.as_secs_f64());

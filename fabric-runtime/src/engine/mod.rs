@@ -178,8 +178,9 @@ impl Engine {
         &self.inner.shared
     }
 
-    /// The pass that awaiting callers run: `ReactorMode::Inline`, or a spin before parking
-    /// (`EngineBuilder::await_spin`).
+    /// The pass that awaiting callers run (`ReactorMode::Inline`, a spin before parking with
+    /// `EngineBuilder::await_spin`, a `BusyPoll` engine's spinning callers), or how futures
+    /// linger (`EngineBuilder::await_linger`).
     pub(crate) fn driver(&self) -> Option<&Driver> {
         self.inner.driver.as_ref()
     }

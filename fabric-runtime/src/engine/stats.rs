@@ -64,6 +64,11 @@ pub struct ReactorStats {
     /// Passes run (take the queue, post, poll every NIC), by the reactor thread or, in
     /// `ReactorMode::Inline`, by awaiting callers.
     pub passes: u64,
+    /// Of `passes`, those run on callers' threads: by awaiting futures and the spin paths of
+    /// an `Inline` engine or one with `await_spin`, and by the spinning callers of a
+    /// `BusyPoll` engine (its spin paths, a lingering future), while its reactor thread
+    /// stands by.
+    pub caller_passes: u64,
     /// Times the reactor went to sleep in `ppoll` (`Event` mode, idle).
     pub sleeps: u64,
     /// Sleeps ended by a file descriptor (a submission's eventfd or a completion queue)
@@ -189,8 +194,9 @@ impl fmt::Display for EngineStats {
         let r = &self.reactor;
         write!(
             f,
-            "reactor: {} passes, {} sleeps ({} woken by an fd), up {:.3} s, asleep {:.3} s, polling {:.3} s",
+            "reactor: {} passes ({} on callers' threads), {} sleeps ({} woken by an fd), up {:.3} s, asleep {:.3} s, polling {:.3} s",
             r.passes,
+            r.caller_passes,
             r.sleeps,
             r.wakeups,
             r.uptime.as_secs_f64(),
@@ -247,6 +253,7 @@ impl Engine {
         }
         let reactor = ReactorStats {
             passes: r.passes.load(Ordering::Relaxed),
+            caller_passes: r.caller_passes.load(Ordering::Relaxed),
             sleeps: r.sleeps.load(Ordering::Relaxed),
             wakeups: r.wakeups.load(Ordering::Relaxed),
             uptime,

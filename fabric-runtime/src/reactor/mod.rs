@@ -28,6 +28,7 @@ use self::core::{Core, EVENT_NO_FD_SPIN};
 use crate::error::{Error, Result};
 use crate::provider::Domain;
 use crate::shared::queue::Submission;
+use crate::shared::stats::bump;
 use crate::shared::Shared;
 use crate::sync::{lock, DirectPost, Driver, Progress};
 use crate::sys;
@@ -60,9 +61,18 @@ pub enum ReactorMode {
         /// How long to keep spinning after the last completion or submission.
         spin: Duration,
     },
-    /// Spin continuously (one core at 100%): completions are seen at once, but an awaiting
-    /// task whose executor thread parked still pays an OS wake-up (~10 µs), unless it was
-    /// lingering (`EngineBuilder::await_linger`); see `Inline`.
+    /// Spin continuously (one core at 100%; pin it with `EngineBuilder::pin_core`):
+    /// completions are seen at once. A thread that spins anyway drives the NICs itself: the
+    /// synchronous spin paths (`OpBatch::spin_until`, `ImmCounter::spin_wait`) and a
+    /// lingering future (`EngineBuilder::await_linger`, 200 µs by default on 8 or more CPUs)
+    /// run the reactor's pass on their own thread, so a completion is found where it is
+    /// awaited instead of being handed over from the reactor's core. While they do, the
+    /// reactor thread stands by, asleep on its eventfd for 20 µs at a time; it takes over
+    /// within that once they stop, and at once when a future parks. A future that does not
+    /// linger (another lingers, or the budget is 0) parks its executor thread and pays an OS
+    /// wake-up (~10 µs); see `Inline`. On the 16-core reference VM an 8 B shm round trip
+    /// takes the raw provider loop's + 0.4-0.6 µs on the spin path and + 0.65-0.8 µs with
+    /// lingering futures (`docs/latency.md`).
     BusyPoll,
     /// The task that awaits drives the NICs itself, for latency-critical paths (MoE
     /// dispatch/combine). Polling an `OpFuture`, a `wait_for` or a `recv`, and the
@@ -109,14 +119,29 @@ pub(crate) struct ReactorConfig {
 /// before it looks again whether they still do.
 const INLINE_STANDBY: Duration = Duration::from_micros(200);
 
-/// A pass on a caller's thread (`Inline`, `AwaitSpin`), after telling the reactor thread
-/// that a caller drives (it stands by). The counter is bumped with a load and a store, not
-/// a read-modify-write: callers racing here may lose an increment, but the value still
-/// changes, which is all the reactor thread looks at.
+/// How long the reactor thread of a `BusyPoll` engine stands by, asleep on its eventfd,
+/// each time it sees that its spinning callers ran passes since it last looked: the first
+/// pass after the last of them stops comes within about this long. A future that parks
+/// meanwhile ends the standby at once (`Lingering::parking`), unless it looked just before
+/// the standby began; this bound then holds for it too.
+/// It sleeps rather than spins meanwhile: on the 16-core reference VM, a reactor thread
+/// spinning beside them, even on a core of its own and touching nothing they write but the
+/// pass counter once per 2 µs, took 0.4-0.7 µs more per 8 B shm round trip from callers that
+/// drive than one asleep (`docs/latency.md`).
+const BUSY_STANDBY: Duration = Duration::from_micros(20);
+
+/// A pass on a caller's thread (`Inline`, `AwaitSpin`, a spinning caller of a `BusyPoll`
+/// engine), after telling the reactor thread that a caller drives (it stands by). The
+/// counter is bumped with a load and a store, not a read-modify-write: callers racing here
+/// may lose an increment, but the value still changes, which is all the reactor thread
+/// looks at.
 fn caller_pass<D: Domain>(core: &Mutex<Core<D>>, shared: &Shared) -> bool {
     let polls = &shared.inline_polls;
     polls.store(polls.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
-    try_core(core).is_some_and(|mut c| c.turn())
+    try_core(core).is_some_and(|mut c| {
+        bump(&shared.stats.reactor.caller_passes, 1);
+        c.turn()
+    })
 }
 
 /// The core for a pass on another thread than the reactor's: never waits (`None` while some
@@ -198,19 +223,27 @@ impl<D: Domain> Progress for AwaitSpin<D> {
 
 /// `EngineBuilder::await_linger`: the first pending future of the engine spins in short
 /// slices, peeking at its result, for up to `budget` before it parks
-/// ([`crate::sync::linger_poll`]); it never touches the NICs. While it lingers the reactor
-/// thread does not sleep: it polls, yielding its core between passes that find nothing, so
-/// that the result is seen as soon as it lands, and no OS wake-up of either thread is on
-/// its path.
-struct Lingering {
+/// ([`crate::sync::linger_poll`]). While it lingers the reactor thread does not sleep: it
+/// polls, yielding its core between passes that find nothing, so that the result is seen as
+/// soon as it lands, and no OS wake-up of either thread is on its path.
+///
+/// On a `BusyPoll` engine (`drive`), every thread that spins anyway runs passes itself: a
+/// lingering future between its peeks, the synchronous spin paths (`OpBatch::spin_until`,
+/// `ImmCounter::spin_wait`) while they wait; the budget may then be zero (futures park at
+/// once, the spin paths still drive). The reactor thread stands by while they do (`run`),
+/// so that a completion is found on the thread that waits for it instead of being handed
+/// over from the reactor's core: two such hand-offs per hop were most of the distance
+/// between `BusyPoll` and the raw provider loop (`docs/latency.md`).
+struct Lingering<D: Domain> {
     shared: Arc<Shared>,
     budget: Duration,
+    drive: Option<Arc<Mutex<Core<D>>>>,
 }
 
-impl Progress for Lingering {
+impl<D: Domain> Progress for Lingering<D> {
     fn progress(&self) -> bool {
-        // The reactor thread drives the NICs; the synchronous spin path just spins.
-        false
+        // Without `drive` the reactor thread drives the NICs; callers just look.
+        self.drive.as_ref().is_some_and(|core| caller_pass(core, &self.shared))
     }
 
     fn spin_budget(&self) -> Duration {
@@ -219,6 +252,16 @@ impl Progress for Lingering {
 
     fn linger(&self) -> Option<Duration> {
         Some(self.budget)
+    }
+
+    fn drives(&self) -> bool {
+        self.drive.is_some()
+    }
+
+    fn linger_free(&self) -> bool {
+        let r = &self.shared.stats.reactor;
+        let until = r.linger.until.load(Ordering::Relaxed);
+        until == 0 || r.clock_ns() >= until
     }
 
     fn linger_begin(&self, budget: Duration) -> Option<u64> {
@@ -232,6 +275,10 @@ impl Progress for Lingering {
         }
         r.linger.until.compare_exchange(cur, until, Ordering::SeqCst, Ordering::Relaxed).ok()?;
         r.linger.began.fetch_add(1, Ordering::Relaxed);
+        if self.drive.is_some() {
+            // `BusyPoll`: the reactor thread never sleeps in `ppoll`, and this future drives.
+            return Some(until);
+        }
         // A reactor thread asleep in `ppoll` must poll instead. It looks at `until` under
         // the queue's lock before it sleeps (`Core::prepare_sleep`), and this looks at its
         // flag under the same lock after `until` was set: one of the two sees the other.
@@ -251,6 +298,14 @@ impl Progress for Lingering {
         }
         // Only if still ours: after our budget another future may have taken it.
         let _ = l.until.compare_exchange(token, 0, Ordering::SeqCst, Ordering::Relaxed);
+    }
+
+    fn parking(&self) {
+        // `BusyPoll`: a future that registers its waker needs the reactor thread's passes;
+        // one standing by for callers that drive is told at once (a load when it is not).
+        if self.drive.is_some() && self.shared.standing_by.load(Ordering::SeqCst) {
+            self.shared.wake.notify();
+        }
     }
 }
 
@@ -299,8 +354,9 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
     } else if !cfg.await_spin.is_zero() {
         Some(Arc::new(AwaitSpin { core: core.clone(), shared: shared.clone(), spin: cfg.await_spin })
             as Driver)
-    } else if !cfg.await_linger.is_zero() {
-        Some(Arc::new(Lingering { shared: shared.clone(), budget: cfg.await_linger }) as Driver)
+    } else if cfg.mode == ReactorMode::BusyPoll || !cfg.await_linger.is_zero() {
+        let drive = (cfg.mode == ReactorMode::BusyPoll).then(|| core.clone());
+        Some(Arc::new(Lingering { shared: shared.clone(), budget: cfg.await_linger, drive }) as Driver)
     } else {
         None
     };
@@ -390,22 +446,31 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
     let mut idle_interval = Duration::from_micros(50);
     let windows = Windows::of(cfg.mode, lock(&core).has_fdless_domain());
     let spins = windows.track_activity();
-    // Callers may run passes (`Inline`, `await_spin`): stand by while they do.
-    let inline = cfg.mode == ReactorMode::Inline || !cfg.await_spin.is_zero();
+    // Callers may run passes (`Inline`, `await_spin`, `BusyPoll`'s spinning callers): stand
+    // by while they do, for this long at a time.
+    let standby = if cfg.mode == ReactorMode::Inline || !cfg.await_spin.is_zero() {
+        Some(INLINE_STANDBY)
+    } else if cfg.mode == ReactorMode::BusyPoll {
+        Some(BUSY_STANDBY)
+    } else {
+        None
+    };
     let mut seen_polls = shared.inline_polls.load(Ordering::Relaxed);
     loop {
-        if inline {
+        if let Some(standby) = standby {
             // Callers drove the NICs since we last looked: stand by, untouched.
             let polls = shared.inline_polls.load(Ordering::Relaxed);
             if polls != seen_polls && !shared.closing() {
                 seen_polls = polls;
-                // On the eventfd: a caller that parks (`AwaitSpin::parking`) ends it.
+                // On the eventfd: a caller that parks (`Progress::parking`) ends it.
                 let mut fd = [libc::pollfd { fd: shared.wake.raw(), events: libc::POLLIN, revents: 0 }];
-                if let Ok(n) = sys::wait(&mut fd, Some(INLINE_STANDBY)) {
+                shared.standing_by.store(true, Ordering::SeqCst);
+                if let Ok(n) = sys::wait(&mut fd, Some(standby)) {
                     if n > 0 {
                         shared.wake.drain();
                     }
                 }
+                shared.standing_by.store(false, Ordering::SeqCst);
                 continue;
             }
         }

@@ -113,9 +113,11 @@ pub(crate) struct Shared {
     pub(crate) delivery_complete: bool,
     /// Host regions from 2 MiB up ask for transparent huge pages (`EngineBuilder::huge_pages`).
     pub(crate) huge_pages: bool,
-    /// Moves while callers of an `Inline` engine run passes (the reactor thread stands by
-    /// while it does). Not an exact count: racing callers may each store the same value.
+    /// Moves while callers run passes (`Inline`, `await_spin`, `BusyPoll`'s spinning callers;
+    /// the reactor thread stands by while it does). Not an exact count: racing callers may each store the same value.
     pub(crate) inline_polls: AtomicU64,
+    /// The reactor thread stands by on its eventfd while callers run passes (`reactor::run`).
+    pub(crate) standing_by: AtomicBool,
     /// Shutdown was requested.
     closing: AtomicBool,
     /// Posting on the submitter's thread while the reactor sleeps (`reactor::Direct`),
@@ -179,6 +181,7 @@ impl Shared {
             delivery_complete,
             huge_pages: true,
             inline_polls: AtomicU64::new(0),
+            standing_by: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             direct: OnceLock::new(),
             direct_posts: AtomicU64::new(0),

@@ -67,6 +67,8 @@ impl OpCounters {
 pub(crate) struct ReactorCounters {
     pub(crate) started: Instant,
     pub(crate) passes: AtomicU64,
+    /// Of `passes`, those run on a caller's thread (bumped under the core's lock).
+    pub(crate) caller_passes: AtomicU64,
     pub(crate) sleeps: AtomicU64,
     /// Sleeps ended by a file descriptor (the eventfd or a CQ), not the timeout.
     pub(crate) wakeups: AtomicU64,
@@ -151,6 +153,7 @@ impl Stats {
             reactor: ReactorCounters {
                 started: Instant::now(),
                 passes: AtomicU64::new(0),
+                caller_passes: AtomicU64::new(0),
                 sleeps: AtomicU64::new(0),
                 wakeups: AtomicU64::new(0),
                 slept_ns: AtomicU64::new(0),
