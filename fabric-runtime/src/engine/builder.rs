@@ -147,7 +147,8 @@ impl EngineBuilder {
     /// thread's CPU while it spins, and other tasks of its runtime wait that long: leave it at
     /// 0 where many tasks await at once (a `join_all` of a thousand transfers would spin for
     /// each pending one). An idle engine spins nowhere: only a `poll` of a pending future
-    /// does. Bandwidth loops gain nothing measurable from it (`docs/performance.md`).
+    /// does. Bandwidth loops gain nothing measurable from it (`docs/performance-history.md`,
+    /// second pass).
     pub fn await_spin(mut self, d: Duration) -> Self {
         self.await_spin = d;
         self
@@ -243,7 +244,7 @@ impl EngineBuilder {
     /// Every walk over a region's pages then takes one step per 2 MiB instead of per 4 KiB:
     /// shm's copy (`process_vm_readv` pins the source pages of every write) moved 1.1-1.7x
     /// the bytes per second at 64 KiB-64 MiB on the 16-core reference machine
-    /// (`docs/performance.md`, fifth pass); a verbs NIC pins and maps fewer pages at
+    /// (`docs/performance-history.md`, fifth pass); a verbs NIC pins and maps fewer pages at
     /// registration; the TLB misses less.
     ///
     /// The kernel decides at the first touch of each 2 MiB: with THP `never`, or no free huge
