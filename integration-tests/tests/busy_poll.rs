@@ -35,9 +35,12 @@ async fn sync_post_and_spin_until_done() {
         let size = 64 * 1024;
         let wait = format!("11={n},12=50");
         let mut peer = Peer::spawn(PEER, addr, &p, &["target", "--size", &size.to_string(), "--wait", &wait]);
+        // A CPU this process may run on (not always cpu 0 under a restricted affinity).
+        // SAFETY: sched_getcpu takes no arguments.
+        let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).expect("sched_getcpu");
         let engine =
-            Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).pin_core(0).build().unwrap();
-        assert!(reactor_pinned_to("0"), "the busy-poll reactor runs on core 0 only");
+            Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll).pin_core(cpu).build().unwrap();
+        assert!(reactor_pinned_to(&cpu.to_string()), "the busy-poll reactor runs on cpu {cpu} only");
         let mut data = vec![0u8; size];
         fill_pattern(&mut data, 77, 0);
         let src = engine.register(data.clone()).await.unwrap();
