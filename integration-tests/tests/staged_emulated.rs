@@ -1,6 +1,6 @@
 //! The staging pool and every staged shape end to end on machines without a GPU: regions
 //! from `Engine::alloc_emulated_staged` (feature `gpu-emulation`: host memory registered as a
-//! staged GPU region, its copies done by `memcpy` on the reactor thread) take exactly the
+//! staged GPU region, its copies done by `memcpy` in the reactor's passes) take exactly the
 //! paths a real staged GPU region takes (bounce slots, per-chunk writes and PULLs, the
 //! owner's chunk reads, barriers, follow-ups, ACKs), with two engines of this process over
 //! every provider. Bytes and exact arrival counts are checked; `tests/gpu/` runs the same
@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use fabric_async::{Engine, MemoryRegion, PageLayout, RemoteRegion, ScatterEntry};
+use fabric_async::{Engine, MemoryRegion, PageLayout, ReactorMode, RemoteRegion, ScatterEntry};
 use fabric_runtime::{Error, GpuPath};
 use integration_tests::{fill_pattern, providers};
 
@@ -97,6 +97,44 @@ async fn every_direction_through_a_small_pool() {
                 done(a.write_imm(&src, 0, &rdst, 0, len as u64, 5), &what).await;
                 expect_arrivals(&b, 5, n, &what).await;
                 assert!(dst.to_vec() == data, "{what}: bytes");
+            }
+        }
+    }
+}
+
+/// The same on `BusyPoll` engines, whose awaiting callers run the passes (the staging copies
+/// included) on their own threads: 4 MiB + 4099 bytes through 2 x 1 MiB, every direction,
+/// lingering futures and futures that park at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_direction_on_busy_poll_engines() {
+    let len = 4 * MIB + 4099;
+    for p in providers() {
+        for linger in [Duration::from_millis(200), Duration::ZERO] {
+            for (s, d) in DIRECTIONS {
+                let what = format!("{p} BusyPoll, linger {linger:?}, {s:?} -> {d:?}");
+                let e = || {
+                    Engine::builder()
+                        .mode(ReactorMode::BusyPoll)
+                        .await_linger(linger)
+                        .provider(p.as_str())
+                        .staging_pool(2 * MIB as u64)
+                        .staging_chunk(MIB as u64)
+                        .build()
+                        .expect("engine")
+                };
+                let (a, b) = (e(), e());
+                let data = pattern(len, len as u64 ^ 7);
+                let src = region(&a, s, &data).await;
+                let dst = region(&b, d, &vec![0xEE; len]).await;
+                let rdst = remote(&a, &dst).await;
+                let n = a.write_arrivals(&rdst, len as u64).unwrap();
+                done(a.write_imm(&src, 0, &rdst, 0, len as u64, 5), &what).await;
+                expect_arrivals(&b, 5, n, &what).await;
+                assert!(dst.to_vec() == data, "{what}: bytes");
+                if !linger.is_zero() {
+                    let r = a.stats().reactor;
+                    assert!(r.caller_passes > 0, "{what}: the awaiting thread ran no pass: {r:?}");
+                }
             }
         }
     }
