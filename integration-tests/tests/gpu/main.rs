@@ -53,6 +53,10 @@ fn gpu(test: &str) -> bool {
 /// `"tcp"`, or `"tcp:2"` for an engine of 2 domains (the loopback stand-in for 2 NICs),
 /// with an optional `@POOL/CHUNK` (bytes) staging pool: `"shm@2097152/1048576"`.
 fn builder(provider: &str) -> fabric_async::EngineBuilder {
+    // "PROVIDER!busy": a `BusyPoll` engine (its awaiting callers run the passes).
+    if let Some(p) = provider.strip_suffix("!busy") {
+        return builder(p).mode(fabric_async::ReactorMode::BusyPoll);
+    }
     let (provider, pool) = match provider.split_once('@') {
         Some((p, pool)) => (p, Some(pool)),
         None => (provider, None),
@@ -385,6 +389,20 @@ async fn gpu_to_gpu_staged() {
     }
     for p in providers() {
         one_transfer("gpu_to_gpu_staged", &p, GPU, GPU, false).await;
+    }
+}
+
+/// Staged writes between `BusyPoll` engines on both sides, whose awaiting callers run the
+/// passes and so the staging's CUDA copies and event queries on their own threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staged_on_busy_poll_engines() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("staged_on_busy_poll_engines") {
+        return;
+    }
+    for p in providers() {
+        for (s, d) in [(GPU, MemoryLocation::Host), (MemoryLocation::Host, GPU), (GPU, GPU)] {
+            one_transfer("staged_on_busy_poll_engines", &format!("{p}!busy"), s, d, false).await;
+        }
     }
 }
 
