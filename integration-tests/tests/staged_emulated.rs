@@ -104,10 +104,12 @@ async fn every_direction_through_a_small_pool() {
 
 /// The same on `BusyPoll` engines, whose awaiting callers run the passes (the staging copies
 /// included) on their own threads: 4 MiB + 4099 bytes through 2 x 1 MiB, every direction,
-/// lingering futures and futures that park at once.
+/// lingering futures and futures that park at once; bytes and counts of each, and passes run
+/// by the awaiting threads over the whole test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_direction_on_busy_poll_engines() {
     let len = 4 * MIB + 4099;
+    let mut caller_passes = 0;
     for p in providers() {
         for linger in [Duration::from_millis(200), Duration::ZERO] {
             for (s, d) in DIRECTIONS {
@@ -131,13 +133,13 @@ async fn every_direction_on_busy_poll_engines() {
                 done(a.write_imm(&src, 0, &rdst, 0, len as u64, 5), &what).await;
                 expect_arrivals(&b, 5, n, &what).await;
                 assert!(dst.to_vec() == data, "{what}: bytes");
-                if !linger.is_zero() {
-                    let r = a.stats().reactor;
-                    assert!(r.caller_passes > 0, "{what}: the awaiting thread ran no pass: {r:?}");
-                }
+                caller_passes += a.stats().reactor.caller_passes;
             }
         }
     }
+    // Over the whole test, not per transfer: on a loaded 2-core machine one transfer may
+    // complete before its awaiting thread gets the core's lock once (seen in CI).
+    assert!(caller_passes > 0, "no pass ran on an awaiting thread in the whole test");
 }
 
 /// Two engines writing GPU to GPU into each other at once, pools of 2 slots: the slot kept
