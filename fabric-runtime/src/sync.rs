@@ -193,6 +193,20 @@ impl Drop for Linger {
     }
 }
 
+/// A lingering future stops looking and registers its waker; still pending, it tells the
+/// driver (a `BusyPoll` reactor thread standing by must take over its passes).
+fn park<T>(
+    driver: &Driver,
+    cx: &mut std::task::Context<'_>,
+    register: impl FnOnce(&mut std::task::Context<'_>) -> std::task::Poll<T>,
+) -> std::task::Poll<T> {
+    let r = register(cx);
+    if r.is_pending() {
+        driver.parking();
+    }
+    r
+}
+
 /// Passes a pending future of a `BusyPoll` engine runs before it takes the engine's lingering
 /// slot. Chosen, not tuned: the slot's bookkeeping is what the pre-spin saves, and a wait
 /// that outlasts the pre-spin pays it as before.
@@ -234,11 +248,7 @@ pub(crate) fn linger_poll<T>(
     // A budget of zero (a `BusyPoll` engine's driver without lingering): park at once.
     if budget.is_zero() {
         st.parked = true;
-        let r = register(cx);
-        if r.is_pending() {
-            driver.parking();
-        }
-        return r;
+        return park(driver, cx, register);
     }
     if let Some(r) = peek() {
         st.stop(false);
@@ -261,11 +271,7 @@ pub(crate) fn linger_poll<T>(
     if st.counted.is_none() {
         let Some(token) = driver.linger_begin(budget) else {
             st.skip();
-            let r = register(cx);
-            if r.is_pending() {
-                driver.parking();
-            }
-            return r;
+            return park(driver, cx, register);
         };
         st.counted = Some((driver.clone(), token));
         st.since = Some(now);
@@ -292,11 +298,7 @@ pub(crate) fn linger_poll<T>(
     if now >= end {
         st.stop(true);
         st.parked = true;
-        let r = register(cx);
-        if r.is_pending() {
-            driver.parking();
-        }
-        return r;
+        return park(driver, cx, register);
     }
     cx.waker().wake_by_ref();
     Poll::Pending

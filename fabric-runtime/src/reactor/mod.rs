@@ -262,9 +262,7 @@ impl<D: Domain> Progress for Lingering<D> {
     }
 
     fn linger_free(&self) -> bool {
-        let r = &self.shared.stats.reactor;
-        let until = r.linger.until.load(Ordering::Relaxed);
-        until == 0 || r.clock_ns() >= until
+        !self.shared.stats.reactor.lingering()
     }
 
     fn linger_begin(&self, budget: Duration) -> Option<u64> {
