@@ -127,10 +127,11 @@ impl Peer {
         Peer { child: Some(child) }
     }
 
-    /// Kills the process now (to test a dead peer).
+    /// Kills the process now (to test a dead peer). A stopped peer dies stopped: SIGKILL
+    /// needs no SIGCONT, and continuing it first would let it resume for a moment and start
+    /// on the work queued for it meanwhile, so that it could die holding libfabric shm's
+    /// region lock (docs/faults.md), which hangs the next post to it.
     pub fn kill(&mut self) {
-        // A stopped process still dies of SIGKILL; continuing it first is harmless.
-        self.signal("CONT");
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();

@@ -206,6 +206,6 @@ async fn inline_writes_post_at_submit_and_a_hung_peer_still_times_out() {
     assert_eq!(s.peers[0].errors, 1, "failed by the reactor thread: {s:?}");
     let e = tokio::time::timeout(Duration::from_secs(1), hung).await.expect("already failed").unwrap_err();
     assert!(matches!(e, fabric_async::Error::PeerUnreachable { .. }), "{e}");
-    drop(peer); // continued, then killed
+    drop(peer); // killed (still stopped)
     let _ = store.put("target/exit", vec![]).await;
 }
