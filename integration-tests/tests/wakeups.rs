@@ -174,7 +174,8 @@ async fn completion_watch_refuses_what_it_cannot_watch() {
 
 /// A window of writes submitted at once into a sleeping reactor (tcp: a delivery-complete
 /// write stays in flight until the peer's reactor answers): the first is posted on the
-/// submitter's thread, the others (operations in flight) are left to the reactor thread,
+/// submitter's thread, the others (operations in flight) are left to the reactor thread
+/// (none is posted there while another is in flight),
 /// woken once, so that a stream has one thread in the NIC rather than two taking turns on
 /// its lock. Every write lands.
 #[tokio::test]
@@ -199,9 +200,22 @@ async fn only_a_write_into_an_idle_engine_is_posted_directly() {
     let c = b.imm_counter(5);
     bounded(c.wait_for(1)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await; // the reactor goes to sleep
-    let before = a.direct_posts();
-    let writes: Vec<_> = (0..16u64).map(|i| a.write_imm(&ra, i << 16, &to_b, i << 16, 1 << 16, 5)).collect();
-    let posted_here = a.direct_posts() - before;
+                                                          // A write posted here although others were in flight breaks the rule. On a loaded host
+                                                          // the submitting loop may be held up long enough for every earlier write to complete
+                                                          // and the reactor to sleep again: posting the next one here is then right.
+    let (mut writes, mut posted_here, mut found_idle, mut broken) = (Vec::new(), 0, 0, Vec::new());
+    for i in 0..16u64 {
+        let idle = a.stats().nics.iter().all(|n| n.in_flight == 0);
+        let before = a.direct_posts();
+        writes.push(a.write_imm(&ra, i << 16, &to_b, i << 16, 1 << 16, 5));
+        if a.direct_posts() > before {
+            posted_here += 1;
+            if !idle {
+                broken.push(i);
+            }
+        }
+        found_idle += idle as u32;
+    }
     for w in writes {
         bounded(w).await.unwrap();
     }
@@ -209,5 +223,9 @@ async fn only_a_write_into_an_idle_engine_is_posted_directly() {
     let mut got = vec![0u8; 1 << 20];
     rb.read_at(0, &mut got).unwrap();
     assert!(got == pattern, "every write landed");
-    assert!(posted_here <= 1, "{posted_here} of 16 writes in a row were posted on the submitter's thread");
+    assert!(
+        broken.is_empty(),
+        "writes {broken:?} were posted on the submitter's thread with others in flight ({posted_here} of 16 \
+         posted there, {found_idle} found nothing in flight)"
+    );
 }
