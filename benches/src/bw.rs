@@ -339,6 +339,9 @@ pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
                     if let Some(d) = ctx.o.await_linger {
                         case.push_str(&format!(" [linger {} us]", d.as_micros()));
                     }
+                    if let Some(d) = ctx.o.poll_window {
+                        case.push_str(&format!(" [poll window {} us]", d.as_micros()));
+                    }
                     if !ctx.o.huge_pages {
                         case.push_str(" [4 KiB pages]");
                     }

@@ -189,6 +189,12 @@ struct Cli {
     /// FABRIC_AWAIT_LINGER_US]. The run's first line says what the engines do.
     #[arg(long, global = true, value_name = "US")]
     await_linger: Option<u64>,
+    /// Every test's engines: the reactor thread keeps polling for US microseconds after its
+    /// last activity before it sleeps (EngineBuilder::poll_window; Event, Adaptive after its
+    /// spin, Inline; 0: sleep at once) [default: the engine's, 50 us with 8 or more CPUs,
+    /// else 0, or FABRIC_POLL_WINDOW_US]. The run's first line says what the engines do.
+    #[arg(long, global = true, value_name = "US")]
+    poll_window: Option<u64>,
     /// Host regions of 2 MiB and more, the engine's (EngineBuilder::huge_pages) and the raw
     /// loop's alike, aligned to 2 MiB and advised to use transparent huge pages; with `on`,
     /// bw's fi_rma_bw runs with glibc's malloc tunable glibc.malloc.hugetlb=1 to match.
@@ -358,6 +364,8 @@ pub struct Opts {
     pub await_spin: Option<Duration>,
     /// `--await-linger`: `EngineBuilder::await_linger` of the engines (`None`: their default).
     pub await_linger: Option<Duration>,
+    /// `--poll-window`: `EngineBuilder::poll_window` of the engines (`None`: their default).
+    pub poll_window: Option<Duration>,
     /// `--watch`: bw's engines get a `CompletionWatch`.
     pub watch: bool,
     /// `--time-calls`: bw times each side's NIC thread (`account.rs`).
@@ -425,6 +433,7 @@ impl From<Cli> for Opts {
             huge_pages: c.huge_pages == Switch::On,
             await_spin: c.await_spin.map(Duration::from_micros),
             await_linger: c.await_linger.map(Duration::from_micros),
+            poll_window: c.poll_window.map(Duration::from_micros),
         }
     }
 }

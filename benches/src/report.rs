@@ -145,6 +145,8 @@ pub struct Report {
     raw_rate: Option<f64>,
     /// The engines' `await_linger` budget, in µs (0: they park at once).
     linger_us: u64,
+    /// The engines' `poll_window`, in µs (0: their reactors sleep at once when idle).
+    poll_window_us: u64,
 }
 
 fn unit_label(u: &str) -> &str {
@@ -176,12 +178,23 @@ fn fmt(v: f64) -> String {
 
 impl Report {
     pub fn new(provider: &str) -> Report {
-        Report { provider: provider.into(), rows: Vec::new(), raw_rate: None, linger_us: 0 }
+        Report {
+            provider: provider.into(),
+            rows: Vec::new(),
+            raw_rate: None,
+            linger_us: 0,
+            poll_window_us: 0,
+        }
     }
 
     /// The engines' `await_linger` budget (zero: their futures park at once).
     pub fn set_linger(&mut self, d: std::time::Duration) {
         self.linger_us = d.as_micros() as u64;
+    }
+
+    /// The engines' `poll_window` (zero: their reactors sleep at once when idle).
+    pub fn set_poll_window(&mut self, d: std::time::Duration) {
+        self.poll_window_us = d.as_micros() as u64;
     }
 
     pub fn push(&mut self, r: Row) {
@@ -351,6 +364,7 @@ impl Report {
             "provider": self.provider,
             "cores": cores,
             "linger_us": self.linger_us,
+            "poll_window_us": self.poll_window_us,
             "results": results
         });
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

@@ -90,10 +90,12 @@ pub async fn leader_main(o: Opts) -> Res<()> {
     let mut child = Command::new(std::env::current_exe()?).args(&args).stdin(Stdio::null()).spawn()?;
     let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0, progress: Progress::new(true) };
     let linger = builder(&o).mode(o.mode).linger_budget();
+    let window = builder(&o).mode(o.mode).reactor_poll_window();
     let mut rep = Report::new(&o.provider);
     rep.set_linger(linger);
+    rep.set_poll_window(window);
     eprintln!(
-        "fabric-bench {} on {} ({} cores{}){}{}",
+        "fabric-bench {} on {} ({} cores{}{}){}{}",
         o.test.name(),
         o.provider,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -101,6 +103,11 @@ pub async fn leader_main(o: Opts) -> Res<()> {
             ", futures park at once".to_string()
         } else {
             format!(", futures linger {} us", linger.as_micros())
+        },
+        if window.is_zero() {
+            ", reactors sleep at once when idle".to_string()
+        } else {
+            format!(", reactors poll {} us after activity", window.as_micros())
         },
         if o.quick { ", quick" } else { "" },
         if o.domain_counts.len() > 1 || o.domains > 1 {
@@ -199,6 +206,9 @@ pub fn builder_domains(o: &Opts, domains: usize) -> fabric_async::EngineBuilder 
     }
     if let Some(d) = o.await_linger {
         b = b.await_linger(d);
+    }
+    if let Some(d) = o.poll_window {
+        b = b.poll_window(d);
     }
     if let Some(n) = o.staging_pool {
         b = b.staging_pool(n as u64);

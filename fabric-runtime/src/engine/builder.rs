@@ -28,6 +28,8 @@ pub struct EngineBuilder {
     pub(crate) await_linger: Duration,
     /// Post on the submitter's thread while the reactor sleeps.
     pub(crate) direct_post: bool,
+    /// How long the reactor keeps polling after its last activity before it sleeps.
+    pub(crate) poll_window: Duration,
     pub(crate) time_reactor: bool,
     pub(crate) huge_pages: bool,
     pub(crate) nics: Vec<String>,
@@ -62,6 +64,7 @@ impl Default for EngineBuilder {
             await_spin: env::micros("FABRIC_AWAIT_SPIN_US").unwrap_or(Duration::ZERO),
             await_linger: env::micros("FABRIC_AWAIT_LINGER_US").unwrap_or_else(default_linger),
             direct_post: env::switch("FABRIC_DIRECT_POST", true),
+            poll_window: env::micros("FABRIC_POLL_WINDOW_US").unwrap_or_else(default_poll_window),
             time_reactor: false,
             huge_pages: env::switch("FABRIC_HUGE_PAGES", true),
             nics: Vec::new(),
@@ -91,6 +94,19 @@ pub(crate) const LINGER_DEFAULT: Duration = Duration::from_micros(200);
 fn default_linger() -> Duration {
     if crate::sys::machine_cpus() >= LINGER_MIN_CPUS {
         LINGER_DEFAULT
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// [`EngineBuilder::poll_window`]'s default where it is on (from [`LINGER_MIN_CPUS`], as
+/// lingering: the same reason, a polling thread must not take a core the transfer needs).
+pub(crate) const POLL_WINDOW_DEFAULT: Duration = Duration::from_micros(50);
+
+/// [`POLL_WINDOW_DEFAULT`] with [`LINGER_MIN_CPUS`] or more CPUs, else zero.
+fn default_poll_window() -> Duration {
+    if crate::sys::machine_cpus() >= LINGER_MIN_CPUS {
+        POLL_WINDOW_DEFAULT
     } else {
         Duration::ZERO
     }
@@ -195,6 +211,30 @@ impl EngineBuilder {
     /// there. 0 turns it off.
     pub fn await_linger(mut self, d: Duration) -> Self {
         self.await_linger = d;
+        self
+    }
+
+    /// How long the reactor thread keeps polling after its last activity (a pass that
+    /// posted, completed or counted anything) before it sleeps on the NICs' wait fds, in
+    /// `Event` mode (and `Adaptive` after its spin, `Inline` while nobody drives). It polls
+    /// yielding the core, so a thread waiting to run on it goes first. Default: 50 µs on
+    /// machines with 8 or more CPUs (as [`Self::await_linger`]), else 0: sleep at once.
+    ///
+    /// A provider whose progress is driven by polling (libfabric `tcp`: the target's polls
+    /// read the socket, the initiator's send the data) moves nothing while its reactor
+    /// sleeps, and each wake-up costs microseconds (6-10 µs on the 16-core reference VM)
+    /// during which its socket buffer fills and the sender stalls. A stream keeps the window
+    /// open, so its reactors never sleep mid-transfer. On that machine the receiving reactor
+    /// of a 1 MiB tcp stream (16 writes in flight) in `Event` mode without it was asleep for
+    /// 40-60% of the stream, which ran at 0.81-0.94 of the raw provider loop, against 1.01-1.02
+    /// with [`ReactorMode::Adaptive`]'s 50 µs spin after activity, the same mechanism
+    /// (`docs/performance.md`, ninth pass). The cost is CPU just after activity: up to this
+    /// long per burst of work, one core while a stream flows (as the raw loop, which spins
+    /// all along); an idle engine still sleeps. On a NIC with no wait fd (shm, EFA) the
+    /// reactor polls for at least 1 ms after activity anyway. `FABRIC_POLL_WINDOW_US` sets
+    /// the default; 0 turns it off.
+    pub fn poll_window(mut self, d: Duration) -> Self {
+        self.poll_window = d;
         self
     }
 
@@ -469,6 +509,18 @@ impl EngineBuilder {
         }
     }
 
+    /// How long the reactor thread will keep polling after its last activity before it
+    /// sleeps ([`Self::poll_window`]: the value set, or this machine's default); zero in
+    /// `BusyPoll` mode, whose reactor never sleeps. On a NIC with no wait fd it polls for
+    /// at least 1 ms all the same.
+    pub fn reactor_poll_window(&self) -> Duration {
+        if self.mode == ReactorMode::BusyPoll {
+            Duration::ZERO
+        } else {
+            self.poll_window
+        }
+    }
+
     /// What the reactor thread needs of these settings.
     pub(crate) fn reactor_config(&self) -> ReactorConfig {
         ReactorConfig {
@@ -484,6 +536,7 @@ impl EngineBuilder {
             await_spin: self.await_spin,
             await_linger: self.await_linger,
             direct_post: self.direct_post,
+            poll_window: self.poll_window,
             time_calls: self.time_reactor,
         }
     }

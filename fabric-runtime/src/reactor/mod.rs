@@ -7,10 +7,11 @@
 //! count immediates, deliver messages. This file runs passes on the reactor thread and
 //! decides how to wait when a pass found nothing to do ([`Windows::idle`]): `BusyPoll` spins,
 //! `Adaptive` spins until its window since the last activity has passed and then waits as
-//! `Event` does, `Event` sleeps in `ppoll` on the eventfd and each domain's wait fd, after
+//! `Event` does, `Event` polls (yielding the core) for `EngineBuilder::poll_window` after the last
+//! activity, then sleeps in `ppoll` on the eventfd and each domain's wait fd, after
 //! `arm`ing every domain (so a completion racing the decision to sleep is never missed). A
-//! domain with no wait fd is polled (yielding the core) for 1 ms after activity, and its
-//! sleep is a timed poll. In `Inline` mode the awaiting callers run passes themselves (through
+//! domain with no wait fd is polled for at least 1 ms after activity, and its sleep is a
+//! timed poll. In `Inline` mode the awaiting callers run passes themselves (through
 //! [`Progress`]), and the thread stands by while they do.
 //!
 //! The core sits behind a mutex: the thread takes it for a pass (and to arm before a sleep,
@@ -38,7 +39,10 @@ use crate::sys;
 #[non_exhaustive]
 pub enum ReactorMode {
     /// Sleep on the completion queue's wait fd and the submission eventfd when idle: about
-    /// zero CPU while nothing happens; a wake-up costs a few microseconds. On providers with
+    /// zero CPU while nothing happens; a wake-up costs a few microseconds. After its last
+    /// activity the reactor first keeps polling for `EngineBuilder::poll_window` (50 µs on
+    /// machines with 8 or more CPUs, else 0), so a transfer in progress, whose provider
+    /// progresses only when polled (tcp), never waits for the reactor to wake. On providers with
     /// no wait fd (libfabric `shm`, EFA) the reactor cannot sleep on the NIC: for 1 ms after
     /// the last activity it keeps polling (so a transfer in progress, whose target side must
     /// poll for it to progress, is not paced by timer sleeps), then polls at an interval that
@@ -111,6 +115,8 @@ pub(crate) struct ReactorConfig {
     pub(crate) await_linger: Duration,
     /// Post on the submitter's thread while the reactor thread sleeps.
     pub(crate) direct_post: bool,
+    /// `EngineBuilder::poll_window`: polling (yielding) after the last activity.
+    pub(crate) poll_window: Duration,
     /// `EngineBuilder::time_reactor`: time the backends' post and poll calls.
     pub(crate) time_calls: bool,
 }
@@ -402,18 +408,23 @@ struct Windows {
     always_spin: bool,
     /// `Adaptive`'s spin.
     spin: Duration,
-    /// Polling with yields: [`EVENT_NO_FD_SPIN`] where a domain has no wait fd.
+    /// Polling with yields: `EngineBuilder::poll_window`, and at least [`EVENT_NO_FD_SPIN`]
+    /// where a domain has no wait fd.
     poll: Duration,
 }
 
 impl Windows {
-    fn of(mode: ReactorMode, fdless: bool) -> Windows {
+    fn of(mode: ReactorMode, fdless: bool, poll_window: Duration) -> Windows {
         let spin = match mode {
             ReactorMode::Adaptive { spin } => spin,
             _ => Duration::ZERO,
         };
         let always_spin = mode == ReactorMode::BusyPoll;
-        let poll = if fdless && !always_spin { EVENT_NO_FD_SPIN } else { Duration::ZERO };
+        let poll = match (always_spin, fdless) {
+            (true, _) => Duration::ZERO,
+            (false, true) => poll_window.max(EVENT_NO_FD_SPIN),
+            (false, false) => poll_window,
+        };
         Windows { always_spin, spin, poll }
     }
 
@@ -445,7 +456,7 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
     }
     let mut last_activity = Instant::now();
     let mut idle_interval = Duration::from_micros(50);
-    let windows = Windows::of(cfg.mode, lock(&core).has_fdless_domain());
+    let windows = Windows::of(cfg.mode, lock(&core).has_fdless_domain(), cfg.poll_window);
     let spins = windows.track_activity();
     // Callers may run passes (`Inline`, `await_spin`, `BusyPoll`'s spinning callers): stand
     // by while they do, for this long at a time.
@@ -533,12 +544,12 @@ mod tests {
         let us = Duration::from_micros;
         let adaptive = ReactorMode::Adaptive { spin: us(50) };
         // No wait fd (shm): Adaptive spins, then polls like Event until Event would sleep.
-        let w = Windows::of(adaptive, true);
+        let w = Windows::of(adaptive, true, Duration::ZERO);
         assert!(w.track_activity());
         assert_eq!(w.idle(us(10), || false), Idle::Spin);
         assert_eq!(w.idle(us(100), || false), Idle::Yield);
         assert_eq!(w.idle(2 * MS, || false), Idle::Sleep);
-        let e = Windows::of(ReactorMode::Event, true);
+        let e = Windows::of(ReactorMode::Event, true, Duration::ZERO);
         for t in [us(0), us(10), us(100), us(999)] {
             assert_eq!(e.idle(t, || false), Idle::Yield, "{t:?}");
             assert_ne!(w.idle(t, || false), Idle::Sleep, "{t:?}");
@@ -546,37 +557,66 @@ mod tests {
         assert_eq!(e.idle(2 * MS, || false), Idle::Sleep);
         // A spin longer than Event's window: spinning all along.
         let long = ReactorMode::Adaptive { spin: 5 * MS };
-        assert_eq!(Windows::of(long, true).idle(2 * MS, || false), Idle::Spin);
-        assert_eq!(Windows::of(long, true).idle(6 * MS, || false), Idle::Sleep);
+        assert_eq!(Windows::of(long, true, Duration::ZERO).idle(2 * MS, || false), Idle::Spin);
+        assert_eq!(Windows::of(long, true, Duration::ZERO).idle(6 * MS, || false), Idle::Sleep);
     }
 
     #[test]
     fn with_a_wait_fd_only_adaptive_waits_before_sleeping() {
         let us = Duration::from_micros;
         for mode in [ReactorMode::Event, ReactorMode::Inline] {
-            let w = Windows::of(mode, false);
+            let w = Windows::of(mode, false, Duration::ZERO);
             assert!(!w.track_activity());
             assert_eq!(w.idle(Duration::MAX, || false), Idle::Sleep);
         }
         let adaptive = ReactorMode::Adaptive { spin: us(50) };
-        let w = Windows::of(adaptive, false);
+        let w = Windows::of(adaptive, false, Duration::ZERO);
         assert_eq!(w.idle(us(10), || false), Idle::Spin);
         assert_eq!(w.idle(us(100), || false), Idle::Sleep);
         for fdless in [false, true] {
-            let b = Windows::of(ReactorMode::BusyPoll, fdless);
+            let b = Windows::of(ReactorMode::BusyPoll, fdless, Duration::ZERO);
             assert_eq!(b.idle(Duration::MAX, || false), Idle::Spin);
             assert_eq!(b.idle(Duration::MAX, || true), Idle::Spin);
         }
     }
 
     #[test]
+    fn the_poll_window_keeps_polling_after_activity_then_sleeps() {
+        let us = Duration::from_micros;
+        let window = us(50);
+        for mode in [ReactorMode::Event, ReactorMode::Inline] {
+            let w = Windows::of(mode, false, window);
+            assert!(w.track_activity());
+            assert_eq!(w.idle(us(0), || false), Idle::Yield);
+            assert_eq!(w.idle(us(49), || false), Idle::Yield);
+            assert_eq!(w.idle(us(51), || false), Idle::Sleep);
+            assert_eq!(w.idle(us(51), || true), Idle::Yield, "a lingering future still counts");
+        }
+        // Without a wait fd the 1 ms window stays the floor; a longer window wins.
+        let e = Windows::of(ReactorMode::Event, true, window);
+        assert_eq!(e.idle(us(999), || false), Idle::Yield);
+        assert_eq!(e.idle(2 * MS, || false), Idle::Sleep);
+        let e = Windows::of(ReactorMode::Event, true, 5 * MS);
+        assert_eq!(e.idle(2 * MS, || false), Idle::Yield);
+        assert_eq!(e.idle(6 * MS, || false), Idle::Sleep);
+        // Adaptive spins first, then polls for the window, then sleeps.
+        let a = Windows::of(ReactorMode::Adaptive { spin: us(50) }, false, us(200));
+        assert_eq!(a.idle(us(10), || false), Idle::Spin);
+        assert_eq!(a.idle(us(100), || false), Idle::Yield);
+        assert_eq!(a.idle(us(300), || false), Idle::Sleep);
+        // BusyPoll never stops spinning.
+        let b = Windows::of(ReactorMode::BusyPoll, false, window);
+        assert_eq!(b.idle(Duration::MAX, || false), Idle::Spin);
+    }
+
+    #[test]
     fn a_lingering_future_keeps_the_reactor_from_sleeping() {
         let us = Duration::from_micros;
         for fdless in [false, true] {
-            let e = Windows::of(ReactorMode::Event, fdless);
+            let e = Windows::of(ReactorMode::Event, fdless, Duration::ZERO);
             assert_eq!(e.idle(Duration::MAX, || true), Idle::Yield, "fdless {fdless}");
             assert_eq!(e.idle(Duration::MAX, || false), Idle::Sleep, "fdless {fdless}");
-            let a = Windows::of(ReactorMode::Adaptive { spin: us(50) }, fdless);
+            let a = Windows::of(ReactorMode::Adaptive { spin: us(50) }, fdless, Duration::ZERO);
             // Adaptive's own spin still comes first; after it, polling, not sleeping.
             assert_eq!(a.idle(us(10), || true), Idle::Spin);
             assert_eq!(a.idle(Duration::MAX, || true), Idle::Yield);
