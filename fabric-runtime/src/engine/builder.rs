@@ -62,9 +62,11 @@ impl Default for EngineBuilder {
             op_timeout: Some(Duration::from_secs(30)),
             inline_spin: Duration::from_micros(20),
             await_spin: env::micros("FABRIC_AWAIT_SPIN_US").unwrap_or(Duration::ZERO),
-            await_linger: env::micros("FABRIC_AWAIT_LINGER_US").unwrap_or_else(default_linger),
+            await_linger: env::micros("FABRIC_AWAIT_LINGER_US")
+                .unwrap_or_else(|| with_many_cpus(LINGER_DEFAULT)),
             direct_post: env::switch("FABRIC_DIRECT_POST", true),
-            poll_window: env::micros("FABRIC_POLL_WINDOW_US").unwrap_or_else(default_poll_window),
+            poll_window: env::micros("FABRIC_POLL_WINDOW_US")
+                .unwrap_or_else(|| with_many_cpus(POLL_WINDOW_DEFAULT)),
             time_reactor: false,
             huge_pages: env::switch("FABRIC_HUGE_PAGES", true),
             nics: Vec::new(),
@@ -81,32 +83,24 @@ impl Default for EngineBuilder {
     }
 }
 
-/// CPUs from which [`EngineBuilder::await_linger`] is on by default.
+/// CPUs from which [`EngineBuilder::await_linger`] and [`EngineBuilder::poll_window`] are
+/// on by default.
 pub(crate) const LINGER_MIN_CPUS: usize = 8;
 
 /// [`EngineBuilder::await_linger`]'s default budget where it is on.
 pub(crate) const LINGER_DEFAULT: Duration = Duration::from_micros(200);
 
-/// [`LINGER_DEFAULT`] where this process may run on [`LINGER_MIN_CPUS`] or more CPUs (those
-/// online, capped by a cgroup CPU quota), else zero. Not the building thread's own affinity:
-/// an engine built on a thread pinned to one core (as a latency-critical loop is) would
-/// otherwise never linger on a machine of many.
-fn default_linger() -> Duration {
-    if crate::sys::machine_cpus() >= LINGER_MIN_CPUS {
-        LINGER_DEFAULT
-    } else {
-        Duration::ZERO
-    }
-}
-
-/// [`EngineBuilder::poll_window`]'s default where it is on (from [`LINGER_MIN_CPUS`], as
-/// lingering: the same reason, a polling thread must not take a core the transfer needs).
+/// [`EngineBuilder::poll_window`]'s default where it is on.
 pub(crate) const POLL_WINDOW_DEFAULT: Duration = Duration::from_micros(50);
 
-/// [`POLL_WINDOW_DEFAULT`] with [`LINGER_MIN_CPUS`] or more CPUs, else zero.
-fn default_poll_window() -> Duration {
+/// `d` where this process may run on [`LINGER_MIN_CPUS`] or more CPUs (those online, capped
+/// by a cgroup CPU quota), else zero: a thread that polls or spins must not take a core the
+/// transfer itself needs. Not the building thread's own affinity: an engine built on a
+/// thread pinned to one core (as a latency-critical loop is) would otherwise never linger
+/// on a machine of many.
+fn with_many_cpus(d: Duration) -> Duration {
     if crate::sys::machine_cpus() >= LINGER_MIN_CPUS {
-        POLL_WINDOW_DEFAULT
+        d
     } else {
         Duration::ZERO
     }
@@ -686,5 +680,21 @@ mod tests {
         // `build` refuses the same settings before opening anything.
         let e = EngineBuilder::default().provider("tcp").staging_pool(1).build().unwrap_err();
         assert!(matches!(e, Error::Config(_)), "{e}");
+    }
+
+    #[test]
+    fn the_poll_window_is_what_was_set_and_none_on_busy_poll() {
+        let us = Duration::from_micros;
+        let b = EngineBuilder::default().poll_window(us(70));
+        assert_eq!(b.reactor_poll_window(), us(70));
+        assert_eq!(b.reactor_config().poll_window, us(70));
+        let b = b.mode(ReactorMode::Adaptive { spin: us(10) });
+        assert_eq!(b.reactor_poll_window(), us(70));
+        assert_eq!(b.mode(ReactorMode::BusyPoll).reactor_poll_window(), Duration::ZERO);
+        // The default follows the machine's CPUs (unless FABRIC_POLL_WINDOW_US says).
+        if std::env::var_os("FABRIC_POLL_WINDOW_US").is_none() {
+            let want = with_many_cpus(POLL_WINDOW_DEFAULT);
+            assert_eq!(EngineBuilder::default().reactor_poll_window(), want);
+        }
     }
 }
