@@ -32,8 +32,8 @@ async fn run_ping_pong(p: &str, mode: ReactorMode, n: u64) -> (usize, usize) {
 }
 
 /// Awaiting writes and counters of an inline engine never parks the awaiting thread, and
-/// every byte and count is right. The same ping-pong in `Event` mode parks (about once per
-/// wait): the measure can tell the two apart.
+/// every byte and count is right. The same ping-pong in `Event` mode parks (often, about
+/// once per wait): the measure can tell the two apart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inline_futures_never_park_the_awaiting_thread() {
     for p in providers() {
@@ -41,9 +41,11 @@ async fn inline_futures_never_park_the_awaiting_thread() {
         let (lead, other) = run_ping_pong(&p, ReactorMode::Inline, n).await;
         assert_eq!((lead, other), (0, 0), "{p}: parks of the awaiting threads in {n} inline round trips");
         let (lead, other) = run_ping_pong(&p, ReactorMode::Event, n).await;
+        // Counted over both threads, as in linger.rs: one side's result is often there at
+        // its first poll when its thread comes late (in the emulated rxe VM).
         assert!(
-            lead as u64 >= n / 2 && other as u64 >= n / 2,
-            "{p}: Event mode parked only {lead} / {other} times in {n} round trips"
+            (lead + other) as u64 >= n / 2,
+            "{p}: Event mode parked only {lead} + {other} times in {n} round trips"
         );
     }
 }
