@@ -7,8 +7,8 @@
 //! count immediates, deliver messages. This file runs passes on the reactor thread and
 //! decides how to wait when a pass found nothing to do ([`Windows::idle`]): `BusyPoll` spins,
 //! `Adaptive` spins until its window since the last activity has passed and then waits as
-//! `Event` does, `Event` polls (yielding the core) for `EngineBuilder::poll_window` after the last
-//! activity, then sleeps in `ppoll` on the eventfd and each domain's wait fd, after
+//! `Event` does, `Event` polls (yielding the core) for `EngineBuilder::poll_window` after
+//! the last activity, then sleeps in `ppoll` on the eventfd and each domain's wait fd, after
 //! `arm`ing every domain (so a completion racing the decision to sleep is never missed). A
 //! domain with no wait fd is polled for at least 1 ms after activity, and its sleep is a
 //! timed poll. In `Inline` mode the awaiting callers run passes themselves (through
@@ -391,9 +391,10 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
 enum Idle {
     /// Pass again at once (`BusyPoll`; `Adaptive`'s window).
     Spin,
-    /// Pass again after yielding the core: the window in which a domain without a wait fd
-    /// (shm, EFA) is polled rather than put on a timer, so a transfer in progress is not
-    /// paced by timer sleeps, and any time a future lingers (`await_linger`). Yielding lets
+    /// Pass again after yielding the core: the window after activity
+    /// (`EngineBuilder::poll_window`, at least 1 ms where a domain has no wait fd, shm or
+    /// EFA, which would otherwise be put on a timer), so a transfer in progress is not paced
+    /// by sleeps, and any time a future lingers (`await_linger`). Yielding lets
     /// a caller waiting to run (the task that submits the next operation) go first,
     /// instead of waiting for the end of a timeslice.
     Yield,
