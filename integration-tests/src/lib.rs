@@ -127,6 +127,11 @@ impl Peer {
         Peer { child: Some(child) }
     }
 
+    /// Any child process, killed when dropped, waited for with [`Peer::wait_success`].
+    pub fn from_child(child: Child) -> Peer {
+        Peer { child: Some(child) }
+    }
+
     /// Kills the process now (to test a dead peer). A stopped peer dies stopped: SIGKILL
     /// needs no SIGCONT, and continuing it first would let it resume for a moment and start
     /// on the work queued for it meanwhile, so that it could die holding libfabric shm's

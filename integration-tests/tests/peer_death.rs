@@ -78,8 +78,8 @@ async fn a_killed_peer_fails_fast_and_the_others_keep_working() {
 /// shm with CMA off (`FI_SHM_DISABLE_CMA=1`, read once per process, so in a child test
 /// process): then plain writes wait for answers too (the SAR protocol), so they would be
 /// held behind the dead peer's unanswered ones on a shared endpoint.
-#[test]
-fn shm_without_cma_too() {
+#[tokio::test]
+async fn shm_without_cma_too() {
     if !providers().iter().any(|p| p == "shm") {
         skipped("shm_without_cma_too", "shm is not among FABRIC_TEST_PROVIDERS");
         return;
@@ -90,7 +90,7 @@ fn shm_without_cma_too() {
         |what: &str| std::env::temp_dir().join(format!("fabric-shm-no-cma-{}.{what}", std::process::id()));
     let (out_path, err_path) = (path("out"), path("err"));
     let file = |p: &std::path::Path| std::fs::File::create(p).expect("create the child's output file");
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
         .env("FI_SHM_DISABLE_CMA", "1")
         .args(["--ignored", "--exact", "shm_without_cma_child", "--nocapture", "--test-threads", "1"])
         .stdin(Stdio::null())
@@ -99,19 +99,10 @@ fn shm_without_cma_too() {
         .spawn()
         .expect("run the child test");
     // Bounded: a child stuck for good (a reactor thread spinning on a lock its dead peer
-    // left held, docs/faults.md) fails this test instead of hanging the suite.
-    let deadline = Instant::now() + CHILD_BOUND;
-    let status = loop {
-        match child.try_wait().expect("wait for the child test") {
-            Some(status) => break Some(status),
-            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            None => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break None;
-            }
-        }
-    };
+    // left held, docs/faults.md) is killed and fails this test instead of hanging the suite.
+    let mut child = Peer::from_child(child);
+    let ok = child.wait_success(CHILD_BOUND).await;
+    drop(child);
     let read = |p: &std::path::Path| {
         let s = std::fs::read_to_string(p).unwrap_or_default();
         let _ = std::fs::remove_file(p);
@@ -119,10 +110,7 @@ fn shm_without_cma_too() {
     };
     let (stdout, stderr) = (read(&out_path), read(&err_path));
     println!("{stdout}");
-    let Some(status) = status else {
-        panic!("the child test did not end within {CHILD_BOUND:?}, killed: {stdout}\n{stderr}")
-    };
-    assert!(status.success(), "child failed: {stdout}\n{stderr}");
+    assert!(ok, "the child test failed or did not end within {CHILD_BOUND:?} (killed): {stdout}\n{stderr}");
     assert!(stdout.contains("1 passed"), "the child ran: {stdout}");
 }
 

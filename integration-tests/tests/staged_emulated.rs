@@ -8,7 +8,9 @@
 
 use std::time::Duration;
 
-use fabric_async::{Engine, MemoryRegion, PageLayout, ReactorMode, RemoteRegion, ScatterEntry};
+use fabric_async::{
+    Engine, EngineBuilder, MemoryRegion, PageLayout, ReactorMode, RemoteRegion, ScatterEntry,
+};
 use fabric_runtime::{Error, GpuPath};
 use integration_tests::{fill_pattern, providers};
 
@@ -24,13 +26,12 @@ enum Loc {
 use Loc::{Gpu, Host};
 
 fn engine(provider: &str, domains: usize, slots: usize, chunk: usize) -> Engine {
-    Engine::builder()
-        .provider(provider)
-        .domains(domains)
-        .staging_pool((slots * chunk) as u64)
-        .staging_chunk(chunk as u64)
-        .build()
-        .expect("engine")
+    staged(Engine::builder().provider(provider).domains(domains), slots, chunk)
+}
+
+/// `b`'s engine with a staging pool of `slots` chunks of `chunk` bytes.
+fn staged(b: EngineBuilder, slots: usize, chunk: usize) -> Engine {
+    b.staging_pool((slots * chunk) as u64).staging_chunk(chunk as u64).build().expect("engine")
 }
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -115,14 +116,8 @@ async fn every_direction_on_busy_poll_engines() {
             for (s, d) in DIRECTIONS {
                 let what = format!("{p} BusyPoll, linger {linger:?}, {s:?} -> {d:?}");
                 let e = || {
-                    Engine::builder()
-                        .mode(ReactorMode::BusyPoll)
-                        .await_linger(linger)
-                        .provider(p.as_str())
-                        .staging_pool(2 * MIB as u64)
-                        .staging_chunk(MIB as u64)
-                        .build()
-                        .expect("engine")
+                    let b = Engine::builder().provider(p.as_str()).mode(ReactorMode::BusyPoll);
+                    staged(b.await_linger(linger), 2, MIB)
                 };
                 let (a, b) = (e(), e());
                 let data = pattern(len, len as u64 ^ 7);

@@ -468,7 +468,7 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
     } else {
         None
     };
-    if cfg.mode == ReactorMode::BusyPoll && standby == Some(BUSY_STANDBY) {
+    if standby == Some(BUSY_STANDBY) {
         // Its standby is a 20 µs timed sleep: with Linux's default 50 µs timer slack it could
         // last 70 µs. The thread spins when it is not standing by, so precise wake-ups cost
         // nothing it did not spend already.

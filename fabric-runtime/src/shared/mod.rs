@@ -114,7 +114,8 @@ pub(crate) struct Shared {
     /// Host regions from 2 MiB up ask for transparent huge pages (`EngineBuilder::huge_pages`).
     pub(crate) huge_pages: bool,
     /// Moves while callers run passes (`Inline`, `await_spin`, `BusyPoll`'s spinning callers;
-    /// the reactor thread stands by while it does). Not an exact count: racing callers may each store the same value.
+    /// the reactor thread stands by while it does). Not an exact count: racing callers may
+    /// each store the same value.
     pub(crate) inline_polls: AtomicU64,
     /// The reactor thread stands by on its eventfd while callers run passes (`reactor::run`).
     pub(crate) standing_by: AtomicBool,
