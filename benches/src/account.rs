@@ -23,12 +23,19 @@ pub struct Calls {
     pub post: Duration,
     pub poll: Duration,
     pub complete: Duration,
+    /// Times the thread slept in `ppoll` (the engine's reactor; the raw loop never sleeps).
+    pub sleeps: u64,
 }
 
 impl Calls {
     /// An engine's reactor's totals so far (zero unless it was built with `time_reactor`).
     pub fn of_engine(s: &EngineStats) -> Calls {
-        Calls { post: s.reactor.in_post, poll: s.reactor.in_poll, complete: s.reactor.completing }
+        Calls {
+            post: s.reactor.in_post,
+            poll: s.reactor.in_poll,
+            complete: s.reactor.completing,
+            sleeps: s.reactor.sleeps,
+        }
     }
 
     /// What was spent between `before` and `self` (both totals of one thread).
@@ -37,6 +44,7 @@ impl Calls {
             post: self.post.saturating_sub(before.post),
             poll: self.poll.saturating_sub(before.poll),
             complete: self.complete.saturating_sub(before.complete),
+            sleeps: self.sleeps.saturating_sub(before.sleeps),
         }
     }
 }
@@ -76,6 +84,12 @@ impl Burst {
         self.calls.complete.as_secs_f64() * 1e6 / self.writes.max(1) as f64
     }
 
+    /// Times the thread slept per write (a reactor that sleeps mid-stream stalls tcp's
+    /// progress: its polls are what move the socket's bytes).
+    pub fn sleeps_per_write(&self) -> f64 {
+        self.calls.sleeps as f64 / self.writes.max(1) as f64
+    }
+
     /// The share of the burst (percent) the thread spent in the provider's calls and
     /// handling completions; the rest it had nothing to do (or ran the loop itself).
     pub fn busy_pct(&self) -> f64 {
@@ -95,20 +109,21 @@ impl Account {
         self.bursts.entry((who, pat, k)).or_default().push(b);
     }
 
-    /// One line per burst: `who pattern k post_ns poll_ns complete_ns wall_ns writes`.
+    /// One line per burst: `who pattern k post_ns poll_ns complete_ns wall_ns writes sleeps`.
     pub fn encode(&self) -> Vec<u8> {
         let mut s = String::new();
         for (&(who, pat, k), v) in &self.bursts {
             for b in v {
                 s.push_str(&format!(
-                    "{} {} {k} {} {} {} {} {}\n",
+                    "{} {} {k} {} {} {} {} {} {}\n",
                     who.name(),
                     pat.name(),
                     b.calls.post.as_nanos(),
                     b.calls.poll.as_nanos(),
                     b.calls.complete.as_nanos(),
                     b.wall.as_nanos(),
-                    b.writes
+                    b.writes,
+                    b.calls.sleeps
                 ));
             }
         }
@@ -122,7 +137,7 @@ impl Account {
         for line in text.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
             let bad = || format!("bw --time-calls: malformed burst line from the peer: {line:?}");
-            if f.len() != 8 {
+            if f.len() != 9 {
                 return Err(bad());
             }
             let who = match f[0] {
@@ -137,7 +152,7 @@ impl Account {
             let n: Vec<u64> =
                 f[2..].iter().map(|x| x.parse::<u64>()).collect::<Result<_, _>>().map_err(|_| bad())?;
             let ns = Duration::from_nanos;
-            let calls = Calls { post: ns(n[1]), poll: ns(n[2]), complete: ns(n[3]) };
+            let calls = Calls { post: ns(n[1]), poll: ns(n[2]), complete: ns(n[3]), sleeps: n[6] };
             a.push(who, pat, n[0] as usize, Burst { calls, wall: ns(n[4]), writes: n[5] });
         }
         Ok(a)
@@ -173,9 +188,18 @@ impl Account {
         )
         .size(size)
         .pattern(pat);
+        let sleeps = Row::new(
+            "bw-time",
+            &case("reactor sleeps per write"),
+            "sleeps",
+            self.median_of(e, pat, k, Burst::sleeps_per_write),
+        )
+        .size(size)
+        .pattern(pat);
         rep.push(nic);
         rep.push(busy);
         rep.push(done);
+        rep.push(sleeps);
     }
 }
 
@@ -186,7 +210,7 @@ mod tests {
     fn burst(post: u64, poll: u64, complete: u64, wall: u64, writes: u64) -> Burst {
         let us = Duration::from_micros;
         Burst {
-            calls: Calls { post: us(post), poll: us(poll), complete: us(complete) },
+            calls: Calls { post: us(post), poll: us(poll), complete: us(complete), sleeps: writes / 2 },
             wall: us(wall),
             writes,
         }
@@ -198,6 +222,7 @@ mod tests {
         assert_eq!(b.nic_us(), 8.0);
         assert_eq!(b.complete_us(), 1.0);
         assert!((b.busy_pct() - 90.0).abs() < 1e-9);
+        assert_eq!(b.sleeps_per_write(), 0.5);
     }
 
     #[test]
@@ -207,9 +232,12 @@ mod tests {
         a.push(Who::Raw, Pattern::Cold, 0, burst(7, 8, 0, 90, 10));
         let b = Account::decode(&a.encode()).expect("decodes");
         assert_eq!(b.bursts, a.bursts);
-        for bad in
-            ["engine hot 2 1 2 3 40", "nic hot 0 1 2 3 4 5", "raw warm 0 1 2 3 4 5", "raw hot x 1 2 3 4 5"]
-        {
+        for bad in [
+            "engine hot 2 1 2 3 40 5",
+            "nic hot 0 1 2 3 4 5 0",
+            "raw warm 0 1 2 3 4 5 0",
+            "raw hot x 1 2 3 4 5 0",
+        ] {
             assert!(Account::decode(bad.as_bytes()).is_err(), "{bad}");
         }
     }
@@ -217,8 +245,8 @@ mod tests {
     #[test]
     fn since_subtracts_totals() {
         let us = Duration::from_micros;
-        let a = Calls { post: us(5), poll: us(7), complete: us(1) };
-        let b = Calls { post: us(9), poll: us(10), complete: us(4) };
-        assert_eq!(b.since(a), Calls { post: us(4), poll: us(3), complete: us(3) });
+        let a = Calls { post: us(5), poll: us(7), complete: us(1), sleeps: 2 };
+        let b = Calls { post: us(9), poll: us(10), complete: us(4), sleeps: 5 };
+        assert_eq!(b.since(a), Calls { post: us(4), poll: us(3), complete: us(3), sleeps: 3 });
     }
 }

@@ -141,14 +141,14 @@ fn rounds_give_a_row_of_per_round_ratios() {
 /// `--time-calls`: for the size, each side's `bw-time` rows: the NIC thread's microseconds
 /// in the provider's post and poll calls per write (engine beside raw loop, both timed), its
 /// busy share of the burst (at most the whole burst; a little over only by a call that began
-/// before the burst did), and the engine's completion work per write. Without the flag there
-/// are none.
+/// before the burst did), the engine's completion work per write, and its reactor's sleeps
+/// per write. Without the flag there are none.
 #[test]
 fn time_calls_account_for_each_sides_nic_thread() {
     let args = ["--quick", "--rounds", "2", "--buffer", "hot", "--provider", "tcp", "--sizes", "64K"];
     let (rows, out) = report_rows("time-calls", &[&args[..], &["--time-calls"]].concat());
     let t: Vec<&Value> = rows.iter().filter(|r| r["test"] == "bw-time").collect();
-    assert_eq!(t.len(), 6, "{out}");
+    assert_eq!(t.len(), 8, "{out}");
     for side in ["sender", "receiver"] {
         let row = |what: &str| {
             let case = format!("64 KiB hot {side}: {what}");
@@ -167,6 +167,8 @@ fn time_calls_account_for_each_sides_nic_thread() {
             assert!(v > 0.0 && v <= 105.0, "{side} {k} {v}: {busy}");
         }
         assert!(positive(row("completing per write"), "engine_us"), "{side}:\n{out}");
+        let sleeps = row("reactor sleeps per write")["engine_sleeps"].as_f64().unwrap_or(f64::NAN);
+        assert!((0.0..1e6).contains(&sleeps), "{side} reactor sleeps per write {sleeps}:\n{out}");
     }
     if let Some(o) = check_json("time-calls-check", &rows) {
         assert!(o.status.success(), "check_json.py: {}", String::from_utf8_lossy(&o.stderr));
