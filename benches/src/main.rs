@@ -191,7 +191,7 @@ struct Cli {
     await_linger: Option<u64>,
     /// Every test's engines: the reactor thread keeps polling for US microseconds after its
     /// last activity before it sleeps (EngineBuilder::poll_window; Event, Adaptive after its
-    /// spin, Inline; 0: sleep at once) [default: the engine's, 50 us with 8 or more CPUs,
+    /// spin, Inline; 0: sleep at once) [default: the engine's, 250 us with 8 or more CPUs,
     /// else 0, or FABRIC_POLL_WINDOW_US]. The run's first line says what the engines do.
     #[arg(long, global = true, value_name = "US")]
     poll_window: Option<u64>,

@@ -58,9 +58,16 @@ async fn ping_pong_on(a: &Engine, b: &Engine, n: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn direct_post_posts_from_the_caller() {
     let p = primary();
-    // Not lingering (on by default with 8 or more CPUs): a lingering wait keeps its reactor
-    // awake, and only a sleeping reactor's engine posts directly.
-    let event = || Engine::builder().provider(&p).mode(ReactorMode::Event).await_linger(Duration::ZERO);
+    // Neither lingering nor a poll window (both on by default with 8 or more CPUs): each keeps
+    // its reactor awake across a round trip shorter than itself, and only a sleeping
+    // reactor's engine posts directly.
+    let event = || {
+        Engine::builder()
+            .provider(&p)
+            .mode(ReactorMode::Event)
+            .await_linger(Duration::ZERO)
+            .poll_window(Duration::ZERO)
+    };
     let (a, b) = ping_pong(event, 300).await;
     // Between hops both reactors sleep: a write started then is posted by its task.
     assert!(a.direct_posts() + b.direct_posts() > 0, "no operation was posted directly");

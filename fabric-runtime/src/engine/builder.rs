@@ -91,7 +91,7 @@ pub(crate) const LINGER_MIN_CPUS: usize = 8;
 pub(crate) const LINGER_DEFAULT: Duration = Duration::from_micros(200);
 
 /// [`EngineBuilder::poll_window`]'s default where it is on.
-pub(crate) const POLL_WINDOW_DEFAULT: Duration = Duration::from_micros(50);
+pub(crate) const POLL_WINDOW_DEFAULT: Duration = Duration::from_micros(250);
 
 /// `d` where this process may run on [`LINGER_MIN_CPUS`] or more CPUs (those online, capped
 /// by a cgroup CPU quota), else zero: a thread that polls or spins must not take a core the
@@ -181,7 +181,7 @@ impl EngineBuilder {
     /// pays once per window (shm completes a whole window together) and a round trip once
     /// per hop. On that machine the default took a 64 KiB stream of 16 writes in flight on
     /// shm from 0.85-0.90 to 0.98 of the raw provider loop, and an 8 B tcp round trip from
-    /// the raw loop's + 30 µs to + 5 µs (`docs/performance.md`, seventh pass;
+    /// the raw loop's + 30 µs to + 5 µs (`docs/performance-history.md`, seventh pass;
     /// `docs/latency.md`, "Lingering awaits").
     ///
     /// One future of an engine lingers at a time (the first to find itself pending; the
@@ -211,20 +211,23 @@ impl EngineBuilder {
     /// How long the reactor thread keeps polling after its last activity (a pass that
     /// posted, completed or counted anything) before it sleeps on the NICs' wait fds, in
     /// `Event` mode (and `Adaptive` after its spin, `Inline` while nobody drives). It polls
-    /// yielding the core, so a thread waiting to run on it goes first. Default: 50 µs on
+    /// yielding the core, so a thread waiting to run on it goes first. Default: 250 µs on
     /// machines with 8 or more CPUs (as [`Self::await_linger`]), else 0: sleep at once.
     ///
     /// A provider whose progress is driven by polling (libfabric `tcp`: the target's polls
     /// read the socket, the initiator's send the data) moves nothing while its reactor
     /// sleeps, and each wake-up costs microseconds (6-10 µs on the 16-core reference VM)
-    /// during which its socket buffer fills and the sender stalls. A stream keeps the window
-    /// open, so its reactors never sleep mid-transfer. On that machine the receiving reactor
-    /// of a 1 MiB tcp stream (16 writes in flight) in `Event` mode without it was asleep for
-    /// 40-60% of the stream, which ran at 0.81-0.94 of the raw provider loop, against 1.01-1.02
-    /// with [`ReactorMode::Adaptive`]'s 50 µs spin after activity, the same mechanism
-    /// (`docs/performance.md`, ninth pass). The cost is CPU just after activity: up to this
-    /// long per burst of work, one core while a stream flows (as the raw loop, which spins
-    /// all along); an idle engine still sleeps. On a NIC with no wait fd (shm, EFA) the
+    /// during which its socket buffer fills and the sender stalls. A stream whose writes
+    /// complete more often than the window keeps it open, so its reactors never sleep
+    /// mid-transfer. On that machine a 1 MiB tcp stream (16 writes in flight, an arrival
+    /// every ~150 µs) in `Event` mode ran at 0.82-0.96 of the raw provider loop without a
+    /// window, its receiving reactor sleeping 0.27-0.65 times per write; with 50 µs at
+    /// 0.87-0.98 (0.24-1.96 sleeps per write); with 250 µs at 0.966-1.03 (under 0.04)
+    /// (`docs/performance.md`, tenth pass). Larger writes, which arrive further apart, let
+    /// it sleep between arrivals at no measured cost (there the sender limits the stream).
+    /// The cost is CPU just after activity: up to this long per burst of work, one core
+    /// while work arrives more often than this (as the raw loop, which spins all along); an
+    /// idle engine still sleeps. On a NIC with no wait fd (shm, EFA) the
     /// reactor polls for at least 1 ms after activity anyway. `FABRIC_POLL_WINDOW_US` sets
     /// the default; 0 turns it off.
     pub fn poll_window(mut self, d: Duration) -> Self {

@@ -40,7 +40,7 @@ use crate::sys;
 pub enum ReactorMode {
     /// Sleep on the completion queue's wait fd and the submission eventfd when idle: about
     /// zero CPU while nothing happens; a wake-up costs a few microseconds. After its last
-    /// activity the reactor first keeps polling for `EngineBuilder::poll_window` (50 µs on
+    /// activity the reactor first keeps polling for `EngineBuilder::poll_window` (250 µs on
     /// machines with 8 or more CPUs, else 0), so a transfer in progress, whose provider
     /// progresses only when polled (tcp), never waits for the reactor to wake. On providers with
     /// no wait fd (libfabric `shm`, EFA) the reactor cannot sleep on the NIC: for 1 ms after
