@@ -169,37 +169,21 @@ impl Account {
     /// `k`), pattern `pat`: medians over the rounds, engine beside raw loop.
     pub fn rows(&self, rep: &mut Report, side: &str, pat: Pattern, k: usize, size: usize) {
         let case = |what: &str| format!("{} {pat} {side}: {what}", human(size));
-        let (e, r) = (Who::Engine, Who::Raw);
-        let nic =
-            Row::new("bw-time", &case("NIC calls per write"), "us", self.median_of(e, pat, k, Burst::nic_us))
+        // The engine's median, the raw loop's beside it where it has the figure.
+        let row = |what: &str, unit: &'static str, f: fn(&Burst) -> f64, with_raw: bool| {
+            let r = Row::new("bw-time", &case(what), unit, self.median_of(Who::Engine, pat, k, f))
                 .size(size)
-                .pattern(pat)
-                .baseline("raw", self.median_of(r, pat, k, Burst::nic_us));
-        let busy =
-            Row::new("bw-time", &case("busy share"), "pct", self.median_of(e, pat, k, Burst::busy_pct))
-                .size(size)
-                .pattern(pat)
-                .baseline("raw", self.median_of(r, pat, k, Burst::busy_pct));
-        let done = Row::new(
-            "bw-time",
-            &case("completing per write"),
-            "us",
-            self.median_of(e, pat, k, Burst::complete_us),
-        )
-        .size(size)
-        .pattern(pat);
-        let sleeps = Row::new(
-            "bw-time",
-            &case("reactor sleeps per write"),
-            "sleeps",
-            self.median_of(e, pat, k, Burst::sleeps_per_write),
-        )
-        .size(size)
-        .pattern(pat);
-        rep.push(nic);
-        rep.push(busy);
-        rep.push(done);
-        rep.push(sleeps);
+                .pattern(pat);
+            if with_raw {
+                r.baseline("raw", self.median_of(Who::Raw, pat, k, f))
+            } else {
+                r
+            }
+        };
+        rep.push(row("NIC calls per write", "us", Burst::nic_us, true));
+        rep.push(row("busy share", "pct", Burst::busy_pct, true));
+        rep.push(row("completing per write", "us", Burst::complete_us, false));
+        rep.push(row("reactor sleeps per write", "sleeps", Burst::sleeps_per_write, false));
     }
 }
 
