@@ -35,6 +35,8 @@
 # Environment
 #   RXE_VM_DIR        cache folder (default <repo>/target/rxe-vm)
 #   RXE_VM_TIMEOUT    default for --timeout, seconds (default 600)
+#   RXE_VM_BOOT_LIMIT seconds for a guest to reach its /init (default 120); one that does not
+#                     is killed and booted again, up to 3 boots, then exit 97
 #   RXE_VM_PASS_ENV   extra variable names (space or comma separated) passed into the guest.
 #                     Always passed: PATH HOME USER LANG LC_ALL TERM RUST_* FABRIC_* FI_* IBV_*
 #                     RDMAV_* CARGO_MANIFEST_DIR CARGO_PKG_NAME CARGO_TARGET_TMPDIR.
@@ -391,31 +393,63 @@ cmd_run() {
     nic_args+=(-netdev "user,id=n$i,restrict=on,net=${GUEST_IPS[i]%.*}.0/24"
                -device "virtio-net-pci,netdev=n$i,mac=52:54:00:12:34:$((56 + i)),romfile=")
   done
-  local t0 t1 qrc=0 status="" tail_pid
-  t0=$(date +%s.%N)
-  # Hard host-side limit: timeout kills qemu (TERM, then KILL 5 s later).
-  timeout --kill-after=5 "$timeout" qemu-system-x86_64 \
-    -accel tcg,thread=multi,tb-size=512 -cpu max -machine q35 -m 2G -smp 2 \
-    -nographic -nodefaults -no-reboot -monitor none \
-    -serial "file:$CTL_DIR/console.log" \
-    -kernel "$kernel" -initrd "$kdir/initramfs.cpio.gz" \
-    -append "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init ${RXE_VM_APPEND:-}" \
-    "${nic_args[@]}" \
-    -virtfs local,path=/,mount_tag=hostroot,readonly=on,security_model=none,multidevs=remap \
-    -virtfs "local,path=$CTL_DIR,mount_tag=ctl,security_model=none" \
-    -device virtio-serial-pci \
-    -chardev "file,id=jobout,path=$CTL_DIR/out.log" \
-    -device virtserialport,chardev=jobout,name=rxe-vm.out \
-    < /dev/null > "$CTL_DIR/qemu.log" 2>&1 &
-  QEMU_PID=$!
-  # Stream the job's output while the VM runs; tail reads the rest once qemu has exited.
-  tail -n +1 -s 0.2 -F --pid="$QEMU_PID" "$CTL_DIR/out.log" 2>/dev/null &
-  tail_pid=$!
-  wait "$QEMU_PID" || qrc=$?
-  QEMU_PID=""
-  wait "$tail_pid" || true
-  t1=$(date +%s.%N)
-  status=$(cat "$CTL_DIR/status" 2>/dev/null) || true
+  local t0 t1 qrc=0 status="" tail_pid watch_pid attempt
+  local boot_limit=${RXE_VM_BOOT_LIMIT:-120}
+  [[ "$boot_limit" =~ ^[0-9]+$ ]] && ((boot_limit > 0)) ||
+    die "RXE_VM_BOOT_LIMIT: not a whole number of seconds above 0: $boot_limit"
+  for attempt in 1 2 3; do
+    qrc=0
+    rm -f "$CTL_DIR/status" "$CTL_DIR/boot-hang"
+    : > "$CTL_DIR/out.log"
+    : > "$CTL_DIR/console.log"
+    t0=$(date +%s.%N)
+    # Hard host-side limit: timeout kills qemu (TERM, then KILL 5 s later).
+    timeout --kill-after=5 "$timeout" qemu-system-x86_64 \
+      -accel tcg,thread=multi,tb-size=512 -cpu max -machine q35 -m 2G -smp 2 \
+      -nographic -nodefaults -no-reboot -monitor none \
+      -serial "file:$CTL_DIR/console.log" \
+      -kernel "$kernel" -initrd "$kdir/initramfs.cpio.gz" \
+      -append "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init ${RXE_VM_APPEND:-}" \
+      "${nic_args[@]}" \
+      -virtfs local,path=/,mount_tag=hostroot,readonly=on,security_model=none,multidevs=remap \
+      -virtfs "local,path=$CTL_DIR,mount_tag=ctl,security_model=none" \
+      -device virtio-serial-pci \
+      -chardev "file,id=jobout,path=$CTL_DIR/out.log" \
+      -device virtserialport,chardev=jobout,name=rxe-vm.out \
+      < /dev/null > "$CTL_DIR/qemu.log" 2>&1 &
+    QEMU_PID=$!
+    # Boot watchdog: the guest's /init says "rxe-vm-guest [...]" on the console within seconds
+    # (3-4 s of uptime here). A guest that never gets there (seen once in CI: the console
+    # stopped at SeaBIOS's "Booting from ROM..", and the run sat out its whole timeout) is
+    # killed after RXE_VM_BOOT_LIMIT seconds and booted again; the job has not started then.
+    (
+      for ((i = 0; i < boot_limit * 5; i++)); do
+        grep -q "rxe-vm-guest" "$CTL_DIR/console.log" 2>/dev/null && exit 0
+        kill -0 "$QEMU_PID" 2>/dev/null || exit 0
+        sleep 0.2
+      done
+      touch "$CTL_DIR/boot-hang"
+      kill "$QEMU_PID" 2>/dev/null
+    ) &
+    watch_pid=$!
+    # Stream the job's output while the VM runs; tail reads the rest once qemu has exited.
+    tail -n +1 -s 0.2 -F --pid="$QEMU_PID" "$CTL_DIR/out.log" 2>/dev/null &
+    tail_pid=$!
+    wait "$QEMU_PID" || qrc=$?
+    QEMU_PID=""
+    wait "$tail_pid" || true
+    kill "$watch_pid" 2>/dev/null || true
+    wait "$watch_pid" 2>/dev/null || true
+    t1=$(date +%s.%N)
+    status=$(cat "$CTL_DIR/status" 2>/dev/null) || true
+    [ -e "$CTL_DIR/boot-hang" ] || break
+    log "the guest did not reach its /init within ${boot_limit}s (attempt $attempt of 3; qemu rc $qrc)"
+    show_console
+    if ((attempt == 3)); then
+      RUN_RC=$INFRA_FAIL; return
+    fi
+    log "booting the VM again"
+  done
 
   local total
   total=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
