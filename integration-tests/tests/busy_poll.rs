@@ -189,6 +189,14 @@ async fn a_busy_poll_reactor_resumes_when_its_spinning_callers_stop() {
         let c = a.imm_counter(5);
         std::thread::spawn(move || c.spin_wait(1, Duration::from_secs(20)))
     };
+    // The premise: the spinner drives (its passes make the reactor thread stand by). On a
+    // starved CPU (CI's 2-vCPU TCG VM once) its first pass may take a while: wait for it,
+    // bounded, before the parked wait below relies on it.
+    let t0 = std::time::Instant::now();
+    while a.stats().reactor.caller_passes == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the spinner ran no pass in 10 s");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let bounded = |f| tokio::time::timeout(Duration::from_secs(10), f);
     let c6 = a.imm_counter(6);
     let w6 = tokio::spawn(async move { c6.wait_for(1).await });
@@ -200,7 +208,6 @@ async fn a_busy_poll_reactor_resumes_when_its_spinning_callers_stop() {
     let spun = tokio::task::spawn_blocking(move || spinner.join().expect("spinner")).await.unwrap();
     assert!(spun, "the spinner saw its immediate");
     let passes = a.stats().reactor.caller_passes;
-    assert!(passes > 0, "the spinner ran no pass");
     // Nobody spins now: this wait parks and only the reactor thread can answer it.
     let c7 = a.imm_counter(7);
     let w7 = tokio::spawn(async move { c7.wait_for(1).await });
