@@ -3,11 +3,11 @@
 //! A switch (`FABRIC_DIRECT_POST`, `FABRIC_HUGE_PAGES`, `FABRIC_DELIVERY_COMPLETE`,
 //! `FABRIC_SHM_LIVENESS`) is off with `0`, `off`, `false` or `no` and on with `1`, `on`, `true`
 //! or `yes`, in any case, spaces around ignored. A duration (`FABRIC_AWAIT_SPIN_US`,
-//! `FABRIC_AWAIT_LINGER_US`, `FABRIC_POLL_WINDOW_US`) is a whole number of microseconds. Unset, the default holds; set
-//! to anything else, the default holds too and a `tracing` warning names the variable and
-//! the value, so a typo is seen rather than silently ignored. What is set in code (the
-//! builder's methods) wins over all of these. docs/operations.md, "Environment variables",
-//! lists them.
+//! `FABRIC_AWAIT_LINGER_US`, `FABRIC_POLL_WINDOW_US`) is a whole number of microseconds.
+//! Unset, the default holds; set to anything else, the default holds too and a `tracing`
+//! warning names the variable and the value, so a typo is seen rather than silently ignored.
+//! What is set in code (the builder's methods) wins over all of these. docs/operations.md,
+//! "Environment variables", lists them.
 
 use std::time::Duration;
 

@@ -227,9 +227,9 @@ impl EngineBuilder {
     /// it sleep between arrivals at no measured cost (there the sender limits the stream).
     /// The cost is CPU just after activity: up to this long per burst of work, one core
     /// while work arrives more often than this (as the raw loop, which spins all along); an
-    /// idle engine still sleeps. On a NIC with no wait fd (shm, EFA) the
-    /// reactor polls for at least 1 ms after activity anyway. `FABRIC_POLL_WINDOW_US` sets
-    /// the default; 0 turns it off.
+    /// idle engine still sleeps. On a NIC with no wait fd (shm, EFA) the reactor polls for
+    /// at least 1 ms after activity anyway. `FABRIC_POLL_WINDOW_US` sets the default; 0
+    /// turns it off.
     pub fn poll_window(mut self, d: Duration) -> Self {
         self.poll_window = d;
         self
