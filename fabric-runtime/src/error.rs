@@ -37,6 +37,19 @@ pub enum Error {
     #[error("peer {peer} is unreachable: {message}")]
     PeerUnreachable { peer: u32, message: String },
 
+    /// The peer refused this operation's access to its memory: the remote key or address is
+    /// not registered there (the region was freed, or the descriptor is forged or corrupt).
+    /// Only this operation failed; nothing was written through it, and the peer stays up.
+    #[error("peer {peer} refused the {op}: {message}")]
+    RemoteAccess { peer: u32, op: &'static str, message: String },
+
+    /// The transport tore down its connection to a live peer (libfabric `tcp;ofi_rxm` after
+    /// a bad key, a verbs RC queue pair in the error state) and this operation was lost with
+    /// it: whether its bytes landed is unknown, so send them again if they matter. The peer
+    /// stays up; the connection is re-established for later operations.
+    #[error("peer {peer}: the {op} was lost with its connection: {message}")]
+    ConnectionLost { peer: u32, op: &'static str, message: String },
+
     /// Bytes that should be a descriptor or an address are not one (truncated, bad magic,
     /// unknown version).
     #[error("malformed {what}: {reason}")]
@@ -44,7 +57,8 @@ pub enum Error {
 
     /// A descriptor or address of a peer that is gone: its process was found dead, it was
     /// removed (`Engine::remove_peer`), or a later incarnation of it (a restarted process at
-    /// the same transport address) has been added since. Nothing was written.
+    /// the same transport address) has been added since; or the descriptor of a region its
+    /// owner has freed (the owner revoked it). Nothing was written.
     #[error("stale {what}: {reason}")]
     Stale { what: &'static str, reason: String },
 

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Completion, Domain, MemoryLocation, Op, PeerHandle, PostError, Registration};
+use super::{Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration};
 use crate::error::{Error, Result};
 
 /// The errno of an injected completion failure (not one of the reactor's peer errnos).
@@ -281,6 +281,7 @@ impl<D: Domain> Domain for Faulty<D> {
                         message: format!(
                             "{INJECTED_MESSAGE} (feature `faults`): the operation itself succeeded; only this report is failed"
                         ),
+                        cause: FailCause::Op,
                     };
                 }
                 // A real failure wins over the injected one.
@@ -356,7 +357,7 @@ mod tests {
                 return Ok(());
             }
             self.done.push(if token % 10 == 3 {
-                Completion::Failed { token, errno: 1, message: "real".into() }
+                Completion::Failed { token, errno: 1, message: "real".into(), cause: FailCause::Op }
             } else {
                 Completion::Done { token }
             });

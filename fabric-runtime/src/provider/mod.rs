@@ -25,7 +25,10 @@
 //!   transfers instead of letting an arrival overtake its data.
 //! * **Polling** ([`Domain::poll`]): drains completions into typed [`Completion`]s: a local
 //!   operation done, a local operation failed (with the provider's message), a remote
-//!   immediate arrived, a two-sided message received, a peer found dead.
+//!   immediate arrived, a two-sided message received, a peer found dead. A failed
+//!   operation says how far its failure reaches ([`FailCause`]): a refused remote access or
+//!   a connection the transport re-establishes fails that operation only; only a lost peer
+//!   marks the peer down.
 //! * **Sleeping** ([`Domain::wait_fd`], [`Domain::arm`], [`Domain::ack_wakeup`]): a backend that
 //!   can wake a sleeping thread offers a file descriptor that becomes readable when
 //!   completions may be available. The reactor calls `arm` right before sleeping; `arm`
@@ -136,8 +139,9 @@ pub enum Completion {
     /// The operation posted with `token` finished locally (a write's source may be reused).
     /// For a `Recv`, see [`Completion::Recv`] instead.
     Done { token: u64 },
-    /// The operation posted with `token` failed. `message` is the provider's own text.
-    Failed { token: u64, errno: i32, message: String },
+    /// The operation posted with `token` failed. `message` is the provider's own text;
+    /// `cause` says how far the failure reaches (this operation, its connection, its peer).
+    Failed { token: u64, errno: i32, message: String, cause: FailCause },
     /// A remote peer's write carrying immediate `imm` has landed in our memory.
     Imm { imm: u32 },
     /// The receive posted with `token` got a message of `len` bytes from `src` (the sender's
@@ -148,6 +152,43 @@ pub enum Completion {
     /// each reported as [`Completion::Failed`]; the engine fails whatever it still holds for
     /// the peer and marks it down.
     PeerDown { peer: PeerHandle, message: String },
+}
+
+/// How far a failed operation's failure reaches: the backend knows, the engine acts on it.
+///
+/// Only [`FailCause::PeerLost`] marks the peer down (`PeerEvent::Down`, every later
+/// operation to it fails). The others fail the one operation and leave the peer up: a bad
+/// remote access (a stale, revoked or forged descriptor) must not cut two healthy processes
+/// apart (`docs/faults.md`, "A bad remote access fails that operation, and only it").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailCause {
+    /// This operation failed (a bad request, a local error); its peer and connection are
+    /// fine. The engine reports [`Error::Completion`].
+    Op,
+    /// The target refused the access: the remote key or address is not registered there
+    /// (any more). The engine reports [`Error::RemoteAccess`].
+    RemoteAccess,
+    /// The transport tore its connection to a live peer down (rxm after a bad key, an RC
+    /// queue pair in the error state) and lost this operation with it; the backend
+    /// re-establishes the connection for later operations. The engine reports
+    /// [`Error::ConnectionLost`].
+    ConnectionLost,
+    /// The peer is unreachable (its process died, refused, timed out): the engine marks it
+    /// down and reports [`Error::PeerUnreachable`].
+    PeerLost,
+}
+
+impl FailCause {
+    /// The cause a plain errno implies: [`FailCause::PeerLost`] for the connection-type
+    /// errnos of [`is_peer_errno`], else [`FailCause::Op`]. Backends that know better (a
+    /// remote access error, a connection lost to a live peer) say so instead.
+    pub fn of_errno(errno: i32) -> FailCause {
+        if is_peer_errno(errno) {
+            FailCause::PeerLost
+        } else {
+            FailCause::Op
+        }
+    }
 }
 
 /// The contract every NIC backend implements. See the module docs.

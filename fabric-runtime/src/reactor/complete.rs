@@ -10,7 +10,7 @@ use bytes::Bytes;
 
 use super::{Core, InFlight, POLL_BATCH, RECV_TAG};
 use crate::error::{Error, Result};
-use crate::provider::{is_peer_errno, Completion, Domain};
+use crate::provider::{Completion, Domain, FailCause};
 use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::shared::events::PeerEvent;
 use crate::shared::notify::Notify;
@@ -98,7 +98,7 @@ impl<D: Domain> Core<D> {
                     tracing::warn!(token, "completion for an unknown operation");
                 }
             }
-            Completion::Failed { token, errno, message } => {
+            Completion::Failed { token, errno, message, cause } => {
                 if token & RECV_TAG != 0 {
                     tracing::debug!(errno, %message, "a posted receive failed (cancelled at shutdown?)");
                     return;
@@ -107,15 +107,20 @@ impl<D: Domain> Core<D> {
                     tracing::warn!(token, errno, %message, "failure for an unknown operation");
                     return;
                 };
-                let e = if is_peer_errno(errno) {
-                    let peer = op.peer;
-                    if self.peers.get(peer.0 as usize).is_some_and(|p| p.failed.is_none()) {
-                        tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                let peer = op.peer;
+                // Only a lost peer goes down: a refused access or a connection the transport
+                // rebuilds fails this operation alone (docs/faults.md).
+                let e = match cause {
+                    FailCause::PeerLost => {
+                        if self.peers.get(peer.0 as usize).is_some_and(|p| p.failed.is_none()) {
+                            tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                        }
+                        self.mark_down(peer, &message);
+                        Error::PeerUnreachable { peer: peer.0, message }
                     }
-                    self.mark_down(peer, &message);
-                    Error::PeerUnreachable { peer: peer.0, message }
-                } else {
-                    Error::Completion { op: op.name, errno, message }
+                    FailCause::RemoteAccess => Error::RemoteAccess { peer: peer.0, op: op.name, message },
+                    FailCause::ConnectionLost => Error::ConnectionLost { peer: peer.0, op: op.name, message },
+                    FailCause::Op => Error::Completion { op: op.name, errno, message },
                 };
                 self.finish(op, Err(e));
             }

@@ -17,7 +17,8 @@ use super::liveness::{sockaddr_in, TRAILER};
 use super::LibfabricDomain;
 use crate::error::Error;
 use crate::provider::{
-    is_peer_errno, Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
+    is_peer_errno, Completion, Domain, FailCause, LocalSlice, MemoryLocation, Op, PeerHandle, PostError,
+    Registration,
 };
 
 /// Completions read from the CQ per `fi_cq_readfrom` call.
@@ -201,7 +202,8 @@ impl LibfabricDomain {
                 // the cause (ENOTCONN, ECONNRESET) being the provider's own code: pass on
                 // the cause, so that the engine knows the peer is gone.
                 let errno = if is_peer_errno(err.prov_errno) { err.prov_errno } else { err.err };
-                out.push_back(Completion::Failed { token, errno, message })
+                let cause = FailCause::of_errno(errno);
+                out.push_back(Completion::Failed { token, errno, message, cause })
             }
             None => tracing::warn!(
                 errno = err.err,

@@ -29,7 +29,7 @@ use libfabric_sys as sys;
 
 use super::fid::Fid;
 use super::LibfabricDomain;
-use crate::provider::{Completion, PeerHandle};
+use crate::provider::{Completion, FailCause, PeerHandle};
 use crate::pure::int_map::IntMap;
 
 /// The CQ binding of a one-sided endpoint: shm refuses to enable an endpoint without a
@@ -182,7 +182,12 @@ impl LibfabricDomain {
             // closed (below; sends on the main endpoint: the peer is gone) the provider
             // does not touch it again.
             self.ctxs.abandon(op.slot);
-            out.push_back(Completion::Failed { token: op.token, errno, message: message.to_owned() });
+            out.push_back(Completion::Failed {
+                token: op.token,
+                errno,
+                message: message.to_owned(),
+                cause: FailCause::of_errno(errno),
+            });
         }
         drop(ep);
     }

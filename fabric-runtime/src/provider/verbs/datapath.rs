@@ -14,7 +14,9 @@ use super::handshake::HANDSHAKE_RETRY;
 use super::qp::{ChainedWr, Lane, PeerState};
 use super::{VerbsDomain, TRANSPORT, WR_IMM_RECV, WR_KIND_MASK, WR_MSG_RECV, WR_OP, WR_UD_RECV, WR_UD_SEND};
 use crate::error::Error;
-use crate::provider::{Completion, Domain, MemoryLocation, Op, PeerHandle, PostError, Registration};
+use crate::provider::{
+    Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration,
+};
 use crate::pure::verbs_wire::PeerAddr;
 
 /// Work completions read per `ibv_poll_cq` call.
@@ -94,7 +96,8 @@ impl VerbsDomain {
                         self.fail_peer(peer, format!("queue pair failed: {message}"));
                         (status_errno(wc.status), message)
                     };
-                    self.ready.push_back(Completion::Failed { token, errno, message });
+                    let cause = FailCause::of_errno(errno);
+                    self.ready.push_back(Completion::Failed { token, errno, message, cause });
                 }
             }
             WR_IMM_RECV => {
@@ -296,7 +299,8 @@ impl VerbsDomain {
                 self.free_ops.push(index as u32);
                 self.peers[peer].lane(lane).outstanding -= 1;
                 self.outstanding -= 1;
-                self.ready.push_back(Completion::Failed { token, errno, message: message.clone() });
+                let cause = FailCause::of_errno(errno);
+                self.ready.push_back(Completion::Failed { token, errno, message: message.clone(), cause });
             }
         }
     }
