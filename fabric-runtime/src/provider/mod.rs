@@ -238,6 +238,16 @@ pub trait Domain: Send + 'static {
     /// (the backend keeps the peer's resources until the domain closes).
     fn remove_peer(&mut self, _peer: PeerHandle) {}
 
+    /// Brings back a peer the engine marked down (its operations failed with
+    /// [`FailCause::PeerLost`], or the backend reported [`Completion::PeerDown`]) when the
+    /// application adds its address again (`Engine::add_peer`, same incarnation): the backend
+    /// re-opens what it keeps per peer (a liveness watch, a connection). `Err` when the peer
+    /// does not answer (its process is gone): the engine keeps it down. The default has
+    /// nothing to re-open and succeeds.
+    fn revive_peer(&mut self, _peer: PeerHandle) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// Posts one operation. See [`PostError`] for what a refusal means.
     ///
     /// # Safety
