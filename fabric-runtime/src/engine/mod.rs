@@ -47,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::provider::{Domain, MemoryLocation};
 use crate::pure::control::{MsgKind, HEADER_LEN};
 use crate::pure::descriptor::{EngineAddress, RegionDescriptor};
+use crate::pure::revoke::RegionKey;
 use crate::pure::route::PageLayout;
 use crate::reactor;
 use crate::shared::events::PeerEvents;
@@ -396,12 +397,16 @@ impl Engine {
             incarnation: desc.incarnation,
         };
         let peer = self.add_peer(&owner.to_bytes()).await?;
+        let key =
+            RegionKey { incarnation: desc.incarnation, base: desc.domains[0].base, key: desc.domains[0].key };
+        let revoked = self.shared().revoked.flag(key).ok_or_else(|| region::revoked_error(peer))?;
         #[cfg(feature = "cuda")]
         let ipc = desc.gpu.as_ref().and_then(|g| gpu::ipc_usable(self.shared(), g));
         Ok(RemoteRegion {
             peer,
             engine: Arc::as_ptr(self.shared()) as usize,
             desc: Arc::new(desc),
+            revoked,
             #[cfg(feature = "cuda")]
             ipc,
         })

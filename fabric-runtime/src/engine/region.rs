@@ -2,6 +2,7 @@
 //! named by descriptors.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Side};
@@ -174,6 +175,9 @@ pub struct RemoteRegion {
     /// Identity of the engine that resolved `peer` (peer ids mean nothing elsewhere).
     pub(crate) engine: usize,
     pub(crate) desc: Arc<RegionDescriptor>,
+    /// Set when the owner revokes the region (it freed it): shared by every `RemoteRegion`
+    /// of this descriptor in this engine (`shared/revoked.rs`).
+    pub(crate) revoked: Arc<AtomicBool>,
     /// A GPU region of an engine on this host whose CUDA IPC export this engine can open.
     #[cfg(feature = "cuda")]
     pub(crate) ipc: Option<crate::cuda::IpcExport>,
@@ -200,7 +204,27 @@ impl RemoteRegion {
         &self.desc
     }
 
+    /// Whether the owner has told this engine that it freed the region: every operation
+    /// through it then fails with [`Error::Stale`] before anything is posted. A region freed
+    /// a moment ago may not be revoked here yet (the owner's message is on its way); an
+    /// operation racing the revocation fails at the target instead
+    /// ([`Error::RemoteAccess`] or [`Error::ConnectionLost`], `docs/faults.md`).
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
+    }
+
     pub(crate) fn check(&self, offset: u64, len: u64) -> Result<(), Error> {
+        if self.is_revoked() {
+            return Err(revoked_error(self.peer));
+        }
         check_range(Side::Remote, offset, len, self.desc.len)
+    }
+}
+
+/// The error of an operation through a revoked region's descriptor.
+pub(crate) fn revoked_error(peer: PeerId) -> Error {
+    Error::Stale {
+        what: "region descriptor",
+        reason: format!("peer {peer} freed the region (it revoked the descriptor)"),
     }
 }

@@ -41,6 +41,11 @@ pub enum MsgKind {
     /// staged region at `dst_off` into my `sources`, then ACK"), the reader's side of a
     /// `read` from a staged GPU region.
     Push = 3,
+    /// A [`Revoke`](super::revoke::Revoke): regions the sender has freed.
+    Revoke = 4,
+    /// A [`Hello`](super::revoke::Hello): the sender's engine address, so that the receiver
+    /// knows it as a peer (and tells it what it revokes).
+    Hello = 5,
 }
 
 impl MsgKind {
@@ -51,6 +56,8 @@ impl MsgKind {
             1 => Some(MsgKind::Pull),
             2 => Some(MsgKind::Ack),
             3 => Some(MsgKind::Push),
+            4 => Some(MsgKind::Revoke),
+            5 => Some(MsgKind::Hello),
             _ => None,
         }
     }
@@ -232,7 +239,7 @@ impl Ack {
     }
 }
 
-fn decode<T>(
+pub(crate) fn decode<T>(
     what: &'static str,
     bytes: &[u8],
     kind: MsgKind,
@@ -292,6 +299,8 @@ mod tests {
         assert_eq!(MsgKind::of(&[0, 1, 2]), Some(MsgKind::User));
         assert_eq!(MsgKind::of(&[]), None);
         assert_eq!(MsgKind::of(&[9]), None);
+        assert_eq!(MsgKind::of(&[4]), Some(MsgKind::Revoke));
+        assert_eq!(MsgKind::of(&[5]), Some(MsgKind::Hello));
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod control;
 pub mod descriptor;
 pub(crate) mod int_map;
 mod reader;
+pub mod revoke;
 pub mod route;
 #[doc(hidden)]
 pub mod slab;

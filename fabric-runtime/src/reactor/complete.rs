@@ -152,6 +152,8 @@ impl<D: Domain> Core<D> {
                             w.wake();
                         }
                     }
+                    Some(MsgKind::Revoke) => self.on_revoke(&data),
+                    Some(MsgKind::Hello) => self.on_hello(&data),
                     #[cfg(feature = "cuda")]
                     Some(MsgKind::Pull) => self.on_pull(&data),
                     #[cfg(feature = "cuda")]

@@ -14,7 +14,9 @@ use crate::error::{Error, Result};
 use crate::provider::{
     Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
+use crate::pure::descriptor::EngineAddress;
 use crate::pure::int_map::IntMap;
+use crate::pure::revoke::{Hello, Revoke, MAX_REVOKED};
 use crate::pure::slab::Slab;
 use crate::shared::events::PeerEvent;
 use crate::shared::memory::{Backing, RegionShared};
@@ -149,6 +151,8 @@ pub(crate) struct Core<D: Domain> {
     closed: bool,
     /// When the current `Event` sleep began (for the reactor's statistics).
     slept_since: Option<Instant>,
+    /// Regions freed since the last revocations were sent: (base, key) on NIC 0.
+    revoking: Vec<(u64, u64)>,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
     staging: staging::Staging,
@@ -196,6 +200,7 @@ impl<D: Domain> Core<D> {
             closing: false,
             closed: false,
             slept_since: None,
+            revoking: Vec::new(),
             #[cfg(feature = "cuda")]
             staging: staging::Staging::default(),
         };
@@ -344,6 +349,9 @@ impl<D: Domain> Core<D> {
         }
         self.items = items;
         self.closing |= closing;
+        if !self.revoking.is_empty() && !self.closing {
+            self.send_revocations();
+        }
         closing
     }
 
@@ -394,6 +402,10 @@ impl<D: Domain> Core<D> {
                     len = backing.len(),
                     "memory deregistered"
                 );
+                if let Some(r) = regs.first().filter(|_| !self.closing) {
+                    // Peers holding its descriptor learn that it is stale (`revoke.rs`).
+                    self.revoking.push((r.remote_base, r.remote_key));
+                }
                 self.deregister(regs, backing)
             }
             Submission::AddPeer { address, reply } => {
@@ -459,9 +471,13 @@ impl<D: Domain> Core<D> {
                 }
                 _ if p.removed => {} // an older build's address: a new peer
                 _ => {
-                    // A peer down stays down: descriptors of this incarnation are stale.
-                    if let (Some(why), Some(_)) = (&p.failed, known) {
-                        return stale(format!("peer {id} is gone: {why}"));
+                    // A peer down comes back if it answers (a transient failure, a torn
+                    // connection); one that does not stays down, and descriptors of this
+                    // incarnation are stale.
+                    if let (Some(why), Some(_)) = (p.failed.clone(), known) {
+                        if let Err(e) = self.revive(id) {
+                            return stale(format!("peer {id} is gone: {why} (and does not answer: {e})"));
+                        }
                     }
                     return Ok(id);
                 }
@@ -488,7 +504,77 @@ impl<D: Domain> Core<D> {
         self.peer_by_addr.insert(key, id);
         self.shared.npeers.store(self.peers.len() as u32, Ordering::Release);
         self.shared.peer_events.publish(PeerEvent::Up { peer: id });
+        // Tell it who we are, so that it knows us as a peer too and revokes to us what it
+        // frees (`pure/revoke.rs`). A peer that knows us already ignores it.
+        let hello = Hello { address: self.shared.address.to_bytes() }.to_bytes();
+        self.handle(Submission::Send { peer: id, data: hello.into(), notify: Notify::None });
         Ok(id)
+    }
+
+    /// Tells every live peer which regions were freed since the last call (`revoking`).
+    fn send_revocations(&mut self) {
+        let regions = std::mem::take(&mut self.revoking);
+        let incarnation = self.shared.address.incarnation;
+        let msgs: Vec<bytes::Bytes> = regions
+            .chunks(MAX_REVOKED)
+            .map(|c| Revoke { incarnation, regions: c.to_vec() }.to_bytes().into())
+            .collect();
+        for id in 0..self.peers.len() {
+            let p = &self.peers[id];
+            if p.failed.is_some() || p.removed {
+                continue;
+            }
+            for data in &msgs {
+                self.handle(Submission::Send {
+                    peer: PeerId(id as u32),
+                    data: data.clone(),
+                    notify: Notify::None,
+                });
+            }
+        }
+        self.revoking = regions;
+        self.revoking.clear();
+    }
+
+    /// A peer freed regions: our descriptors of them are stale from now on.
+    pub(super) fn on_revoke(&mut self, msg: &[u8]) {
+        match Revoke::from_bytes(msg) {
+            Ok(r) => {
+                for key in r.keys() {
+                    self.shared.revoked.revoke(key);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "dropped a malformed revoke message"),
+        }
+    }
+
+    /// A peer introduced itself: it is our peer too (if it is not already).
+    pub(super) fn on_hello(&mut self, msg: &[u8]) {
+        let address = Hello::from_bytes(msg).and_then(|h| EngineAddress::from_bytes(&h.address));
+        match address {
+            Ok(a) if a.transport == self.shared.transport => {
+                if let Err(e) = self.add_peer(a) {
+                    tracing::debug!(error = %e, "a peer that said hello could not be added");
+                }
+            }
+            Ok(a) => tracing::warn!(transport = %a.transport, "dropped a hello of another transport"),
+            Err(e) => tracing::warn!(error = %e, "dropped a malformed hello message"),
+        }
+    }
+
+    /// Brings back a peer marked down whose process answers again: every NIC re-opens what
+    /// it keeps for the peer (`Domain::revive_peer`), then it is up (`PeerEvent::Up`), same
+    /// id, same incarnation. Operations failed while it was down stay failed.
+    fn revive(&mut self, peer: PeerId) -> Result<()> {
+        let handles = self.peers[peer.0 as usize].handles.clone();
+        for (d, h) in handles.into_iter().enumerate() {
+            self.domains[d].revive_peer(h)?;
+        }
+        let p = &mut self.peers[peer.0 as usize];
+        let was = p.failed.take();
+        tracing::info!(peer = peer.0, was = ?was, "peer answers again; up");
+        self.shared.peer_events.publish(PeerEvent::Up { peer });
+        Ok(())
     }
 
     /// `Engine::remove_peer`: fails what the engine still holds for the peer, gives its

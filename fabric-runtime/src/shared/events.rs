@@ -17,11 +17,15 @@ use crate::sync::lock;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PeerEvent {
-    /// The peer was added (`Engine::add_peer`, or a descriptor naming a new peer).
+    /// The peer was added (`Engine::add_peer`, or a descriptor naming a new peer), or a
+    /// peer that was `Down` answered again when its address was added again (same id, same
+    /// incarnation: `docs/faults.md`, "A live peer can be recovered").
     Up { peer: PeerId },
-    /// The peer was found gone: its process exited (shm), its connection failed (tcp, verbs
-    /// queue pair in error), or an operation to it outlived `op_timeout`. Every operation
-    /// to it fails from now on; `reason` says what the engine saw.
+    /// The peer was found gone: its process exited (shm, tcp's liveness connection), the
+    /// transport gave up on it (verbs retries exceeded), or an operation to it outlived
+    /// `op_timeout`. Every operation to it fails until it is brought back; `reason` says
+    /// what the engine saw. A refused remote access or a connection the transport rebuilds
+    /// does not make a peer `Down`.
     Down { peer: PeerId, reason: String },
     /// The peer was removed (`Engine::remove_peer`); its id is not used again.
     Removed { peer: PeerId },

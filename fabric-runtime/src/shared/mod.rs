@@ -22,6 +22,7 @@ pub(crate) mod gpu;
 pub(crate) mod memory;
 pub(crate) mod notify;
 pub(crate) mod queue;
+pub(crate) mod revoked;
 pub(crate) mod stats;
 
 use std::collections::{HashMap, VecDeque};
@@ -133,6 +134,8 @@ pub(crate) struct Shared {
     pub(crate) stats: stats::Stats,
     /// Peer up/down events (`Engine::peer_events`).
     pub(crate) peer_events: events::PeerEventHub,
+    /// Regions peers have freed (`Revoke` messages), and the flags of our `RemoteRegion`s.
+    pub(crate) revoked: revoked::Revocations,
     /// GPU regions, CUDA IPC mappings and staging settings.
     #[cfg(feature = "cuda")]
     pub(crate) gpu: gpu::GpuShared,
@@ -189,6 +192,7 @@ impl Shared {
             watchers: AtomicUsize::new(0),
             stats: stats::Stats::new(nics),
             peer_events: events::PeerEventHub::default(),
+            revoked: revoked::Revocations::default(),
             #[cfg(feature = "cuda")]
             gpu: gpu::GpuShared::default(),
         })

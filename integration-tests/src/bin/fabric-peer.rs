@@ -9,6 +9,11 @@
 //! * `writer --storm TOTAL,TASKS,DISTINCT,SEED`: fetches `writer/desc`, runs the counter
 //!   storm (TASKS concurrent tasks of imm-only writes), publishes `writer/done`.
 //! * `echo --count N`: adds the peer at `test/addr`, sends every received message back.
+//! * `owner --size N --count R`: for each round r < R, allocates two zeroed regions of N
+//!   bytes, publishes their descriptors as `owner/r/live` and `owner/r/doomed`, frees the
+//!   doomed one when `test/r/drop` appears (then publishes `owner/r/dropped`), and publishes
+//!   the hash of the live one as `owner/r/hash` when `test/r/check` appears. Waits for
+//!   `owner/exit` before leaving.
 //!
 //! On any failure it publishes `<role>/error` and exits non-zero.
 
@@ -89,6 +94,7 @@ async fn run(a: &Args, store: &TcpStore) -> Result<(), String> {
         "target" => target(a, store, &engine).await,
         "writer" => writer(a, store, &engine).await,
         "echo" => echo(a, store, &engine).await,
+        "owner" => owner(a, store, &engine).await,
         other => Err(format!("unknown role {other:?}")),
     }
 }
@@ -164,5 +170,27 @@ async fn echo(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String>
         engine.send(peer, &msg).await.map_err(|e| e.to_string())?;
     }
     store.get("echo/exit").await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+async fn owner(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
+    fn e(e: impl std::fmt::Display) -> String {
+        e.to_string()
+    }
+    for r in 0..a.count {
+        let live = engine.alloc(a.size).await.map_err(e)?;
+        let doomed = engine.alloc(a.size).await.map_err(e)?;
+        store.put(&format!("owner/{r}/live"), live.descriptor().to_bytes()).await.map_err(e)?;
+        store.put(&format!("owner/{r}/doomed"), doomed.descriptor().to_bytes()).await.map_err(e)?;
+        store.get(&format!("test/{r}/drop")).await.map_err(e)?;
+        drop(doomed);
+        store.put(&format!("owner/{r}/dropped"), b"ok".to_vec()).await.map_err(e)?;
+        store.get(&format!("test/{r}/check")).await.map_err(e)?;
+        store
+            .put(&format!("owner/{r}/hash"), hash(&live.to_vec()).to_string().into_bytes())
+            .await
+            .map_err(e)?;
+    }
+    store.get("owner/exit").await.map_err(e)?;
     Ok(())
 }

@@ -132,6 +132,21 @@ impl CtxPool {
     /// The token of the operation whose context is `raw`, releasing its slot. `None` if `raw`
     /// is not one of our in-flight slots (checked by address before anything is read).
     pub(super) fn complete(&mut self, raw: *mut c_void) -> Option<u64> {
+        self.complete_op(raw).map(|(token, _)| token)
+    }
+
+    /// Whether `slot` is in flight with `token` (not completed, abandoned or reused since).
+    pub(super) fn holds(&self, slot: NonNull<OpCtx>, token: u64) -> bool {
+        // SAFETY: slots handed out by `take` stay inside live chunks until the pool is
+        // dropped; only our own fields are read, through raw pointers.
+        unsafe {
+            let p = slot.as_ptr();
+            ptr::addr_of!((*p).in_flight).read() && ptr::addr_of!((*p).token).read() == token
+        }
+    }
+
+    /// As [`CtxPool::complete`], with the operation as posted (its peer).
+    pub(super) fn complete_op(&mut self, raw: *mut c_void) -> Option<(u64, Op)> {
         let addr = raw as usize;
         let size = std::mem::size_of::<OpCtx>();
         let owned = self.chunks.iter().any(|c| {
@@ -144,9 +159,13 @@ impl CtxPool {
         let slot = NonNull::new(raw as *mut OpCtx)?;
         // SAFETY: slot is the start of an OpCtx inside one of our live chunks (checked above);
         // the provider is done with it since it reported its completion.
-        let (token, in_flight) = unsafe {
+        let (token, in_flight, op) = unsafe {
             let p = slot.as_ptr();
-            let r = (ptr::addr_of!((*p).token).read(), ptr::addr_of!((*p).in_flight).read());
+            let r = (
+                ptr::addr_of!((*p).token).read(),
+                ptr::addr_of!((*p).in_flight).read(),
+                ptr::addr_of!((*p).op).read(),
+            );
             ptr::addr_of_mut!((*p).in_flight).write(false);
             r
         };
@@ -154,7 +173,7 @@ impl CtxPool {
             return None;
         }
         self.free.push(slot);
-        Some(token)
+        Some((token, op))
     }
 }
 

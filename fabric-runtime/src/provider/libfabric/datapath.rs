@@ -21,6 +21,14 @@ use crate::provider::{
     Registration,
 };
 
+/// How long `revive_peer` waits for a tcp peer's liveness port to accept (a live peer on
+/// the same network answers within a round trip; a dead one refuses at once).
+const REVIVE_CONNECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How long posts to a live tcp peer wait after rxm tore its connection down (see
+/// `TcpLiveness::hold`).
+const RECONNECT_HOLD: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Completions read from the CQ per `fi_cq_readfrom` call.
 const CQ_BATCH: usize = 16;
 
@@ -72,6 +80,13 @@ impl LibfabricDomain {
                     len: local.len,
                     max: self.max_msg_size,
                 }));
+            }
+        }
+        if let (Some(live), Op::Write { peer, .. } | Op::Read { peer, .. } | Op::Send { peer, .. }) =
+            (self.tcp_live.as_mut(), op)
+        {
+            if live.held(*peer) {
+                return Err(PostError::Again);
             }
         }
         let ep = match (&self.shm, op) {
@@ -146,7 +161,12 @@ impl LibfabricDomain {
             }
         };
         match ret {
-            0.. => Ok(()),
+            0.. => {
+                if let (Some(shm), Op::Write { imm: None, .. } | Op::Read { .. }) = (self.shm.as_mut(), op) {
+                    shm.posted_fast(&self.ctxs, slot, token);
+                }
+                Ok(())
+            }
             EAGAIN => {
                 self.ctxs.untake(slot);
                 Err(PostError::Again)
@@ -195,15 +215,63 @@ impl LibfabricDomain {
                 CStr::from_ptr(p).to_string_lossy().into_owned()
             }
         };
-        let token = if err.op_context.is_null() { None } else { self.ctxs.complete(err.op_context) };
-        match token {
-            Some(token) => {
+        let op = if err.op_context.is_null() { None } else { self.ctxs.complete_op(err.op_context) };
+        match op {
+            Some((token, op)) => {
                 // rxm fails what was in flight on a connection that closed with ECANCELED,
                 // the cause (ENOTCONN, ECONNRESET) being the provider's own code: pass on
                 // the cause, so that the engine knows the peer is gone.
                 let errno = if is_peer_errno(err.prov_errno) { err.prov_errno } else { err.err };
-                let cause = FailCause::of_errno(errno);
+                let mut cause = FailCause::of_errno(errno);
+                let mut message = message;
+                // The tcp provider closes a connection over which a peer sent an unknown
+                // key (a stale or forged descriptor), and rxm then fails everything in
+                // flight on it (ECANCELED, or the cause ENOTCONN/ECONNRESET): if the peer's
+                // liveness connection is still open, its process lives, and the connection
+                // is made again by the next post to it. Which of the failed operations had
+                // the bad key, the provider does not say.
+                let peer = match op {
+                    Op::Write { peer, .. } | Op::Read { peer, .. } | Op::Send { peer, .. } => Some(peer),
+                    Op::Recv { .. } => None,
+                };
+                let lost = cause == FailCause::PeerLost || errno == libc::ECANCELED;
+                if let (true, Some(live), Some(peer)) = (lost, self.tcp_live.as_mut(), peer) {
+                    if live.alive(peer) == Some(true) {
+                        live.hold(peer, RECONNECT_HOLD);
+                        cause = FailCause::ConnectionLost;
+                        message = format!(
+                            "{message}: the provider closed its connection to the live peer (a remote \
+                             access with a key the peer does not know, from a stale or forged \
+                             descriptor, closes it); the next operation connects again"
+                        );
+                    }
+                }
                 out.push_back(Completion::Failed { token, errno, message, cause })
+            }
+            // shm's fast RMA path (a plain write or read copied with CMA in the post call)
+            // reports a failed copy without the operation's context: it is the oldest such
+            // operation still in flight (`shm.rs`, `ShmState::fast`). Target-side errors
+            // (an incoming operation that failed here) carry FI_REMOTE_* or FI_RECV.
+            None if self.shm.is_some()
+                && err.op_context.is_null()
+                && err.flags & (sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE | sys::FI_RECV) as u64 == 0 =>
+            {
+                let failed = self.shm.as_mut().and_then(|shm| shm.take_failed_fast(&self.ctxs));
+                match failed.and_then(|(slot, _)| self.ctxs.complete(slot.as_ptr().cast())) {
+                    Some(token) => out.push_back(Completion::Failed {
+                        token,
+                        errno: err.err.abs(),
+                        message: format!(
+                            "{message}: the peer's memory at that address is not accessible (a freed region, or a forged descriptor)"
+                        ),
+                        cause: FailCause::RemoteAccess,
+                    }),
+                    None => tracing::warn!(
+                        errno = err.err,
+                        %message,
+                        "shm error completion without a context and no plain write or read in flight; skipped"
+                    ),
+                }
             }
             None => tracing::warn!(
                 errno = err.err,
@@ -297,6 +365,18 @@ impl Domain for LibfabricDomain {
     unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {
         // SAFETY: forwarded from the caller.
         unsafe { self.post_on(token, op) }
+    }
+
+    fn revive_peer(&mut self, peer: PeerHandle) -> Result<(), Error> {
+        if self.shm.is_some() {
+            self.shm_revive_peer(peer)?;
+        }
+        if let Some(live) = self.tcp_live.as_mut() {
+            if let Some(addr) = live.address_of(peer) {
+                live.revive(peer, addr, REVIVE_CONNECT_LIMIT)?;
+            }
+        }
+        Ok(())
     }
 
     fn remove_peer(&mut self, peer: PeerHandle) {

@@ -35,6 +35,11 @@ pub(super) struct TcpLiveness {
     outbound: Vec<(PeerHandle, SocketAddr, TcpStream)>,
     /// Peers' connections to our port, held until their far end closes.
     inbound: Vec<TcpStream>,
+    /// Every peer's liveness address, kept after its connection closed (`revive`).
+    known: Vec<(PeerHandle, SocketAddr)>,
+    /// Peers whose libfabric connection was just torn down under a live peer, and until
+    /// when posts to them wait ([`TcpLiveness::hold`]).
+    held: Vec<(PeerHandle, std::time::Instant)>,
     /// The checks' `poll` buffers, reused.
     scratch: crate::sys::PollScratch,
 }
@@ -64,6 +69,8 @@ impl TcpLiveness {
             port,
             outbound: Vec::new(),
             inbound: Vec::new(),
+            known: Vec::new(),
+            held: Vec::new(),
             scratch: Default::default(),
         })
     }
@@ -77,6 +84,8 @@ impl TcpLiveness {
     /// `trailer` from its address). A refused connection is found by the next check.
     pub(super) fn watch(&mut self, peer: PeerHandle, ip: std::net::IpAddr, trailer: [u8; TRAILER]) {
         let addr = SocketAddr::new(ip, u16::from_be_bytes(trailer));
+        self.known.retain(|(p, _)| *p != peer);
+        self.known.push((peer, addr));
         match connect(addr) {
             Ok(s) => {
                 self.outbound.retain(|(p, ..)| *p != peer);
@@ -90,6 +99,73 @@ impl TcpLiveness {
 
     pub(super) fn unwatch(&mut self, peer: PeerHandle) {
         self.outbound.retain(|(p, ..)| *p != peer);
+        self.known.retain(|(p, _)| *p != peer);
+    }
+
+    /// Whether `peer`'s process is alive as far as its liveness connection tells right now
+    /// (one `poll` of its socket): `Some(false)` when it closed (the next [`TcpLiveness::check`]
+    /// reports it), `None` when the peer is not watched.
+    pub(super) fn alive(&mut self, peer: PeerHandle) -> Option<bool> {
+        let (_, _, s) = self.outbound.iter().find(|(p, ..)| *p == peer)?;
+        let fd = s.as_raw_fd();
+        match self.scratch.readable_now([fd]) {
+            Ok(ready) => Some(ready.is_empty()),
+            Err(_) => None,
+        }
+    }
+
+    /// `Domain::revive_peer` on tcp: connects to the peer's liveness port (`addr`) again,
+    /// waiting up to `limit` for the connection; `Err` when it is refused or does not come
+    /// (the peer's process is gone). Then it is watched as after `add_peer`.
+    pub(super) fn revive(
+        &mut self,
+        peer: PeerHandle,
+        addr: SocketAddr,
+        limit: Duration,
+    ) -> Result<(), Error> {
+        let s = TcpStream::connect_timeout(&addr, limit).map_err(|e| Error::PeerUnreachable {
+            peer: peer as u32,
+            message: format!(
+                "tcp peer's liveness port {addr}: {e} (its process exited or its engine shut down)"
+            ),
+        })?;
+        let s = Socket::from(s);
+        let ka = TcpKeepalive::new()
+            .with_time(Duration::from_secs(5))
+            .with_interval(Duration::from_secs(1))
+            .with_retries(3);
+        s.set_tcp_keepalive(&ka).map_err(|e| io_error("liveness keep-alive", e))?;
+        s.set_nonblocking(true).map_err(|e| io_error("liveness connection", e))?;
+        self.outbound.retain(|(p, ..)| *p != peer);
+        self.outbound.push((peer, addr, s.into()));
+        Ok(())
+    }
+
+    /// Posts to `peer` wait (`PostError::Again`) for `span`: rxm is still tearing down the
+    /// connection that failed, and a post into it now would be lost with it (measured:
+    /// `EPIPE` for the next write right after the failure); after that the next post
+    /// connects again.
+    pub(super) fn hold(&mut self, peer: PeerHandle, span: Duration) {
+        let until = std::time::Instant::now() + span;
+        self.held.retain(|(p, _)| *p != peer);
+        self.held.push((peer, until));
+    }
+
+    /// Whether posts to `peer` wait now (see [`TcpLiveness::hold`]); one branch while no
+    /// peer is held.
+    #[inline]
+    pub(super) fn held(&mut self, peer: PeerHandle) -> bool {
+        if self.held.is_empty() {
+            return false;
+        }
+        let now = std::time::Instant::now();
+        self.held.retain(|&(_, until)| until > now);
+        self.held.iter().any(|&(p, _)| p == peer)
+    }
+
+    /// The liveness address of a peer watched now or before (`watch` keeps it).
+    pub(super) fn address_of(&self, peer: PeerHandle) -> Option<SocketAddr> {
+        self.known.iter().find(|(p, _)| *p == peer).map(|&(_, a)| a)
     }
 
     /// Accepts new inbound connections, drops closed ones, and returns the peers whose

@@ -90,6 +90,15 @@ pub(super) struct ShmState {
     /// Each peer's one-sided endpoint.
     rma_eps: IntMap<PeerHandle, Fid<sys::fid_ep>>,
     watched: Vec<Watched>,
+    /// Each peer's process id, kept after it is found dead (`revive_peer` looks again).
+    pids: IntMap<PeerHandle, libc::pid_t>,
+    /// Plain writes and reads (no immediate) in posting order, with their tokens, until
+    /// their completion is read: shm's fast RMA path (CMA straight into the peer's memory,
+    /// in the post call) reports a failed copy as an error entry *without* the operation's
+    /// context (libfabric 1.17 `smr_generic_rma`), written in the post call like a success
+    /// would be. So the CQ gives the fast path's results in posting order, and such an
+    /// entry belongs to the oldest of these still in flight (see [`ShmState::take_failed_fast`]).
+    fast: std::collections::VecDeque<(std::ptr::NonNull<super::ctx::OpCtx>, u64)>,
     liveness_off: bool,
     /// The pidfd check's `poll` buffers, reused (a check in a pass allocates nothing).
     scratch: crate::sys::PollScratch,
@@ -106,6 +115,34 @@ impl ShmState {
         self.rma_eps.get(&peer).map(Fid::as_ptr)
     }
 
+    /// A plain write or read (no immediate) was posted with `token` in `slot`; forgets those
+    /// whose completion has been read since.
+    pub(super) fn posted_fast(
+        &mut self,
+        ctxs: &super::ctx::CtxPool,
+        slot: std::ptr::NonNull<super::ctx::OpCtx>,
+        token: u64,
+    ) {
+        while self.fast.front().is_some_and(|&(s, t)| !ctxs.holds(s, t)) {
+            self.fast.pop_front();
+        }
+        self.fast.push_back((slot, token));
+    }
+
+    /// The operation that a sender-side error entry without a context belongs to: the
+    /// oldest plain write or read still in flight (see [`ShmState::fast`]), taken off.
+    pub(super) fn take_failed_fast(
+        &mut self,
+        ctxs: &super::ctx::CtxPool,
+    ) -> Option<(std::ptr::NonNull<super::ctx::OpCtx>, u64)> {
+        while let Some((s, t)) = self.fast.pop_front() {
+            if ctxs.holds(s, t) {
+                return Some((s, t));
+            }
+        }
+        None
+    }
+
     /// Starts watching the process behind a newly added peer's address.
     fn watch(&mut self, peer: PeerHandle, addr: &[u8]) {
         if self.liveness_off {
@@ -115,6 +152,12 @@ impl ShmState {
             tracing::debug!(peer, "shm address without a process id; its death is found by op_timeout");
             return;
         };
+        self.pids.insert(peer, pid);
+        self.watch_pid(peer, pid);
+    }
+
+    /// Watches process `pid` as `peer`'s (again).
+    fn watch_pid(&mut self, peer: PeerHandle, pid: libc::pid_t) {
         if pid == std::process::id() as libc::pid_t {
             return; // ourselves (another domain of this process)
         }
@@ -162,6 +205,30 @@ impl LibfabricDomain {
         let shm = self.shm.as_mut().expect("an shm domain");
         shm.rma_eps.insert(peer, ep);
         shm.watch(peer, addr);
+        Ok(())
+    }
+
+    /// `Domain::revive_peer` on shm: the peer's process must still run (a pidfd of it opens);
+    /// then it gets a one-sided endpoint and a watch again.
+    pub(super) fn shm_revive_peer(&mut self, peer: PeerHandle) -> Result<(), crate::error::Error> {
+        let shm = self.shm.as_mut().expect("an shm domain");
+        if let Some(&pid) = shm.pids.get(&peer) {
+            if let Err(e) = crate::sys::pidfd_open(pid) {
+                if e.raw_os_error() == Some(libc::ESRCH) {
+                    return Err(crate::error::Error::PeerUnreachable {
+                        peer: peer as u32,
+                        message: format!("shm peer process {pid} has exited"),
+                    });
+                }
+            }
+            if !shm.watched.iter().any(|w| w.peer == peer) {
+                shm.watch_pid(peer, pid);
+            }
+        }
+        if self.shm.as_ref().is_some_and(|s| !s.rma_eps.contains_key(&peer)) {
+            let ep = self.open_endpoint(RMA_EP_CQ_FLAGS)?;
+            self.shm.as_mut().expect("an shm domain").rma_eps.insert(peer, ep);
+        }
         Ok(())
     }
 
