@@ -187,3 +187,54 @@ async fn a_bad_remote_access_fails_alone_and_the_owner_stays_reachable() {
         assert!(owner.wait_success(Duration::from_secs(30)).await, "{p}: the owner exited cleanly");
     }
 }
+
+/// A peer marked down while it was alive (here: stopped past `op_timeout`) is brought back
+/// by adding its address again, same id, with `PeerEvent::Up`; traffic resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_marked_down_comes_back_when_it_answers() {
+    // Over shm's 4 KiB inject size, so that a write with immediate waits for the target.
+    const N: usize = 64 * 1024;
+    for p in providers() {
+        let (_server, store, addr) = store().await;
+        let mut target = Peer::spawn(PEER, addr, &p, &["target", "--size", &N.to_string(), "--wait", "5=1"]);
+        let engine =
+            Engine::builder().provider(p.as_str()).op_timeout(Some(Duration::from_secs(1))).build().unwrap();
+        let dst = engine.remote_region(&get(&store, "target/desc").await).await.unwrap();
+        let peer_addr = get(&store, "target/addr").await;
+        let mut events = engine.peer_events();
+        // Every write carries the same bytes at the same offsets, so the region's final bytes
+        // do not depend on the order in which they land.
+        let mut bytes = vec![0u8; N];
+        fill_pattern(&mut bytes, 77, 0);
+        let src = engine.alloc(N).await.unwrap();
+        src.write_at(0, &bytes).unwrap();
+        bounded(engine.write(&src, 0, &dst, 0, N as u64)).await.expect("a write to a running peer");
+
+        target.signal("STOP");
+        let r = bounded(engine.write_imm(&src, 0, &dst, 0, N as u64, 9)).await;
+        assert!(matches!(r, Err(Error::PeerUnreachable { .. })), "{p}: a write to a stopped peer: {r:?}");
+        let down = loop {
+            match bounded(events.next()).await {
+                Some(PeerEvent::Down { peer, .. }) => break peer,
+                Some(_) => continue,
+                None => panic!("{p}: the event stream ended"),
+            }
+        };
+        assert_eq!(down, dst.peer());
+        let r = bounded(engine.write(&src, 0, &dst, 0, 8)).await;
+        assert!(matches!(r, Err(Error::PeerUnreachable { .. })), "{p}: a peer down stays down: {r:?}");
+
+        target.signal("CONT");
+        let back = bounded(engine.add_peer(&peer_addr)).await.expect("a live peer comes back");
+        assert_eq!(back, dst.peer(), "{p}: same peer id");
+        match bounded(events.next()).await {
+            Some(PeerEvent::Up { peer }) => assert_eq!(peer, back),
+            other => panic!("{p}: expected Up after add_peer, got {other:?}"),
+        }
+        bounded(engine.write_imm(&src, 0, &dst, 0, N as u64, 5)).await.expect("traffic resumes");
+        let got = get(&store, "target/hash").await;
+        assert_eq!(String::from_utf8(got).unwrap(), hash(&bytes).to_string(), "{p}: the target's bytes");
+        store.put("target/exit", b"bye".to_vec()).await.unwrap();
+        assert!(target.wait_success(Duration::from_secs(30)).await, "{p}: the target exited cleanly");
+    }
+}
