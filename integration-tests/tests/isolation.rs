@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use fabric_async::{Engine, Error, MemoryRegion, PeerEvent, PeerEvents, RemoteRegion, Rendezvous};
 use futures::{FutureExt, StreamExt};
-use integration_tests::{fill_pattern, get, hash, providers, store, Peer};
+use integration_tests::{fill_pattern, get, hash, providers, skipped, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 const SIZE: usize = 64 * 1024;
@@ -195,6 +195,15 @@ async fn a_peer_marked_down_comes_back_when_it_answers() {
     // Over shm's 4 KiB inject size, so that a write with immediate waits for the target.
     const N: usize = 64 * 1024;
     for p in providers() {
+        if p.starts_with("verbs") {
+            // A stopped process's RC queue pairs keep answering (the NIC, here the kernel's
+            // rxe, does), so stopping it does not make it look dead on verbs.
+            skipped(
+                "a_peer_marked_down_comes_back_when_it_answers",
+                "verbs: a stopped peer still answers RDMA",
+            );
+            continue;
+        }
         let (_server, store, addr) = store().await;
         let mut target = Peer::spawn(PEER, addr, &p, &["target", "--size", &N.to_string(), "--wait", "5=1"]);
         let engine =

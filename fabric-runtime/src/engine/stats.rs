@@ -19,7 +19,9 @@ use crate::sync::lock;
 ///
 /// An operation is one posted work request: a write (with or without immediate, an imm-only
 /// write counts 0 bytes), a read or a two-sided send. A transfer sharded over NICs counts one
-/// operation per shard, on each shard's NIC.
+/// operation per shard, on each shard's NIC. The engine's own control messages (the `Hello`
+/// a new peer gets, the `Revoke` of a freed region: `docs/faults.md`) are not counted: these
+/// figures describe the application's operations.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OpStats {

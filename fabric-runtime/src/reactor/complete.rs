@@ -186,7 +186,9 @@ impl<D: Domain> Core<D> {
                 self.shared.peer_events.publish(PeerEvent::Down { peer, reason: message.clone() });
                 for (_, s) in p.pending.drain(..) {
                     self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
-                    self.shared.stats.failed(s.nic(), Some(&p.stats), false);
+                    if !s.is_internal() {
+                        self.shared.stats.failed(s.nic(), Some(&p.stats), false);
+                    }
                     s.fail(Error::PeerUnreachable { peer: peer.0, message: message.clone() });
                 }
             }
@@ -218,6 +220,11 @@ impl<D: Domain> Core<D> {
     pub(super) fn finish(&mut self, op: InFlight, result: Result<()>) {
         let peer = self.peers.get(op.peer.0 as usize).map(|p| &*p.stats);
         match &result {
+            _ if op.internal => {
+                if let Err(e) = &result {
+                    tracing::debug!(peer = op.peer.0, error = %e, "an engine control message was not delivered");
+                }
+            }
             // Counted as an error when it timed out; the NIC is done with it only now.
             _ if op.expired => self.shared.stats.landed(op.nic, peer),
             Ok(()) => self.shared.stats.completed(op.nic, peer, op.bytes),

@@ -77,6 +77,9 @@ struct InFlight {
     bytes: u64,
     /// Failed by `op_timeout` (and counted as an error then); still held for the NIC.
     expired: bool,
+    /// One of the engine's own control messages ([`Submission::is_internal`]): not in the
+    /// statistics.
+    internal: bool,
 }
 
 /// A registered pool of fixed-size message slots of one domain.
@@ -625,7 +628,9 @@ impl<D: Domain> Core<D> {
         let err = || Error::PeerUnreachable { peer: peer.0, message: message.to_owned() };
         for (_, s) in p.pending.drain(..) {
             self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
-            self.shared.stats.failed(s.nic(), Some(&p.stats), false);
+            if !s.is_internal() {
+                self.shared.stats.failed(s.nic(), Some(&p.stats), false);
+            }
             s.fail(err());
         }
         let peers = &self.peers;
@@ -651,12 +656,16 @@ impl<D: Domain> Core<D> {
         };
         let handle = match self.peers.get(peer.0 as usize) {
             None => {
-                self.shared.stats.failed(domain, None, false);
+                if !s.is_internal() {
+                    self.shared.stats.failed(domain, None, false);
+                }
                 s.fail(Error::UnknownPeer { peer: peer.0 });
                 return None;
             }
             Some(PeerState { failed: Some(msg), stats, .. }) => {
-                self.shared.stats.failed(domain, Some(stats), false);
+                if !s.is_internal() {
+                    self.shared.stats.failed(domain, Some(stats), false);
+                }
                 let e = Error::PeerUnreachable { peer: peer.0, message: msg.clone() };
                 s.fail(e);
                 return None;
@@ -675,6 +684,7 @@ impl<D: Domain> Core<D> {
             return None;
         }
         let token = self.slab.next_token();
+        let internal = s.is_internal();
         let (op, send_slot, name, bytes) = match &s {
             Submission::Op { req, keep, .. } => {
                 let desc = keep.as_ref().map_or(0, |k| k.regs[domain].local);
@@ -710,7 +720,9 @@ impl<D: Domain> Core<D> {
                     Submission::Send { notify, .. } => (notify, None),
                     _ => unreachable!(),
                 };
-                self.shared.stats.posted(domain, &self.peers[peer.0 as usize].stats, bytes);
+                if !internal {
+                    self.shared.stats.posted(domain, &self.peers[peer.0 as usize].stats, bytes);
+                }
                 self.slab.insert(InFlight {
                     notify,
                     keep,
@@ -721,6 +733,7 @@ impl<D: Domain> Core<D> {
                     nic: domain,
                     bytes,
                     expired: false,
+                    internal,
                 });
                 self.unflushed = true;
                 None
@@ -735,7 +748,9 @@ impl<D: Domain> Core<D> {
                 if let Some((d, slot)) = send_slot {
                     self.send_pools[d].free.push(slot);
                 }
-                self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
+                if !internal {
+                    self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
+                }
                 tracing::warn!(peer = peer.0, nic = domain, error = %e, "posting an operation failed");
                 s.fail(e);
                 None

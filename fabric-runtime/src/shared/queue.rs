@@ -218,6 +218,13 @@ impl Submission {
     }
 
     /// Completes a submission that will never be posted.
+    /// Whether this is one of the engine's own control messages (`Hello`, `Revoke`): a send
+    /// nobody awaits. It is not counted in the operation statistics, which describe the
+    /// application's operations.
+    pub(crate) fn is_internal(&self) -> bool {
+        matches!(self, Submission::Send { notify: Notify::None, .. })
+    }
+
     pub(crate) fn fail(self, e: Error) {
         match self {
             Submission::Op { notify, .. } | Submission::Send { notify, .. } => notify.fail(e),

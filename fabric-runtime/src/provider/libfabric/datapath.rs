@@ -89,6 +89,13 @@ impl LibfabricDomain {
                 return Err(PostError::Again);
             }
         }
+        // An shm peer in this process: hold its registration until the post returns.
+        let _local = match (&self.shm, op) {
+            (Some(shm), Op::Write { peer, .. } | Op::Read { peer, .. } | Op::Send { peer, .. }) => {
+                shm.local_guard(*peer).map_err(PostError::Failed)?
+            }
+            _ => None,
+        };
         let ep = match (&self.shm, op) {
             (Some(shm), Op::Write { peer, .. } | Op::Read { peer, .. }) => {
                 shm.rma_ep(*peer).unwrap_or(self.ep.as_ptr())

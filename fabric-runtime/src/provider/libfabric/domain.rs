@@ -199,9 +199,12 @@ impl LibfabricDomain {
         let (cq, wait_fd) = open_cq(&domain)?;
 
         let ep = open_endpoint(&domain, &info, &av, &cq, (sys::FI_TRANSMIT | sys::FI_RECV) as u64)?;
-        let shm = (resolved == "shm").then(ShmState::new);
+        let mut shm = (resolved == "shm").then(ShmState::new);
 
         let mut address = getname(&ep)?;
+        if let Some(shm) = shm.as_mut() {
+            shm.register_local(&address);
+        }
         // tcp: a liveness port beside the endpoint, on the same IP (`liveness.rs`).
         let tcp_live = match sockaddr_in(&address) {
             Some(sa) if resolved.starts_with("tcp") => {
@@ -365,6 +368,10 @@ fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
 
 impl Drop for LibfabricDomain {
     fn drop(&mut self) {
+        // Peers in this process stop posting to us before anything closes (`shm.rs`, LOCAL).
+        if let Some(shm) = self.shm.as_mut() {
+            shm.unregister_local();
+        }
         // Registrations must be closed before the endpoint (FI_MR_ENDPOINT binds them to it)
         // and the domain; the engine normally deregisters everything first.
         for (_, mr) in self.mrs.drain() {

@@ -23,6 +23,7 @@
 //! back later large messages until `op_timeout` (see `docs/faults.md`).
 
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use libfabric_sys as sys;
@@ -76,6 +77,20 @@ pub(super) fn shm_pid(addr: &[u8]) -> Option<libc::pid_t> {
     digits.parse::<libc::pid_t>().ok().filter(|&p| p > 0)
 }
 
+/// This process's open shm endpoints, by address. An engine may have peers in its own
+/// process (two engines of one program; the tests do it all the time), which the pid watch
+/// cannot tell dead: when such a peer closes, libfabric 1.17 unmaps its region, and a post
+/// to it touches the unmapped region (seen: SIGSEGV in `pthread_spin_lock` under
+/// `smr_generic_rma`, when the engine's own `Revoke` went to an engine of the same process
+/// that had shut down). So a domain registers its address here while it is open, a post to
+/// an in-process peer holds the read lock and fails if the peer's address is gone, and a
+/// domain removes its address under the write lock before it closes anything.
+static LOCAL: RwLock<Vec<Vec<u8>>> = RwLock::new(Vec::new());
+
+fn local() -> std::sync::RwLockReadGuard<'static, Vec<Vec<u8>>> {
+    LOCAL.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// One watched peer.
 struct Watched {
     peer: PeerHandle,
@@ -99,6 +114,12 @@ pub(super) struct ShmState {
     /// would be. So the CQ gives the fast path's results in posting order, and such an
     /// entry belongs to the oldest of these still in flight (see [`ShmState::take_failed_fast`]).
     fast: std::collections::VecDeque<(std::ptr::NonNull<super::ctx::OpCtx>, u64)>,
+    /// Peers in this process, by their address (see [`LOCAL`]).
+    local_peers: IntMap<PeerHandle, Vec<u8>>,
+    /// Those found closed (kept for `revive_peer`).
+    local_gone: IntMap<PeerHandle, Vec<u8>>,
+    /// Our own address while it is registered in [`LOCAL`].
+    registered: Option<Vec<u8>>,
     liveness_off: bool,
     /// The pidfd check's `poll` buffers, reused (a check in a pass allocates nothing).
     scratch: crate::sys::PollScratch,
@@ -113,6 +134,45 @@ impl ShmState {
     /// The endpoint that one-sided operations to `peer` go out on.
     pub(super) fn rma_ep(&self, peer: PeerHandle) -> Option<*mut sys::fid_ep> {
         self.rma_eps.get(&peer).map(Fid::as_ptr)
+    }
+
+    /// Registers this domain's address among the process's open shm endpoints ([`LOCAL`]).
+    pub(super) fn register_local(&mut self, address: &[u8]) {
+        LOCAL.write().unwrap_or_else(std::sync::PoisonError::into_inner).push(address.to_vec());
+        self.registered = Some(address.to_vec());
+    }
+
+    /// Takes this domain's address out of [`LOCAL`]; waits for posts to it in flight in
+    /// other domains of the process. Before the domain closes anything.
+    pub(super) fn unregister_local(&mut self) {
+        if let Some(a) = self.registered.take() {
+            let mut g = LOCAL.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(i) = g.iter().position(|x| *x == a) {
+                g.swap_remove(i);
+            }
+        }
+    }
+
+    /// For a post to `peer`: `Ok(None)` when it is not in this process; for an in-process
+    /// peer, the read lock of [`LOCAL`], to hold until the post returns, or an error when
+    /// the peer has closed.
+    pub(super) fn local_guard(
+        &self,
+        peer: PeerHandle,
+    ) -> Result<Option<std::sync::RwLockReadGuard<'static, Vec<Vec<u8>>>>, crate::error::Error> {
+        if self.local_peers.is_empty() {
+            return Ok(None);
+        }
+        let Some(addr) = self.local_peers.get(&peer) else { return Ok(None) };
+        let g = local();
+        if g.iter().any(|a| a == addr) {
+            Ok(Some(g))
+        } else {
+            Err(crate::error::Error::PeerUnreachable {
+                peer: peer as u32,
+                message: "an shm peer in this process closed its endpoint".into(),
+            })
+        }
     }
 
     /// A plain write or read (no immediate) was posted with `token` in `slot`; forgets those
@@ -153,6 +213,10 @@ impl ShmState {
             return;
         };
         self.pids.insert(peer, pid);
+        if pid == std::process::id() as libc::pid_t {
+            self.local_peers.insert(peer, addr.to_vec());
+            return;
+        }
         self.watch_pid(peer, pid);
     }
 
@@ -177,8 +241,19 @@ impl ShmState {
     /// Allocates nothing while every peer lives (it runs in reactor passes, which may run on
     /// the synchronous fast path's threads).
     fn take_dead(&mut self) -> Vec<(PeerHandle, libc::pid_t)> {
+        let mut closed = Vec::new();
+        if !self.local_peers.is_empty() {
+            let g = local();
+            closed.extend(self.local_peers.iter().filter(|(_, a)| !g.contains(a)).map(|(&p, _)| p));
+        }
+        for p in &closed {
+            if let Some(a) = self.local_peers.remove(p) {
+                self.local_gone.insert(*p, a);
+            }
+        }
+        let me = std::process::id() as libc::pid_t;
         if self.watched.is_empty() {
-            return Vec::new();
+            return closed.into_iter().map(|p| (p, me)).collect();
         }
         let mut dead: Vec<usize> =
             self.watched.iter().enumerate().filter(|(_, w)| w.pidfd.is_none()).map(|(i, _)| i).collect();
@@ -189,7 +264,8 @@ impl ShmState {
         }
         dead.sort_unstable();
         dead.dedup();
-        let mut out = Vec::with_capacity(dead.len());
+        let mut out = Vec::with_capacity(dead.len() + closed.len());
+        out.extend(closed.into_iter().map(|p| (p, me)));
         for i in dead.into_iter().rev() {
             let w = self.watched.swap_remove(i);
             out.push((w.peer, w.pid));
@@ -212,7 +288,16 @@ impl LibfabricDomain {
     /// then it gets a one-sided endpoint and a watch again.
     pub(super) fn shm_revive_peer(&mut self, peer: PeerHandle) -> Result<(), crate::error::Error> {
         let shm = self.shm.as_mut().expect("an shm domain");
-        if let Some(&pid) = shm.pids.get(&peer) {
+        if let Some(addr) = shm.local_gone.remove(&peer) {
+            if !local().contains(&addr) {
+                shm.local_gone.insert(peer, addr);
+                return Err(crate::error::Error::PeerUnreachable {
+                    peer: peer as u32,
+                    message: "an shm peer in this process closed its endpoint".into(),
+                });
+            }
+            shm.local_peers.insert(peer, addr);
+        } else if let Some(&pid) = shm.pids.get(&peer) {
             if let Err(e) = crate::sys::pidfd_open(pid) {
                 if e.raw_os_error() == Some(libc::ESRCH) {
                     return Err(crate::error::Error::PeerUnreachable {
@@ -263,7 +348,11 @@ impl LibfabricDomain {
     pub(super) fn shm_maintenance(&mut self, out: &mut std::collections::VecDeque<Completion>) {
         let Some(shm) = self.shm.as_mut() else { return };
         for (peer, pid) in shm.take_dead() {
-            let message = format!("shm peer process {pid} exited");
+            let message = if pid == std::process::id() as libc::pid_t {
+                "an shm peer in this process closed its endpoint".to_owned()
+            } else {
+                format!("shm peer process {pid} exited")
+            };
             tracing::warn!(peer, pid, "shm peer process exited; failing its operations");
             self.shm_drop_peer(peer, libc::ECONNRESET, &message, out);
             out.push_back(Completion::PeerDown { peer, message });
