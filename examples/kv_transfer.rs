@@ -278,6 +278,9 @@ async fn serve(
         return Err(format!("request {req}: {announced} arrivals announced, {expected} expected").into());
     }
     wait_arrivals(&engine.imm_counter(imm), expected, cli.deadline()).await?;
+    // One immediate per request: give its counter back, or a long run would fill the
+    // engine's table (`EngineBuilder::max_counters`) with the counters of finished requests.
+    engine.retire_counter(imm).await?;
     let mut buf = vec![0u8; cli.block()];
     for layer in 0..cli.layers {
         for (j, &b) in table.iter().enumerate() {

@@ -12,7 +12,8 @@ use crate::{Engine, Error, ImmCounter, MemoryRegion, RemoteRegion};
 pub trait ImmCounterExt {
     /// Waits until `n` arrivals are available and consumes them (`Ok(true)`), or gives up
     /// after `timeout` having consumed nothing (`Ok(false)`). `Err(Error::Shutdown)` if the
-    /// engine shut down first.
+    /// engine shut down first; `Err(Error::CounterLimit)` or `Err(Error::CounterRetired)` at
+    /// once where [`ImmCounter::wait_for`] says.
     ///
     /// # Cancel safety
     ///

@@ -65,10 +65,14 @@ impl BenchReactor {
 
     /// The reactor's dispatch of `Completion::Imm { imm }` (`Reactor::complete`): its own
     /// map first; on the first arrival of `imm`, the engine's shared table (lock, find or
-    /// create the cell).
+    /// create the cell, or refuse it when the table is full).
     pub fn dispatch_imm(&mut self, imm: u32) {
-        let shared = &self.shared;
-        self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).arrive(1);
+        if let Some(cell) = self.counters.get(&imm) {
+            cell.arrive(1);
+        } else if let Some(cell) = self.shared.arrival_cell(imm) {
+            cell.arrive(1);
+            self.counters.insert(imm, cell);
+        }
     }
 
     /// `Engine::imm_counter(imm)`: the shared table's lookup (or creation) of the cell.
@@ -79,7 +83,7 @@ impl BenchReactor {
     /// Empties both counter tables (so that the next dispatch creates the cells again).
     pub fn clear_counters(&mut self) {
         self.counters.clear();
-        lock(&self.shared.counters).map.clear();
+        lock(&self.shared.counters).table.clear();
     }
 
     // --- wake path ----------------------------------------------------------------------

@@ -12,6 +12,11 @@
 //!   been granted. A dropped wait consumes nothing (a grant it never observed is returned).
 //!   When the engine shuts down, waits that cannot be satisfied resolve with
 //!   `Err(Error::Shutdown)` instead of hanging.
+//! * The engine's table of counters is bounded (`EngineBuilder::max_counters`): a counter
+//!   created for a value whose earlier arrivals were refused is born **short** and fails the
+//!   waits it cannot satisfy with `Error::CounterLimit`; a counter given back
+//!   (`Engine::retire_counter`) fails them with `Error::CounterRetired`. Both reuse the
+//!   shutdown's `CLOSED` path: only the error differs.
 //! * [`ImmCounter::try_consume`] and [`ImmCounter::spin_wait`] are the synchronous versions
 //!   for busy-poll threads: no waker, no allocation, no syscall. They only take arrivals when
 //!   no async waiter is queued (async waiters keep their place in line).
@@ -37,6 +42,8 @@ use crate::sync::{lock, Arc, AtomicU64, Driver, Linger, Mutex, Ordering};
 /// Shared state of one immediate value's counter.
 pub(crate) struct CounterCell {
     imm: u32,
+    /// The engine's `max_counters` when this counter was born [`SHORT`] (for its error).
+    limit: u32,
     /// Arrivals not yet consumed ([`COUNT`], low 62 bits), [`CLOSED`], and [`QUEUED`]: set while `waiters` is not
     /// empty, so the arrival path knows when it must take the lock.
     state: AtomicU64,
@@ -70,16 +77,36 @@ struct Waiter {
 
 /// Flag bit of `CounterCell::state`: async waiters are queued.
 const QUEUED: u64 = 1 << 63;
-/// Flag bit of `CounterCell::state`: the engine has shut down; no arrival will come.
+/// Flag bit of `CounterCell::state`: the engine has shut down; no arrival will come. Also
+/// set, beside the bit that says why, on a counter born [`SHORT`] and on a [`RETIRED`] one:
+/// waits it cannot satisfy from what it holds fail at once instead of waiting.
 const CLOSED: u64 = 1 << 62;
+/// Flag bit of `CounterCell::state` (with [`CLOSED`], from birth): arrivals of this value were
+/// refused before the counter existed (the engine's table was full); its count is short.
+const SHORT: u64 = 1 << 61;
+/// Flag bit of `CounterCell::state` (with [`CLOSED`]): the counter was retired; the reactor
+/// no longer counts into it.
+const RETIRED: u64 = 1 << 60;
 /// The count bits of `CounterCell::state`.
-const COUNT: u64 = !(QUEUED | CLOSED);
+const COUNT: u64 = !(QUEUED | CLOSED | SHORT | RETIRED);
 
 impl CounterCell {
     pub(crate) fn new(imm: u32) -> Self {
+        Self::with_state(imm, 0, 0)
+    }
+
+    /// A counter of a value whose arrivals were refused before it existed (the engine's table
+    /// held `limit` counters): it counts what arrives from now on, and fails the waits it
+    /// cannot satisfy with [`Error::CounterLimit`].
+    pub(crate) fn short(imm: u32, limit: usize) -> Self {
+        Self::with_state(imm, CLOSED | SHORT, u32::try_from(limit).unwrap_or(u32::MAX))
+    }
+
+    fn with_state(imm: u32, state: u64, limit: u32) -> Self {
         CounterCell {
             imm,
-            state: AtomicU64::new(0),
+            limit,
+            state: AtomicU64::new(state),
             arrived: AtomicU64::new(0),
             waiters: Mutex::new(WaitQueue::default()),
             mirror: std::sync::OnceLock::new(),
@@ -103,10 +130,44 @@ impl CounterCell {
         self.state.load(Ordering::Acquire) & CLOSED != 0
     }
 
+    /// What a wait this closed counter cannot satisfy resolves with.
+    fn closed_error(&self) -> Error {
+        let s = self.state.load(Ordering::Acquire);
+        if s & RETIRED != 0 {
+            Error::CounterRetired { imm: self.imm }
+        } else if s & SHORT != 0 {
+            Error::CounterLimit { imm: self.imm, limit: self.limit as usize }
+        } else {
+            Error::Shutdown
+        }
+    }
+
+    /// The counter is given back (`Engine::retire_counter`; the reactor, which no longer
+    /// counts into it, calls this): its unconsumed arrivals are discarded, and every wait
+    /// not granted yet, and every later one, fails with [`Error::CounterRetired`]. Returns
+    /// the arrivals discarded.
+    pub(crate) fn retire(&self) -> u64 {
+        let mut cur = self.state.load(Ordering::Acquire);
+        loop {
+            let next = (cur & QUEUED) | CLOSED | RETIRED;
+            match self.state.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        self.wake_ungranted();
+        cur & COUNT
+    }
+
     /// The engine shut down: wakes every waiter that has not been granted, so it can
     /// resolve with `Error::Shutdown`. Arrivals already counted stay consumable.
     pub(crate) fn close(&self) {
         self.state.fetch_or(CLOSED, Ordering::AcqRel);
+        self.wake_ungranted();
+    }
+
+    /// Wakes every waiter not granted yet (the counter was just closed).
+    fn wake_ungranted(&self) {
         let wake: Vec<Waker> = {
             let mut q = lock(&self.waiters);
             q.list.iter_mut().filter(|w| !w.granted).filter_map(|w| w.waker.take()).collect()
@@ -263,6 +324,10 @@ impl ImmCounter {
     /// `wait_for(0)` is ready at once. Many tasks may wait on one counter with different
     /// `n`; they are served first come, first served. Resolves with [`Error::Shutdown`] if
     /// the engine shuts down before `n` arrivals are available (nothing is consumed then).
+    /// On a counter whose value had arrivals refused before it existed (the engine's table
+    /// was full, `EngineBuilder::max_counters`), a wait that what it holds cannot satisfy
+    /// fails at once with [`Error::CounterLimit`]; on a retired one
+    /// (`Engine::retire_counter`), with [`Error::CounterRetired`].
     ///
     /// # Cancel safety
     ///
@@ -365,7 +430,7 @@ impl Future for WaitFor {
                 if n == 0 || (!cell.has_waiters() && cell.take(n)) {
                     Some(Ok(()))
                 } else if cell.is_closed() {
-                    Some(Err(Error::Shutdown))
+                    Some(Err(cell.closed_error()))
                 } else {
                     None
                 }
@@ -436,7 +501,7 @@ impl WaitFor {
                 if this.done {
                     Poll::Ready(Ok(()))
                 } else if closed {
-                    Poll::Ready(Err(Error::Shutdown))
+                    Poll::Ready(Err(cell.closed_error()))
                 } else {
                     this.id = Some(id);
                     Poll::Pending
@@ -458,7 +523,7 @@ impl WaitFor {
                 } else if cell.is_closed() {
                     cell.remove(&mut q, id);
                     this.id = None;
-                    Poll::Ready(Err(Error::Shutdown))
+                    Poll::Ready(Err(cell.closed_error()))
                 } else {
                     match &mut w.waker {
                         Some(old) if old.will_wake(cx.waker()) => {}
@@ -625,6 +690,43 @@ mod tests {
     }
 
     #[test]
+    fn a_short_counter_serves_what_it_holds_and_fails_the_rest_at_once() {
+        let c = ImmCounter::from_cell(Arc::new(CounterCell::short(9, 16)));
+        c.cell.arrive(2);
+        assert!(futures::executor::block_on(c.wait_for(1)).is_ok(), "what it holds is served");
+        let w = noop_waker();
+        let mut big = c.wait_for(2);
+        let r = Pin::new(&mut big).poll(&mut Context::from_waker(&w));
+        assert!(matches!(r, Poll::Ready(Err(Error::CounterLimit { imm: 9, limit: 16 }))), "{r:?}");
+        assert_eq!(c.available(), 1, "a failed wait consumes nothing");
+        assert!(!c.spin_wait(2, Duration::from_secs(10)), "spin_wait gives up at once");
+        assert!(c.try_consume(1));
+        assert_eq!(c.total_arrived(), 2);
+    }
+
+    #[test]
+    fn retiring_discards_what_is_left_and_fails_waits_not_granted() {
+        let c = counter();
+        c.cell.arrive(5);
+        let mut granted = c.wait_for(3);
+        assert_eq!(poll(&mut granted), Poll::Ready(()));
+        let mut queued = c.wait_for(4);
+        assert!(poll(&mut queued).is_pending());
+        assert_eq!(c.cell.retire(), 2, "the two arrivals nobody consumed are discarded");
+        let w = noop_waker();
+        let r = Pin::new(&mut queued).poll(&mut Context::from_waker(&w));
+        assert!(matches!(r, Poll::Ready(Err(Error::CounterRetired { imm: 7 }))), "{r:?}");
+        drop(queued);
+        assert_eq!(c.available(), 0);
+        assert!(matches!(futures::executor::block_on(c.wait_for(1)), Err(Error::CounterRetired { imm: 7 })));
+        assert!(futures::executor::block_on(c.wait_for(0)).is_ok());
+        // A short counter retired says retired: that is what the application did last.
+        let s = CounterCell::short(3, 1);
+        s.retire();
+        assert!(matches!(s.closed_error(), Error::CounterRetired { imm: 3 }));
+    }
+
+    #[test]
     fn concurrent_arrivals_and_waiters_are_exact() {
         let c = counter();
         let threads: Vec<_> = (0..4)
@@ -684,6 +786,26 @@ mod loom_tests {
             let t = thread::spawn(move || cell.close());
             assert!(block_on(c.wait_for(1)).is_err());
             t.join().unwrap();
+        });
+    }
+
+    /// A waiter queueing itself while its counter is retired never hangs, and is either
+    /// served by the arrival counted before the retirement or told the counter is retired.
+    #[test]
+    fn retire_races_waiter() {
+        loom::model(|| {
+            let cell = Arc::new(CounterCell::new(1));
+            cell.arrive(1);
+            let c = ImmCounter::from_cell(cell.clone());
+            let t = thread::spawn(move || cell.retire());
+            let r = block_on(c.wait_for(1));
+            let discarded = t.join().unwrap();
+            match r {
+                Ok(()) => assert_eq!(discarded, 0),
+                Err(Error::CounterRetired { imm: 1 }) => assert_eq!(discarded, 1),
+                Err(e) => panic!("{e}"),
+            }
+            assert_eq!(c.available(), 0);
         });
     }
 

@@ -94,6 +94,22 @@ pub enum Error {
     #[error("the engine has shut down")]
     Shutdown,
 
+    /// Arrivals of immediate `imm` were refused before its counter existed: the engine's
+    /// counter table was full (`limit` counters, `EngineBuilder::max_counters`). The counter's
+    /// count is short, so a wait it cannot satisfy from what it holds fails with this rather
+    /// than wait for arrivals that were dropped; `Engine::retire_counter(imm)` starts it
+    /// afresh. `docs/imm-counter.md`, "A bounded table".
+    #[error(
+        "arrivals of immediate {imm} were refused: the engine's counter table was full ({limit} counters)"
+    )]
+    CounterLimit { imm: u32, limit: usize },
+
+    /// The counter of immediate `imm` was retired (`Engine::retire_counter`): this handle's
+    /// waits that were not granted before, and any later one, fail with this. A new
+    /// `Engine::imm_counter(imm)` is a new counter.
+    #[error("the counter of immediate {imm} was retired")]
+    CounterRetired { imm: u32 },
+
     /// The request is valid but not implemented for this transport or memory kind.
     #[error("unsupported: {0}")]
     Unsupported(String),

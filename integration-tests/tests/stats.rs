@@ -216,6 +216,9 @@ async fn stats_reach_the_metrics_facade() {
     assert_eq!(get(&format!("fabric_peer_completed_ops_total{{engine=w,peer={}}}", peer.0)), N as f64);
     assert_eq!(get("fabric_nic_in_flight{engine=w,nic=0}"), 0.0);
     assert_eq!(get(&format!("fabric_counter_arrivals_total{{engine=r,imm={IMM}}}")), N as f64);
+    assert_eq!(get("fabric_counters{engine=r}"), rs.counters.len() as f64);
+    assert_eq!(get("fabric_counters_max{engine=r}"), rs.max_counters as f64);
+    assert_eq!(get("fabric_counter_refused_total{engine=r}"), 0.0);
     assert!(get("fabric_reactor_passes_total{engine=w}") > 0.0);
     w.shutdown();
     r.shutdown();

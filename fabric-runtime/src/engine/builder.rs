@@ -32,6 +32,8 @@ pub struct EngineBuilder {
     pub(crate) poll_window: Duration,
     pub(crate) time_reactor: bool,
     pub(crate) huge_pages: bool,
+    /// The most immediate counters arrivals may create.
+    pub(crate) max_counters: usize,
     pub(crate) nics: Vec<String>,
     pub(crate) domains: Option<usize>,
     pub(crate) transfer: TransferOpts,
@@ -69,6 +71,7 @@ impl Default for EngineBuilder {
                 .unwrap_or_else(|| with_many_cpus(POLL_WINDOW_DEFAULT)),
             time_reactor: false,
             huge_pages: env::switch("FABRIC_HUGE_PAGES", true),
+            max_counters: env::count("FABRIC_MAX_COUNTERS").unwrap_or(MAX_COUNTERS_DEFAULT),
             nics: Vec::new(),
             domains: None,
             transfer: TransferOpts::default(),
@@ -82,6 +85,9 @@ impl Default for EngineBuilder {
         }
     }
 }
+
+/// [`EngineBuilder::max_counters`]' default.
+pub(crate) const MAX_COUNTERS_DEFAULT: usize = crate::pure::counter_table::DEFAULT_LIMIT;
 
 /// CPUs from which [`EngineBuilder::await_linger`] and [`EngineBuilder::poll_window`] are
 /// on by default.
@@ -290,6 +296,33 @@ impl EngineBuilder {
     /// would in 4 KiB pages (`docs/operations.md`, "Host memory").
     pub fn huge_pages(mut self, on: bool) -> Self {
         self.huge_pages = on;
+        self
+    }
+
+    /// The most immediate counters that **arrivals** may create: 65,536 by default (or
+    /// `FABRIC_MAX_COUNTERS`). Every distinct immediate a peer sends gets a counter that
+    /// keeps its arrivals until a wait consumes them, so without a bound a peer that sends
+    /// millions of values (hostile, or leaking per-request immediates) grows this engine's
+    /// memory without end. A full table of 65,536 took about 22 MiB of resident memory in
+    /// `tests/counter_limit.rs` (`docs/security.md`, "Immediates").
+    ///
+    /// Below the limit nothing changes: arrivals that land before anybody asked for their
+    /// counter are kept. Once the table holds `n` counters, an arrival of a value that has
+    /// none is **refused**: counted in [`EngineStats::imm_refused`](crate::EngineStats::imm_refused),
+    /// logged (the first, then at most one `warn` per 10 s), and remembered (the last 4,096
+    /// values refused), so that a counter created for that value later knows its count is
+    /// short: a wait it cannot satisfy from what it holds fails with
+    /// [`Error::CounterLimit`](crate::Error::CounterLimit) instead of waiting for arrivals
+    /// that were dropped. Arrivals of a value that has a counter are never refused.
+    ///
+    /// Counters the application asks for ([`Engine::imm_counter`](crate::Engine::imm_counter),
+    /// `gpu_counter`) are always created and count toward the table's size, leaving less
+    /// room for arrivals; give them back with
+    /// [`Engine::retire_counter`](crate::Engine::retire_counter) (per-request immediates).
+    /// `0` counts only the values the application asked for. `docs/imm-counter.md`, "A
+    /// bounded table".
+    pub fn max_counters(mut self, n: usize) -> Self {
+        self.max_counters = n;
         self
     }
 
@@ -699,5 +732,13 @@ mod tests {
             let want = with_many_cpus(POLL_WINDOW_DEFAULT);
             assert_eq!(EngineBuilder::default().reactor_poll_window(), want);
         }
+    }
+
+    #[test]
+    fn max_counters_is_65536_unless_set() {
+        if std::env::var_os("FABRIC_MAX_COUNTERS").is_none() {
+            assert_eq!(EngineBuilder::default().max_counters, 65_536);
+        }
+        assert_eq!(EngineBuilder::default().max_counters(10).max_counters, 10);
     }
 }

@@ -10,6 +10,7 @@
 //! fabric_reactor_{passes,sleeps,wakeups}_total                                  {engine}
 //! fabric_reactor_{slept,polling}_seconds (gauges, since start)                  {engine}
 //! fabric_counter_arrivals_total, fabric_counter_{available,waiters} (gauges)    {engine, imm}
+//! fabric_counters, fabric_counters_max (gauges), fabric_counter_refused_total   {engine}
 //! ```
 
 use super::stats::{EngineStats, OpStats};
@@ -58,6 +59,9 @@ impl EngineStats {
         metrics::gauge!("fabric_reactor_lingering", &e).set(r.lingering as f64);
         metrics::counter!("fabric_reactor_lingered_total", &e).absolute(r.lingered);
         metrics::counter!("fabric_reactor_linger_parked_total", &e).absolute(r.linger_parked);
+        metrics::gauge!("fabric_counters", &e).set(self.counters.len() as f64);
+        metrics::gauge!("fabric_counters_max", &e).set(self.max_counters as f64);
+        metrics::counter!("fabric_counter_refused_total", &e).absolute(self.imm_refused);
         for c in &self.counters {
             let l = [("engine", engine.to_string()), ("imm", c.imm.to_string())];
             metrics::counter!("fabric_counter_arrivals_total", &l).absolute(c.arrivals);

@@ -155,6 +155,7 @@ impl Engine {
             shared.gpu.ipc_enabled = cfg.cuda_ipc;
         }
         shared.huge_pages = cfg.huge_pages;
+        shared.set_max_counters(cfg.max_counters);
         let shared = Arc::new(shared);
         let mut rcfg = cfg.reactor_config();
         rcfg.msg_slot = msg_slot;
@@ -413,9 +414,36 @@ impl Engine {
     }
 
     /// The arrival counter of immediate `imm`. Arrivals that landed before this call are
-    /// counted too; every call for the same `imm` shares one count.
+    /// counted too; every call for the same `imm` shares one count. Always created (it
+    /// counts toward [`EngineBuilder::max_counters`] but is never refused); if arrivals of
+    /// `imm` were refused before it existed, its waits fail with [`Error::CounterLimit`].
     pub fn imm_counter(&self, imm: u32) -> ImmCounter {
         ImmCounter::from_cell(self.shared().counter_cell(imm)).driven_by(self.driver().cloned())
+    }
+
+    /// Gives back the counter of immediate `imm`, for applications that use an immediate per
+    /// request: the counter leaves the engine's table (making room under
+    /// [`EngineBuilder::max_counters`]) and its arrivals not consumed yet are discarded;
+    /// returns how many (0 if `imm` had no counter). Any record that arrivals of `imm` were
+    /// refused is forgotten too. The next arrival of `imm`, or the next `imm_counter(imm)`,
+    /// starts a new counter from zero.
+    ///
+    /// Handles of the old counter keep what their waits already consumed; their waits not
+    /// granted yet, and later ones, fail with [`Error::CounterRetired`]. The reactor
+    /// retires the counter between two completions: an arrival it counted before goes to
+    /// the old counter, one after to the new, so retire a value once its writes have all
+    /// landed (its waits succeeded).
+    ///
+    /// # Cancel safety
+    ///
+    /// If dropped before completion the counter may still be retired (its arrivals not
+    /// consumed discarded), and how many is then not known.
+    pub async fn retire_counter(&self, imm: u32) -> Result<u64> {
+        let (tx, rx) = futures::channel::oneshot::channel();
+        match self.shared().submit(Submission::RetireCounter { imm, reply: tx }) {
+            Ok(()) => ControlFuture::new(rx).await,
+            Err(_) => Err(Error::Shutdown),
+        }
     }
 
     /// Writes `len` bytes of `src` at `src_off` into `dst` at `dst_off`, routed by the

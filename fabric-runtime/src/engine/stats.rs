@@ -139,8 +139,18 @@ pub struct EngineStats {
     pub peers: Vec<OpStats>,
     /// The reactor.
     pub reactor: ReactorStats,
-    /// Every immediate counter this engine has seen or been asked for, by immediate value.
+    /// Every immediate counter this engine has seen or been asked for, by immediate value:
+    /// at most [`max_counters`](Self::max_counters) created by arrivals, plus those the
+    /// application asked for beyond that.
     pub counters: Vec<CounterStats>,
+    /// The most counters arrivals may create ([`EngineBuilder::max_counters`](crate::EngineBuilder::max_counters)).
+    pub max_counters: usize,
+    /// Arrivals refused since the engine started: each landed while the counter table held
+    /// `max_counters` counters and its immediate had none. Not 0 means a peer sends more
+    /// distinct immediates than the table holds (or the application never retires its
+    /// per-request ones); a wait on such a value fails with
+    /// [`Error::CounterLimit`](crate::Error::CounterLimit).
+    pub imm_refused: u64,
 }
 
 impl EngineStats {
@@ -221,6 +231,15 @@ impl fmt::Display for EngineStats {
                 r.completing.as_secs_f64()
             )?;
         }
+        if self.imm_refused > 0 {
+            write!(
+                f,
+                "\ncounters: {} (arrivals create at most {}), {} arrivals refused",
+                self.counters.len(),
+                self.max_counters,
+                self.imm_refused
+            )?;
+        }
         for c in &self.counters {
             write!(
                 f,
@@ -268,7 +287,10 @@ impl Engine {
             lingered: r.linger.began.load(Ordering::Relaxed),
             linger_parked: r.linger.parked.load(Ordering::Relaxed),
         };
-        let cells: Vec<_> = lock(&self.shared().counters).map.values().cloned().collect();
+        let (cells, max_counters, imm_refused) = {
+            let c = lock(&self.shared().counters);
+            (c.table.values().cloned().collect::<Vec<_>>(), c.table.limit(), c.table.refused())
+        };
         let mut counters: Vec<CounterStats> = cells
             .iter()
             .map(|c| CounterStats {
@@ -279,6 +301,14 @@ impl Engine {
             })
             .collect();
         counters.sort_by_key(|c| c.imm);
-        EngineStats { transport: self.shared().transport.clone(), nics, peers, reactor, counters }
+        EngineStats {
+            transport: self.shared().transport.clone(),
+            nics,
+            peers,
+            reactor,
+            counters,
+            max_counters,
+            imm_refused,
+        }
     }
 }

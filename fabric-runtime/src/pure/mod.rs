@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod control;
+pub(crate) mod counter_table;
 pub mod descriptor;
 pub(crate) mod int_map;
 mod reader;

@@ -74,7 +74,11 @@ impl<D: Domain> Core<D> {
     }
 
     /// One arrival of `imm`. The counter of the last immediate seen is kept at hand: the
-    /// map's SipHash (kept, since a peer chooses the keys) is paid only when it changes.
+    /// map's SipHash (kept, since a peer chooses the keys) is paid only when it changes. A
+    /// value new to this reactor asks the engine's table, which refuses it when full
+    /// (`Shared::arrival_cell`: counted, logged now and then); a refused value is asked
+    /// about again at its next arrival, so one whose counter the application creates
+    /// meanwhile is counted from then on.
     pub(super) fn arrive(&mut self, imm: u32) {
         if let Some((last, cell)) = &self.last_counter {
             if *last == imm {
@@ -82,10 +86,27 @@ impl<D: Domain> Core<D> {
                 return;
             }
         }
-        let shared = &self.shared;
-        let cell = self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).clone();
+        let cell = match self.counters.get(&imm) {
+            Some(cell) => cell.clone(),
+            None => {
+                let Some(cell) = self.shared.arrival_cell(imm) else { return };
+                self.counters.insert(imm, cell.clone());
+                cell
+            }
+        };
         cell.arrive(1);
         self.last_counter = Some((imm, cell));
+    }
+
+    /// `Engine::retire_counter(imm)`: the counter leaves this reactor's map and the engine's
+    /// table together (no arrival is counted in between: both happen in this pass), so the
+    /// next arrival of `imm` starts a new one. Returns the arrivals discarded.
+    pub(super) fn retire_counter(&mut self, imm: u32) -> u64 {
+        self.counters.remove(&imm);
+        if self.last_counter.as_ref().is_some_and(|(last, _)| *last == imm) {
+            self.last_counter = None;
+        }
+        self.shared.retire_counter(imm)
     }
 
     pub(super) fn complete(&mut self, d: usize, c: Completion) {

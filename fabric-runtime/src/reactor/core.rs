@@ -129,8 +129,11 @@ pub(crate) struct Core<D: Domain> {
     peer_by_addr: HashMap<Vec<u8>, PeerId>,
     /// Per domain: backend handle → peer id (to name the sender of a message).
     handle_to_peer: Vec<IntMap<PeerHandle, PeerId>>,
+    /// The counters this reactor has counted arrivals into: those of the engine's table
+    /// (`Shared::counters`) that arrivals reached, so no more than it holds; an entry leaves
+    /// with `retire_counter`.
     counters: HashMap<u32, Arc<CounterCell>>,
-    /// The counter of the last arrival (`arrive`); entries of `counters` are never removed.
+    /// The counter of the last arrival (`arrive`).
     last_counter: Option<(u32, Arc<CounterCell>)>,
     /// Registrations of live user regions, per domain, by handle: closed at shutdown.
     live: Vec<IntMap<u64, Registration>>,
@@ -420,6 +423,9 @@ impl<D: Domain> Core<D> {
             }
             Submission::RemovePeer { peer, reply } => {
                 let _ = reply.send(self.remove_peer(peer));
+            }
+            Submission::RetireCounter { imm, reply } => {
+                let _ = reply.send(Ok(self.retire_counter(imm)));
             }
             #[cfg(feature = "cuda")]
             Submission::Gated { ordinal, copies, then, done, keep, after } => self.start_gate(

@@ -219,8 +219,7 @@ impl<D: Domain> Core<D> {
             Finish::Ack { op, imm } => {
                 if p.error.is_none() {
                     if let Some(imm) = imm {
-                        let shared = &self.shared;
-                        self.counters.entry(imm).or_insert_with(|| shared.counter_cell(imm)).arrive(1);
+                        self.arrive(imm);
                     }
                 }
                 self.send_ack(p.peer, op, p.error);

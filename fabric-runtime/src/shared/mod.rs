@@ -25,17 +25,19 @@ pub(crate) mod queue;
 pub(crate) mod revoked;
 pub(crate) mod stats;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::task::Waker;
+use std::time::Instant;
 
 use bytes::Bytes;
 
 use crate::counter::CounterCell;
 use crate::error::Result;
 use crate::provider::Registration;
+use crate::pure::counter_table::{Birth, CounterTable};
 use crate::pure::descriptor::EngineAddress;
 use crate::pure::route::TransferOpts;
 use crate::sync::{lock, DirectPost};
@@ -83,12 +85,25 @@ impl Inbox {
     }
 }
 
-/// Every immediate value's counter, created on first use (an arrival or a call).
-#[derive(Default)]
-pub(crate) struct CounterTable {
-    pub(crate) map: HashMap<u32, Arc<CounterCell>>,
+/// Every immediate value's counter, created on first use (an arrival or a call); arrivals
+/// create at most `EngineBuilder::max_counters` (`pure::counter_table`).
+pub(crate) struct Counters {
+    pub(crate) table: CounterTable<Arc<CounterCell>>,
     /// The engine has shut down: counters are born closed.
     closed: bool,
+}
+
+/// A new counter of `imm`: short if its value's arrivals were refused before, closed if the
+/// engine has shut down.
+fn new_cell(imm: u32, birth: Birth, limit: usize, closed: bool) -> Arc<CounterCell> {
+    let c = match birth {
+        Birth::Fresh => CounterCell::new(imm),
+        Birth::Refused => CounterCell::short(imm, limit),
+    };
+    if closed {
+        c.close();
+    }
+    Arc::new(c)
 }
 
 /// State shared by the engine handle, its futures and its reactor thread.
@@ -100,7 +115,7 @@ pub(crate) struct Shared {
     /// Hint that `queue.items` is non-empty, so a spinning reactor need not take the lock.
     pub(crate) has_items: AtomicBool,
     pub(crate) wake: EventFd,
-    pub(crate) counters: Mutex<CounterTable>,
+    pub(crate) counters: Mutex<Counters>,
     /// Number of peers added so far (peer ids are `0..npeers`).
     pub(crate) npeers: AtomicU32,
     pub(crate) inbox: Mutex<Inbox>,
@@ -176,7 +191,10 @@ impl Shared {
             }),
             has_items: AtomicBool::new(false),
             wake: EventFd::new()?,
-            counters: Mutex::new(CounterTable::default()),
+            counters: Mutex::new(Counters {
+                table: CounterTable::new(crate::pure::counter_table::DEFAULT_LIMIT),
+                closed: false,
+            }),
             npeers: AtomicU32::new(0),
             inbox: Mutex::new(Inbox::default()),
             nics,
@@ -308,19 +326,49 @@ impl Shared {
         }
     }
 
+    /// Arrivals create at most `n` counters (`EngineBuilder::max_counters`).
+    pub(crate) fn set_max_counters(&mut self, n: usize) {
+        let c = self.counters.get_mut().unwrap_or_else(|p| p.into_inner());
+        c.table = CounterTable::new(n);
+    }
+
+    /// The counter of `imm` the application asks for (`Engine::imm_counter`): never refused.
     pub(crate) fn counter_cell(&self, imm: u32) -> Arc<CounterCell> {
-        let mut t = lock(&self.counters);
-        let closed = t.closed;
-        t.map
-            .entry(imm)
-            .or_insert_with(|| {
-                let c = CounterCell::new(imm);
-                if closed {
-                    c.close();
+        let mut c = lock(&self.counters);
+        let (closed, limit) = (c.closed, c.table.limit());
+        c.table.get_or_create(imm, |birth| new_cell(imm, birth, limit, closed))
+    }
+
+    /// The counter an arrival of `imm` lands in (the reactor asks on the first arrival of
+    /// each value it sees): `None` when the table is full, which counts the refusal and logs
+    /// the first one, then at most one line per 10 s.
+    pub(crate) fn arrival_cell(&self, imm: u32) -> Option<Arc<CounterCell>> {
+        let mut c = lock(&self.counters);
+        let (closed, limit) = (c.closed, c.table.limit());
+        match c.table.for_arrival(imm, Instant::now(), |birth| new_cell(imm, birth, limit, closed)) {
+            Ok(cell) => Some(cell),
+            Err(refused) => {
+                drop(c);
+                if let Some(r) = refused.report {
+                    tracing::warn!(
+                        imm,
+                        limit,
+                        refused = r.since_last,
+                        refused_total = r.total,
+                        "immediate counter table full (EngineBuilder::max_counters): arrivals of values \
+                         without a counter are refused; waits on them fail with CounterLimit"
+                    );
                 }
-                Arc::new(c)
-            })
-            .clone()
+                None
+            }
+        }
+    }
+
+    /// Removes the counter of `imm` and retires it (`Engine::retire_counter`; the reactor,
+    /// having dropped its own references, calls this). Returns the arrivals it discarded.
+    pub(crate) fn retire_counter(&self, imm: u32) -> u64 {
+        let cell = lock(&self.counters).table.remove(imm);
+        cell.map_or(0, |c| c.retire())
     }
 
     /// Shutdown: every counter, present and future, stops waiting for arrivals.
@@ -328,7 +376,7 @@ impl Shared {
         let cells: Vec<Arc<CounterCell>> = {
             let mut t = lock(&self.counters);
             t.closed = true;
-            t.map.values().cloned().collect()
+            t.table.values().cloned().collect()
         };
         for c in cells {
             c.close();

@@ -68,6 +68,12 @@ pub(crate) enum Submission {
         peer: PeerId,
         reply: Reply<()>,
     },
+    /// `Engine::retire_counter`: the counter of `imm` leaves both tables; the reply is the
+    /// arrivals it discarded.
+    RetireCounter {
+        imm: u32,
+        reply: Reply<u64>,
+    },
     /// CUDA copies to run first (on the reactor's stream of device `ordinal`); once their
     /// event is ready, `then` is handled and `done` completed. `keep` holds the memory the
     /// copies touch until then.
@@ -235,6 +241,9 @@ impl Submission {
                 let _ = reply.send(Err(e));
             }
             Submission::RemovePeer { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            Submission::RetireCounter { reply, .. } => {
                 let _ = reply.send(Err(e));
             }
             Submission::Deregister { .. } => {}

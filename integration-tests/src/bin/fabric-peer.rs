@@ -6,8 +6,9 @@
 //!   immediate, then publishes `target/hash` (hash of the whole region) and
 //!   `target/extra` (arrivals left over per immediate after a short settle, `imm=n,...`).
 //!   Waits for `target/exit` before leaving.
-//! * `writer --storm TOTAL,TASKS,DISTINCT,SEED`: fetches `writer/desc`, runs the counter
-//!   storm (TASKS concurrent tasks of imm-only writes), publishes `writer/done`.
+//! * `writer --storm TOTAL,TASKS,DISTINCT,SEED [--then IMM=COUNT,...]`: fetches
+//!   `writer/desc`, runs the counter storm (TASKS concurrent tasks of imm-only writes), then
+//!   COUNT imm-only writes of each IMM in turn, and publishes `writer/done`.
 //! * `echo --count N`: adds the peer at `test/addr`, sends every received message back.
 //! * `owner --size N --count R`: for each round r < R, allocates two zeroed regions of N
 //!   bytes, publishes their descriptors as `owner/r/live` and `owner/r/doomed`, frees the
@@ -31,6 +32,7 @@ struct Args {
     sentinel: u8,
     wait: Vec<(u32, u64)>,
     storm: (usize, usize, u32, u64),
+    then: Vec<(u32, u64)>,
     count: usize,
 }
 
@@ -43,6 +45,7 @@ fn parse() -> Args {
         sentinel: 0,
         wait: Vec::new(),
         storm: (0, 1, 1, 1),
+        then: Vec::new(),
         count: 0,
     };
     let mut it = std::env::args().skip(1);
@@ -53,15 +56,8 @@ fn parse() -> Args {
             "--provider" => a.provider = v(),
             "--size" => a.size = v().parse().expect("--size"),
             "--sentinel" => a.sentinel = v().parse().expect("--sentinel"),
-            "--wait" => {
-                a.wait = v()
-                    .split(',')
-                    .map(|p| {
-                        let (i, n) = p.split_once('=').expect("IMM=COUNT");
-                        (i.parse().expect("imm"), n.parse().expect("count"))
-                    })
-                    .collect()
-            }
+            "--wait" => a.wait = imm_counts(&v()),
+            "--then" => a.then = imm_counts(&v()),
             "--storm" => {
                 let p: Vec<u64> = v().split(',').map(|x| x.parse().expect("storm")).collect();
                 a.storm = (p[0] as usize, p[1] as usize, p[2] as u32, p[3]);
@@ -72,6 +68,16 @@ fn parse() -> Args {
         }
     }
     a
+}
+
+/// `IMM=COUNT,...`
+fn imm_counts(v: &str) -> Vec<(u32, u64)> {
+    v.split(',')
+        .map(|p| {
+            let (i, n) = p.split_once('=').expect("IMM=COUNT");
+            (i.parse().expect("imm"), n.parse().expect("count"))
+        })
+        .collect()
 }
 
 #[tokio::main]
@@ -152,6 +158,18 @@ async fn writer(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), Strin
     }
     for h in handles {
         h.await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    }
+    for &(imm, count) in &a.then {
+        let mut inflight = std::collections::VecDeque::new();
+        for _ in 0..count {
+            inflight.push_back(engine.imm(&dst, imm));
+            if inflight.len() >= 64 {
+                inflight.pop_front().unwrap().await.map_err(|e| e.to_string())?;
+            }
+        }
+        for f in inflight {
+            f.await.map_err(|e| e.to_string())?;
+        }
     }
     store.put("writer/done", b"ok".to_vec()).await.map_err(|e| e.to_string())?;
     store.get("writer/exit").await.map_err(|e| e.to_string())?;
