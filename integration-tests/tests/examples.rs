@@ -185,6 +185,8 @@ fn kill_providers(test: &str) -> Vec<String> {
 struct Group {
     root: std::process::Child,
     lines: std::sync::Arc<Mutex<Vec<String>>>,
+    /// The run's processes found so far (besides the root), whose shm regions are removed.
+    pids: Vec<u32>,
 }
 
 impl Group {
@@ -216,7 +218,7 @@ impl Group {
                 }
             });
         }
-        Group { root, lines }
+        Group { root, lines, pids: Vec::new() }
     }
 
     fn lines(&self) -> Vec<String> {
@@ -248,6 +250,17 @@ impl Drop for Group {
         // SAFETY: kill(2) with a negative pid signals the process group; no memory involved.
         unsafe { libc::kill(-(self.root.id() as libc::pid_t), libc::SIGKILL) };
         let _ = self.root.wait();
+        // shm names its regions `PID:UID:N` in /dev/shm and a killed process never unlinks
+        // them (docs/faults.md): those of this run's dead processes go.
+        self.pids.push(self.root.id());
+        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let owner = name.split(':').next().and_then(|p| p.parse::<u32>().ok());
+            if owner.is_some_and(|p| self.pids.contains(&p) && exited(p)) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 }
 
@@ -279,6 +292,10 @@ enum Victim {
 /// reads "peer N is unreachable: ...").
 fn kill_and_time(test: &str, g: &mut Group, victim: Victim, others: &[(&str, u32)], expect: &[&str]) {
     let root_survives = matches!(victim, Victim::Pid(_));
+    g.pids.extend(others.iter().map(|(_, p)| *p));
+    if let Victim::Pid(p) = victim {
+        g.pids.push(p);
+    }
     let killed = Instant::now();
     match victim {
         Victim::Root => {
