@@ -29,10 +29,13 @@
 //! (it is told to stop, drains what it was given, says goodbye and exits), or with `--kill`
 //! by SIGKILL, with requests in flight. The prefill then learns of the death the way it would
 //! in production: the requests routed to the dead worker fail with a typed error
-//! (`PeerUnreachable` once the engine's `op_timeout` passes, or the request deadline), the
-//! worker is taken out of the routing table and those requests are re-routed to live
-//! workers. Nothing waits without a deadline, and the run fails if any request is not
-//! verified in the end or if a worker other than the one that left ever failed a request.
+//! (`PeerUnreachable` as soon as the engine reports the worker `Down`: every wait of an
+//! attempt is raced against `peer_events()`, or the request deadline), the worker is taken
+//! out of the routing table and those requests are re-routed to live workers. Nothing waits
+//! without a deadline, and the run fails if any request is not verified in the end or if a
+//! worker other than the one that left ever failed a request. A killed prefill ends every
+//! worker: each takes the prefill's messages with `recv_from(prefill)` and races its counter
+//! waits against the prefill's `Down`, so it exits 1 naming the prefill's peer and the error.
 //!
 //! Prints the request latency (p50/p99), GB/s, and what the joins and leaves did to the
 //! requests in flight.
@@ -46,10 +49,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, MemoryRegion, PageLayout, RemoteRegion};
+use fabric_async::{Engine, MemoryRegion, PageLayout, PeerId, RemoteRegion};
 use fabric_examples::{
-    engine_builder, exit_with_parent, percentiles, positive, spawn_self, transport_args, wait_arrivals,
-    wait_child, BoxError, LocationArg, NicsArg, ProviderArg,
+    engine_builder, exit_with_parent, percentiles, positive, race_down, spawn_self, transport_args,
+    unless_down, wait_arrivals, wait_child, BoxError, LocationArg, NicsArg, ProviderArg,
 };
 use tokio::sync::{oneshot, Semaphore};
 use tokio::task::JoinSet;
@@ -210,11 +213,16 @@ async fn decode_worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
     let kv = engine.alloc_in(cli.cache_bytes(), cli.location.memory()).await?;
     let prefill = engine.add_peer(&store.get("prefill/addr").await?).await?;
     store.put(&format!("decode/{id}/desc"), kv.descriptor().to_bytes()).await?;
+    println!("kv_transfer: decode worker {id} up (pid {})", std::process::id());
     let cli = Arc::new(cli);
     let verified = Arc::new(AtomicU64::new(0));
     let mut tasks = JoinSet::new();
     loop {
-        let (_, msg) = engine.recv().await?;
+        // From the prefill only, and an error (not a hang) if it dies.
+        let (_, msg) = engine
+            .recv_from(prefill)
+            .await
+            .map_err(|e| format!("decode {id}: waiting for the prefill (peer {prefill}): {e}"))?;
         let text = String::from_utf8_lossy(&msg).to_string();
         let mut words = text.split_whitespace();
         match words.next() {
@@ -230,43 +238,65 @@ async fn decode_worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
                     .collect::<Result<Vec<u32>, _>>()?;
                 let (engine, kv, cli, verified) = (engine.clone(), kv.clone(), cli.clone(), verified.clone());
                 tasks.spawn(async move {
-                    let verdict = match serve(&engine, &kv, &cli, req, imm, arrivals, &table).await {
+                    let served = serve(&engine, prefill, &kv, &cli, req, imm, arrivals, &table).await;
+                    let verdict = match served {
                         Ok(()) => {
                             verified.fetch_add(1, Ordering::Relaxed);
                             "ok".to_string()
                         }
-                        Err(e) => format!("bad {e}"),
+                        // The prefill died: this worker fails, it has nobody to answer.
+                        Err(Served::PrefillDown(e)) => return Err(e),
+                        Err(Served::Bad(e)) => format!("bad {e}"),
                     };
-                    engine.send(prefill, format!("ack {} {req} {verdict}", cli.id).as_bytes()).await
+                    engine
+                        .send(prefill, format!("ack {} {req} {verdict}", cli.id).as_bytes())
+                        .await
+                        .map_err(|e| format!("request {req}: acknowledging to the prefill: {e}").into())
                 });
             }
             Some("stop") => break,
             other => return Err(format!("decode {id}: unexpected message {other:?}").into()),
         }
         while let Some(done) = tasks.try_join_next() {
-            done??;
+            done?.map_err(|e: BoxError| format!("decode {id}: {e}"))?;
         }
     }
     // A clean leave: finish every request already announced, then say goodbye.
     while let Some(done) = tasks.join_next().await {
-        done??;
+        done?.map_err(|e: BoxError| format!("decode {id}: {e}"))?;
     }
     let bye = format!("bye {id} {}", verified.load(Ordering::Relaxed));
     engine.send(prefill, bye.as_bytes()).await?;
     Ok(())
 }
 
-/// One request at a decode worker: wait (with a deadline) for its one completion signal,
-/// then check every byte of every block of every layer.
+/// Why a request failed at a decode worker.
+enum Served {
+    /// Not served right: the prefill is told (`ack .. bad ..`).
+    Bad(BoxError),
+    /// The prefill died while this worker waited for its blocks: the worker fails.
+    PrefillDown(BoxError),
+}
+
+impl<E: Into<BoxError>> From<E> for Served {
+    fn from(e: E) -> Served {
+        Served::Bad(e.into())
+    }
+}
+
+/// One request at a decode worker: wait (with a deadline, and unless the prefill dies) for
+/// its one completion signal, then check every byte of every block of every layer.
+#[allow(clippy::too_many_arguments)]
 async fn serve(
     engine: &Engine,
+    prefill: PeerId,
     kv: &MemoryRegion,
     cli: &Cli,
     req: u32,
     imm: u32,
     announced: u64,
     table: &[u32],
-) -> Result<(), BoxError> {
+) -> Result<(), Served> {
     // The same arrival count, computed here from what this side knows.
     let expected = if kv.gpu_path().is_some() {
         // One write_imm per block into GPU memory (see `attempt`).
@@ -277,7 +307,14 @@ async fn serve(
     if expected != announced {
         return Err(format!("request {req}: {announced} arrivals announced, {expected} expected").into());
     }
-    wait_arrivals(&engine.imm_counter(imm), expected, cli.deadline()).await?;
+    let counter = engine.imm_counter(imm);
+    match race_down(engine, &[prefill], wait_arrivals(&counter, expected, cli.deadline())).await {
+        Ok(r) => r?,
+        Err(e) => {
+            let e = format!("request {req}: waiting for the prefill's (peer {prefill}) blocks: {e}");
+            return Err(Served::PrefillDown(e.into()));
+        }
+    }
     // One immediate per request: give its counter back, or a long run would fill the
     // engine's table (`EngineBuilder::max_counters`) with the counters of finished requests.
     engine.retire_counter(imm).await?;
@@ -472,7 +509,7 @@ impl Prefill {
         let deadline = self.cli.deadline();
         let stage = Mutex::new("announcing the request");
         let set = |s| *stage.lock().expect("stage") = s;
-        let outcome = tokio::time::timeout(deadline, async {
+        let attempt = async {
             self.engine.send(w.kv.peer(), announce.as_bytes()).await.map_err(KvError::Transfer)?;
             set("writing the blocks");
             if gpu {
@@ -489,9 +526,18 @@ impl Prefill {
             }
             set("awaiting the acknowledgement");
             rx.await.map_err(|_| KvError::WorkerLeft)?.map_err(KvError::Rejected)
-        })
-        .await
-        .unwrap_or_else(|_| Err(KvError::Deadline { after: deadline, stage: *stage.lock().expect("stage") }));
+        };
+        // A worker that dies fails the attempt at once (and it is re-routed), whatever it
+        // waited for: on shm the writes complete into the dead worker's memory, and its
+        // acknowledgement never comes.
+        let attempt = async {
+            race_down(&self.engine, &[w.kv.peer()], attempt)
+                .await
+                .unwrap_or_else(|e| Err(KvError::Transfer(e)))
+        };
+        let outcome = tokio::time::timeout(deadline, attempt).await.unwrap_or_else(|_| {
+            Err(KvError::Deadline { after: deadline, stage: *stage.lock().expect("stage") })
+        });
         w.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.acks.lock().expect("acks").remove(&req);
         if outcome.is_ok() {
@@ -586,7 +632,7 @@ impl Prefill {
             self.engine.send(w.kv.peer(), b"stop").await?;
             Ok::<_, BoxError>(rx.await?)
         };
-        let verified = tokio::time::timeout(SETUP_TIMEOUT, bye)
+        let verified = tokio::time::timeout(SETUP_TIMEOUT, unless_down(&self.engine, &[w.kv.peer()], bye))
             .await
             .map_err(|_| format!("worker {id} did not say goodbye"))??;
         *w.state.lock().expect("state") = State::Left;

@@ -39,9 +39,10 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use fabric_async::bootstrap::{all_gather, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, MemoryRegion, OpBatch, ReactorMode, RemoteRegion, TransferOpts};
+use fabric_async::{Engine, MemoryRegion, OpBatch, PeerId, ReactorMode, RemoteRegion, TransferOpts};
 use fabric_examples::{
-    engine_builder, percentiles, positive, wait_arrivals, BoxError, LocationArg, NicsArg, ProviderArg,
+    engine_builder, percentiles, positive, unless_down, wait_arrivals, BoxError, DownWatch, LocationArg,
+    NicsArg, ProviderArg,
 };
 
 const IMM_DISPATCH: u32 = 21;
@@ -215,6 +216,11 @@ impl Rank {
         self.engine.with(TransferOpts::pinned(r % self.engine.nics()))
     }
 
+    /// Every other rank, as a peer of this engine.
+    fn peers(&self) -> Vec<PeerId> {
+        self.peer_recv.iter().flatten().map(|r| r.peer()).collect()
+    }
+
     /// Bytes of one destination's block: a header and at most every token once.
     fn block(&self) -> usize {
         HEADER + self.tokens * self.hidden
@@ -263,13 +269,22 @@ async fn run_mode(cli: &Cli, store: &TcpStore, mode: Mode) -> Result<Vec<Duratio
         peer_recv,
         peer_back,
     });
-    // Everybody's regions are known before anybody writes.
-    all_gather(store, &format!("{tag}/ready"), rank, ranks, Vec::new()).await?;
+    // Everybody's regions are known before anybody writes. From here on every wait is raced
+    // against the other ranks' death: a rank killed mid-run ends the others at once.
+    let peers = me.peers();
+    let key = format!("{tag}/ready");
+    unless_down(&me.engine, &peers, all_gather(store, &key, rank, ranks, Vec::new())).await?;
+    if rank != 0 && cli.modes.first() == Some(&mode) {
+        println!("moe: rank {rank} (pid {}) up", std::process::id());
+    }
     let steps = cli.steps;
     let times = match mode {
         Mode::Spin => {
             let me = me.clone();
-            tokio::task::spawn_blocking(move || (0..steps).map(|s| step_spin(&me, s)).collect()).await?
+            // The spin path cannot await: a task watches the peers, the spin waits look.
+            let watch = DownWatch::spawn(&me.engine, peers.clone());
+            tokio::task::spawn_blocking(move || (0..steps).map(|s| step_spin(&me, &watch, s)).collect())
+                .await?
         }
         Mode::Inline => {
             let me = me.clone();
@@ -295,7 +310,8 @@ async fn run_mode(cli: &Cli, store: &TcpStore, mode: Mode) -> Result<Vec<Duratio
     };
     // Nobody tears down an engine a peer may still write to.
     let times = times?;
-    all_gather(store, &format!("{tag}/done"), rank, ranks, Vec::new()).await?;
+    let key = format!("{tag}/done");
+    unless_down(&me.engine, &peers, all_gather(store, &key, rank, ranks, Vec::new())).await?;
     Ok(times)
 }
 
@@ -419,7 +435,11 @@ async fn step_async(me: &Rank, step: usize) -> Result<Duration, BoxError> {
         }
     }
     let others = (me.ranks - 1) as u64;
-    wait_arrivals(&me.engine.imm_counter(IMM_DISPATCH), others, STEP_TIMEOUT).await?;
+    let peers = me.peers();
+    let dispatch = me.engine.imm_counter(IMM_DISPATCH);
+    unless_down(&me.engine, &peers, wait_arrivals(&dispatch, others, STEP_TIMEOUT))
+        .await
+        .map_err(|e| format!("rank {}: step {step}: waiting for the dispatches: {e}", me.rank))?;
     let counts = transform(me, step)?;
     for (s, &n) in counts.iter().enumerate() {
         if let Some(dst) = &me.peer_back[s] {
@@ -430,7 +450,10 @@ async fn step_async(me: &Rank, step: usize) -> Result<Duration, BoxError> {
             });
         }
     }
-    wait_arrivals(&me.engine.imm_counter(IMM_COMBINE), others, STEP_TIMEOUT).await?;
+    let combine = me.engine.imm_counter(IMM_COMBINE);
+    unless_down(&me.engine, &peers, wait_arrivals(&combine, others, STEP_TIMEOUT))
+        .await
+        .map_err(|e| format!("rank {}: step {step}: waiting for the combines: {e}", me.rank))?;
     let took = start.elapsed();
     for w in writes {
         w.await?;
@@ -440,7 +463,7 @@ async fn step_async(me: &Rank, step: usize) -> Result<Duration, BoxError> {
 }
 
 /// One step on the synchronous spin path (BusyPoll engine, a thread of its own).
-fn step_spin(me: &Rank, step: usize) -> Result<Duration, BoxError> {
+fn step_spin(me: &Rank, watch: &DownWatch, step: usize) -> Result<Duration, BoxError> {
     let per_dest = gather(me, step)?;
     let batch = OpBatch::new();
     let mut posted = 0;
@@ -454,7 +477,10 @@ fn step_spin(me: &Rank, step: usize) -> Result<Duration, BoxError> {
         }
     }
     let others = (me.ranks - 1) as u64;
-    if !me.engine.imm_counter(IMM_DISPATCH).spin_wait(others, STEP_TIMEOUT) {
+    let dispatch = watch
+        .spin_wait(&me.engine.imm_counter(IMM_DISPATCH), others, STEP_TIMEOUT)
+        .map_err(|e| format!("rank {}: step {step}: waiting for the dispatches: {e}", me.rank))?;
+    if !dispatch {
         return Err(format!("rank {}: step {step}: dispatches missing", me.rank).into());
     }
     let counts = transform(me, step)?;
@@ -476,7 +502,10 @@ fn step_spin(me: &Rank, step: usize) -> Result<Duration, BoxError> {
             posted += 1;
         }
     }
-    if !me.engine.imm_counter(IMM_COMBINE).spin_wait(others, STEP_TIMEOUT) {
+    let combine = watch
+        .spin_wait(&me.engine.imm_counter(IMM_COMBINE), others, STEP_TIMEOUT)
+        .map_err(|e| format!("rank {}: step {step}: waiting for the combines: {e}", me.rank))?;
+    if !combine {
         return Err(format!("rank {}: step {step}: combines missing", me.rank).into());
     }
     let took = start.elapsed();

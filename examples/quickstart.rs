@@ -14,6 +14,12 @@
 //! window of them in flight), the receiver awaits its `ImmCounter` for that many arrivals
 //! (no reset between rounds: waits consume), tells the sender with a two-sided message,
 //! then checks every byte and reports back.
+//!
+//! Neither waits on a dead peer: the sender takes the receiver's messages with
+//! `recv_from(receiver)`, which fails once the receiver is found dead (on shm its writes still
+//! complete into the dead process's memory, so only that can end it), and the receiver races
+//! its counter wait against `peer_events()` (`unless_down`). Kill either process with
+//! SIGKILL and the other exits 1 with `quickstart failed: ... peer N is unreachable: ...`.
 
 use std::collections::VecDeque;
 use std::process::{Command, Stdio};
@@ -22,7 +28,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, EtcdOptions, EtcdStore};
-use fabric_examples::{positive, wait_arrivals, BoxError, ProviderArg};
+use fabric_examples::{positive, unless_down, wait_arrivals, BoxError, ProviderArg};
 
 const IMM_DATA: u32 = 1;
 
@@ -216,28 +222,30 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
             let len = o.chunk.min(o.size - i * o.chunk) as u64;
             inflight.push_back(engine.write_imm(&src, off, &dst, off, len, IMM_DATA));
             if inflight.len() == o.window {
-                inflight.pop_front().expect("non-empty").await?;
+                inflight.pop_front().expect("non-empty").await.map_err(|e| to_receiver(round, e))?;
             }
         }
         for f in inflight {
-            f.await?;
+            f.await.map_err(|e| to_receiver(round, e))?;
         }
-        // The receiver's counter reached `chunks`: every byte has landed.
-        let (_, msg) = engine.recv().await?;
+        // The receiver's counter reached `chunks`: every byte has landed. Its messages come
+        // with `recv_from`, which fails if it dies instead (on shm the writes above complete
+        // into a dead receiver's memory: only its `Down` tells).
+        let (_, msg) = engine.recv_from(receiver).await.map_err(|e| from_receiver(round, e))?;
         let secs = start.elapsed().as_secs_f64();
         if &msg[..] != b"arrived" {
             return Err(format!("unexpected message {msg:?}").into());
         }
         let gbps = o.size as f64 * 8.0 / secs / 1e9;
         rates.push(gbps);
-        let (_, verdict) = engine.recv().await?;
+        let (_, verdict) = engine.recv_from(receiver).await.map_err(|e| from_receiver(round, e))?;
         let verdict = String::from_utf8_lossy(&verdict).to_string();
         println!("round {round}: {:>7.2} ms  {gbps:>7.2} Gbit/s  receiver: {verdict}", secs * 1e3);
         if verdict != "all bytes verified" {
             return Err(format!("round {round}: {verdict}").into());
         }
         if round + 1 < o.rounds {
-            engine.send(receiver, b"next").await?;
+            engine.send(receiver, b"next").await.map_err(|e| to_receiver(round, e))?;
         }
     }
     if let Some(t) = stats_task {
@@ -260,30 +268,46 @@ async fn sender(o: Opts) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// A failed write or send to the receiver, in round `round`.
+fn to_receiver(round: usize, e: fabric_async::Error) -> BoxError {
+    format!("round {round}: writing to the receiver: {e}").into()
+}
+
+/// A failed wait for the receiver's message, in round `round`.
+fn from_receiver(round: usize, e: fabric_async::Error) -> BoxError {
+    format!("round {round}: waiting for the receiver: {e}").into()
+}
+
 async fn receiver(o: Opts, meet: String) -> Result<(), BoxError> {
     let store = o.rendezvous.connect(&meet).await?;
     let engine = Engine::builder().provider(&o.provider).build()?;
     let dst = engine.alloc(o.size).await?;
     let sender = engine.add_peer(&store.get("sender/addr").await?).await?;
     store.put("receiver/desc", dst.descriptor().to_bytes()).await?;
+    println!("receiver: pid {}, engine up on {}", std::process::id(), engine.transport());
     let chunks = o.size.div_ceil(o.chunk) as u64;
     let counter = engine.imm_counter(IMM_DATA);
     let mut expected = vec![0u8; o.size];
     let mut got = vec![0u8; o.size];
     for round in 0..o.rounds {
-        wait_arrivals(&counter, chunks, Duration::from_secs(60))
+        // The counter cannot tell that the sender died: race it against the sender's `Down`.
+        unless_down(&engine, &[sender], wait_arrivals(&counter, chunks, Duration::from_secs(60)))
             .await
-            .map_err(|e| format!("round {round}: {e}"))?;
-        engine.send(sender, b"arrived").await?;
+            .map_err(|e| format!("round {round}: waiting for the sender's writes: {e}"))?;
+        let to_sender = |e: fabric_async::Error| format!("round {round}: sending to the sender: {e}");
+        engine.send(sender, b"arrived").await.map_err(to_sender)?;
         fill(&mut expected, round);
         dst.read_at(0, &mut got)?;
         let verdict = match got.iter().zip(&expected).position(|(a, b)| a != b) {
             None => "all bytes verified".to_string(),
             Some(i) => format!("MISMATCH at byte {i}: got {} expected {}", got[i], expected[i]),
         };
-        engine.send(sender, verdict.as_bytes()).await?;
+        engine.send(sender, verdict.as_bytes()).await.map_err(to_sender)?;
         if round + 1 < o.rounds {
-            let (_, next) = engine.recv().await?;
+            let (_, next) = engine
+                .recv_from(sender)
+                .await
+                .map_err(|e| format!("round {round}: waiting for the sender: {e}"))?;
             debug_assert_eq!(&next[..], b"next");
         }
     }

@@ -41,10 +41,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, MemoryRegion, RemoteRegion};
+use fabric_async::{Engine, MemoryRegion, PeerId, RemoteRegion};
 use fabric_examples::{
-    engine_builder, exit_with_parent, percentiles, positive, spawn_self, transport_args, wait_arrivals,
-    wait_child, BoxError, LocationArg, NicsArg, ProviderArg,
+    engine_builder, exit_with_parent, percentiles, positive, spawn_self, transport_args, unless_down,
+    wait_arrivals, wait_child, BoxError, LocationArg, NicsArg, ProviderArg,
 };
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::watch;
@@ -219,9 +219,11 @@ async fn worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
     let mut serving: Option<usize> = None;
     let mut buf = vec![0u8; tensors.iter().map(|t| t.len).max().unwrap_or(0)];
     for v in 1..=cli.versions {
-        wait_arrivals(&engine.imm_counter(IMM_BASE + v as u32), arrivals, TIMEOUT)
+        // Raced against the trainer's death: the counter cannot tell.
+        let counter = engine.imm_counter(IMM_BASE + v as u32);
+        unless_down(&engine, &[trainer], wait_arrivals(&counter, arrivals, TIMEOUT))
             .await
-            .map_err(|e| format!("worker {id}: version {v}: {e}"))?;
+            .map_err(|e| format!("worker {id}: version {v}: waiting for the trainer's writes: {e}"))?;
         // Every tensor of v has landed: check all of it before switching.
         let base = (v % 2) * model;
         let mut verdict = "ok".to_string();
@@ -252,7 +254,13 @@ async fn worker(cli: Cli, store_addr: String) -> Result<(), BoxError> {
         if verdict == "ok" {
             serving = Some(v);
         }
-        engine.send(trainer, format!("ack {id} {v} {verdict}").as_bytes()).await?;
+        engine
+            .send(trainer, format!("ack {id} {v} {verdict}").as_bytes())
+            .await
+            .map_err(|e| format!("worker {id}: version {v}: acknowledging to the trainer: {e}"))?;
+        if v == 1 {
+            println!("rl_weights: worker {id} (pid {}) has version 1", std::process::id());
+        }
         if verdict != "ok" {
             return Err(format!("worker {id}: {verdict}").into());
         }
@@ -367,69 +375,84 @@ async fn trainer(cli: Cli) -> Result<(), BoxError> {
     });
 
     let start = Instant::now();
-    let mut weights = vec![0u8; model];
-    let mut pushes: Vec<Option<tokio::task::JoinHandle<Result<(), BoxError>>>> = Vec::new();
-    let mut train_time = Duration::ZERO;
-    for v in 1..=cli.versions {
-        // Train: the weights become version v, off the runtime (other versions keep moving).
-        let t = Instant::now();
-        let tensors2 = tensors.clone();
-        weights = tokio::task::spawn_blocking(move || {
-            train(&mut weights, &tensors2, v);
-            weights
-        })
-        .await?;
-        train_time += t.elapsed();
-        // Staging buffer v % 2 is free once version v - 2's writes have all completed.
-        if v >= 3 {
-            if let Some(p) = pushes[v - 3].take() {
+    // Every wait below is raced against the workers' death (a dead worker never acks, and on
+    // shm the writes to it complete into its dead memory): one dies, the trainer fails.
+    let workers: Vec<PeerId> = peers.iter().map(|p| p.dst.peer()).collect();
+    let run = async {
+        let mut weights = vec![0u8; model];
+        let mut pushes: Vec<Option<tokio::task::JoinHandle<Result<(), BoxError>>>> = Vec::new();
+        let mut train_time = Duration::ZERO;
+        for v in 1..=cli.versions {
+            // Train: the weights become version v, off the runtime (other versions keep moving).
+            let t = Instant::now();
+            let tensors2 = tensors.clone();
+            weights = tokio::task::spawn_blocking(move || {
+                train(&mut weights, &tensors2, v);
+                weights
+            })
+            .await?;
+            train_time += t.elapsed();
+            // Staging buffer v % 2 is free once version v - 2's writes have all completed.
+            if v >= 3 {
+                if let Some(p) = pushes[v - 3].take() {
+                    p.await??;
+                }
+            }
+            let stage = staging[v % 2].clone();
+            weights = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, fabric_async::Error> {
+                stage.write_at(0, &weights)?;
+                Ok(weights)
+            })
+            .await??;
+            timing.lock().expect("timing")[v].pushed = Some(Instant::now());
+            // Push v to every worker, each as soon as it acknowledged v - 1; meanwhile, train on.
+            let per_worker: Vec<_> = peers
+                .iter()
+                .enumerate()
+                .map(|(w, peer)| {
+                    let (engine, peer, tensors, timing) =
+                        (engine.clone(), peer.clone(), tensors.clone(), timing.clone());
+                    let (src, window) = (staging[v % 2].clone(), cli.window);
+                    async move {
+                        let mut acked = peer.acked.clone();
+                        tokio::time::timeout(TIMEOUT, acked.wait_for(|a| *a + 1 >= v))
+                            .await
+                            .map_err(|_| format!("worker {w} did not acknowledge version {}", v - 1))??;
+                        let t = Instant::now();
+                        push(&engine, &src, &peer.dst, &tensors, v, model, window).await?;
+                        timing.lock().expect("timing")[v].writes[w] = t.elapsed();
+                        Ok::<_, BoxError>(())
+                    }
+                })
+                .collect();
+            pushes.push(Some(tokio::spawn(async move {
+                futures::future::try_join_all(per_worker).await?;
+                Ok(())
+            })));
+        }
+        for p in pushes.iter_mut() {
+            if let Some(p) = p.take() {
                 p.await??;
             }
         }
-        let stage = staging[v % 2].clone();
-        weights = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, fabric_async::Error> {
-            stage.write_at(0, &weights)?;
-            Ok(weights)
-        })
-        .await??;
-        timing.lock().expect("timing")[v].pushed = Some(Instant::now());
-        // Push v to every worker, each as soon as it acknowledged v - 1; meanwhile, train on.
-        let per_worker: Vec<_> = peers
-            .iter()
-            .enumerate()
-            .map(|(w, peer)| {
-                let (engine, peer, tensors, timing) =
-                    (engine.clone(), peer.clone(), tensors.clone(), timing.clone());
-                let (src, window) = (staging[v % 2].clone(), cli.window);
-                async move {
-                    let mut acked = peer.acked.clone();
-                    tokio::time::timeout(TIMEOUT, acked.wait_for(|a| *a + 1 >= v))
-                        .await
-                        .map_err(|_| format!("worker {w} did not acknowledge version {}", v - 1))??;
-                    let t = Instant::now();
-                    push(&engine, &src, &peer.dst, &tensors, v, model, window).await?;
-                    timing.lock().expect("timing")[v].writes[w] = t.elapsed();
-                    Ok::<_, BoxError>(())
-                }
-            })
-            .collect();
-        pushes.push(Some(tokio::spawn(async move {
-            futures::future::try_join_all(per_worker).await?;
-            Ok(())
-        })));
-    }
-    for p in pushes.iter_mut() {
-        if let Some(p) = p.take() {
-            p.await??;
+        // Every worker acknowledged the last version.
+        for (w, peer) in peers.iter().enumerate() {
+            let mut acked = peer.acked.clone();
+            tokio::time::timeout(TIMEOUT, acked.wait_for(|a| *a >= cli.versions))
+                .await
+                .map_err(|_| format!("worker {w} did not acknowledge version {}", cli.versions))??;
         }
-    }
-    // Every worker acknowledged the last version.
-    for (w, peer) in peers.iter().enumerate() {
-        let mut acked = peer.acked.clone();
-        tokio::time::timeout(TIMEOUT, acked.wait_for(|a| *a >= cli.versions))
-            .await
-            .map_err(|_| format!("worker {w} did not acknowledge version {}", cli.versions))??;
-    }
+        Ok::<_, BoxError>(train_time)
+    };
+    let train_time = unless_down(&engine, &workers, run).await.map_err(|e| {
+        let who = match e.downcast_ref::<fabric_async::Error>() {
+            Some(fabric_async::Error::PeerUnreachable { peer, .. }) => {
+                workers.iter().position(|p| p.0 == *peer).map_or("a worker".into(), |w| format!("worker {w}"))
+            }
+            _ => return e,
+        };
+        format!("{who} is gone mid-run: {e}").into()
+    })?;
     let total = start.elapsed();
     let mut failed = bad.load(Ordering::Relaxed);
     for mut c in children {

@@ -11,13 +11,28 @@
 //!
 //! This crate holds only the plumbing two or more of them would otherwise repeat: the
 //! `--provider`, `--nics` and `--location` options, a counter wait that fails instead of
-//! hanging, starting copies of the running program as peer processes and waiting for them
-//! with a deadline, percentiles, and a parser for counts that must not be 0.
+//! hanging, a wait raced against the death of the peers it waits on ([`unless_down`],
+//! [`DownWatch`] for the spin paths),
+//! starting copies of the running program as peer processes and waiting for them with a
+//! deadline, percentiles, and a parser for counts that must not be 0.
+//!
+//! **No wait outlives its peer.** Every wait of an example on another process is either
+//! `engine.recv_from(peer)`, which fails with `Error::PeerUnreachable` once that peer is
+//! found dead, or raced against `engine.peer_events()` with [`unless_down`]: a counter's
+//! `wait_for` cannot know whose writes it counts, and on shm a sender's writes complete into
+//! a dead receiver's memory, so only the peer's `Down` event can end such a wait. A process
+//! killed with SIGKILL therefore ends the examples' other processes within about the
+//! transport's detection time (docs/faults.md, "Waits and peer death"), with a non-zero
+//! exit and a message that names the peer and the error, instead of a hang.
 
+use std::future::Future;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use fabric_async::{Engine, EngineBuilder, ImmCounter, ImmCounterExt, MemoryLocation};
+use fabric_async::{
+    Engine, EngineBuilder, Error, ImmCounter, ImmCounterExt, MemoryLocation, PeerEvent, PeerId,
+};
+use futures::StreamExt;
 
 /// The error type of the examples' `main`s.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -52,6 +67,133 @@ pub async fn wait_arrivals(counter: &ImmCounter, n: u64, timeout: Duration) -> R
         timeout.as_secs_f64()
     )
     .into())
+}
+
+/// Resolves when one of `peers` goes down (or is removed), with `Error::PeerUnreachable`
+/// for that peer and the reason the engine saw; at once for a peer already down
+/// (`peer_events` starts with every peer's state). Never, while they live; `Shutdown` if the
+/// engine shuts down first.
+pub async fn peer_down(engine: &Engine, peers: &[PeerId]) -> Error {
+    let mut events = engine.peer_events();
+    while let Some(e) = events.next().await {
+        match e {
+            PeerEvent::Down { peer, reason } if peers.contains(&peer) => {
+                return Error::PeerUnreachable { peer: peer.0, message: reason };
+            }
+            PeerEvent::Removed { peer } if peers.contains(&peer) => {
+                return Error::PeerUnreachable {
+                    peer: peer.0,
+                    message: "removed by Engine::remove_peer".into(),
+                };
+            }
+            _ => {}
+        }
+    }
+    Error::Shutdown
+}
+
+/// How long a wait whose peer went down still gets to end by itself before it fails. A peer
+/// that finished cleanly shuts its engine down after its last message or write, which tcp
+/// reports as `Down` like a death (the liveness connection closes), and that last message
+/// may still be on its way to the wait (through a task, a channel or the store).
+pub const DOWN_GRACE: Duration = Duration::from_millis(250);
+
+/// Runs `wait` to its end unless one of `peers` goes down (or is removed) first and `wait`
+/// does not end within [`DOWN_GRACE`] after that; then `wait` is dropped and the result is
+/// [`peer_down`]'s `Error::PeerUnreachable`.
+///
+/// # Cancel safety
+///
+/// As cancel safe as `wait`: dropping this (or losing the race) drops `wait`.
+pub async fn race_down<F: Future>(engine: &Engine, peers: &[PeerId], wait: F) -> Result<F::Output, Error> {
+    let mut wait = std::pin::pin!(wait);
+    let down = tokio::select! {
+        biased;
+        r = &mut wait => return Ok(r),
+        e = peer_down(engine, peers) => e,
+    };
+    tokio::time::timeout(DOWN_GRACE, wait).await.map_err(|_| down)
+}
+
+/// [`race_down`] for a fallible wait: its own error, or the peer's death. Use it for waits
+/// that cannot fail by themselves when their peer dies: counter waits, acknowledgements that
+/// come through a channel or the store, and `recv()` where the sender is not known.
+///
+/// # Cancel safety
+///
+/// As cancel safe as `wait`: dropping this (or losing the race) drops `wait`. A counter's
+/// `wait_for` and `recv`/`recv_from` consume nothing when dropped.
+pub async fn unless_down<T, E>(
+    engine: &Engine,
+    peers: &[PeerId],
+    wait: impl Future<Output = Result<T, E>>,
+) -> Result<T, BoxError>
+where
+    E: Into<BoxError>,
+{
+    match race_down(engine, peers, wait).await {
+        Ok(r) => r.map_err(Into::into),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// [`peer_down`] for synchronous spin paths (a busy-poll thread cannot await): a tokio task
+/// records the first death of one of the peers; [`DownWatch::check`] reads it. Dropping the
+/// watch ends the task.
+#[derive(Debug)]
+pub struct DownWatch {
+    /// The death and when it was seen.
+    down: std::sync::Arc<std::sync::Mutex<Option<(Error, Instant)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DownWatch {
+    /// Starts watching `peers` of `engine` (on the current tokio runtime).
+    pub fn spawn(engine: &Engine, peers: Vec<PeerId>) -> DownWatch {
+        let down = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (engine, d) = (engine.clone(), down.clone());
+        let task = tokio::spawn(async move {
+            let e = peer_down(&engine, &peers).await;
+            *d.lock().unwrap_or_else(|p| p.into_inner()) = Some((e, Instant::now()));
+        });
+        DownWatch { down, task }
+    }
+
+    /// `Err` once a watched peer has been down for [`DOWN_GRACE`]: the error [`peer_down`]
+    /// gave.
+    pub fn check(&self) -> Result<(), BoxError> {
+        match &*self.down.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((_, since)) if since.elapsed() < DOWN_GRACE => Ok(()),
+            None | Some((Error::Shutdown, _)) => Ok(()),
+            Some((Error::PeerUnreachable { peer, message }, _)) => {
+                Err(Error::PeerUnreachable { peer: *peer, message: message.clone() }.into())
+            }
+            Some((e, _)) => Err(e.to_string().into()),
+        }
+    }
+
+    /// `counter.spin_wait(n, timeout)` in 10 ms slices with a [`DownWatch::check`] between
+    /// them: `Ok(true)` once `n` arrivals were consumed, `Ok(false)` after `timeout`, `Err`
+    /// when a watched peer went down first (nothing consumed then).
+    pub fn spin_wait(&self, counter: &ImmCounter, n: u64, timeout: Duration) -> Result<bool, BoxError> {
+        let end = Instant::now() + timeout;
+        loop {
+            let now = Instant::now();
+            if now >= end {
+                return Ok(false);
+            }
+            if counter.spin_wait(n, (end - now).min(Duration::from_millis(10))) {
+                return Ok(true);
+            }
+            self.check()?;
+        }
+    }
+}
+
+impl Drop for DownWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// A clap `value_parser` for a count or size that must be above 0.

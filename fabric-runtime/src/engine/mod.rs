@@ -619,6 +619,26 @@ impl Engine {
         RecvFuture::new(self.shared().clone(), self.driver().cloned())
     }
 
+    /// Waits for the next two-sided message from `peer`; messages of other peers stay in the
+    /// inbox for [`Engine::recv`] and their own `recv_from`. Resolves with `(Some(peer),
+    /// bytes)`. Only messages whose sender the transport reports are matched (`recv` shows
+    /// which: `Some(id)`); on tcp, shm and verbs it does, once `peer` was added here.
+    ///
+    /// Unlike `recv`, which waits for anyone, this fails when the peer cannot send any more:
+    /// [`Error::PeerUnreachable`] once `peer` is found down (as
+    /// [`Engine::peer_events`] reports, so within the times of `docs/faults.md`) or removed,
+    /// after its messages that arrived before are taken; [`Error::UnknownPeer`] for an id this
+    /// engine never gave; [`Error::Shutdown`] after shutdown, once its messages are taken.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a message is only taken out of the inbox by the `poll` that returns it,
+    /// so dropping the future loses nothing (a message it was woken for goes to another
+    /// waiting receive).
+    pub fn recv_from(&self, peer: PeerId) -> RecvFuture {
+        RecvFuture::from_peer(self.shared().clone(), self.driver().cloned(), peer)
+    }
+
     /// Synchronous fast path: posts a write with immediate that completes into `batch`
     /// instead of a future. No waker, no allocation, and (with a spinning reactor) no
     /// syscall per operation. Errors that can be seen before posting are returned here;

@@ -38,9 +38,12 @@ impl<D: Domain> Core<D> {
                 s.fail(Error::Shutdown);
             }
         }
-        // Give in-flight operations a chance to finish normally.
+        // Give in-flight operations a chance to finish normally. Those already failed
+        // (their peer is down, or they outlived `op_timeout`) are not waited for: a dead
+        // peer's never complete on tcp, and shutdown must not wait on a dead peer either.
+        // They are cancelled below with the rest, their memory freed after the NIC objects.
         let deadline = Instant::now() + self.cfg.shutdown_grace;
-        while !self.slab.is_empty() && Instant::now() < deadline {
+        while self.slab.iter_mut().any(|op| !op.expired) && Instant::now() < deadline {
             if !self.poll_domains() {
                 std::thread::sleep(Duration::from_micros(100));
             }

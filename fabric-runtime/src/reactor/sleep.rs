@@ -170,10 +170,16 @@ impl<D: Domain> Core<D> {
     /// when their completions will wake it through the wait fds (every domain has one,
     /// which is when direct posting is on) and it ends in time to check their deadlines.
     /// It does not when a post is waiting for queue space, a CUDA copy is waiting for its
-    /// event, or a backend timer runs: those need a timed pass soon, so the caller wakes
-    /// the reactor.
+    /// event, or a backend timer runs that the sleep ends too late for (verbs: a handshake
+    /// the post started; a timer the sleep was prepared with, tcp's liveness checks, is
+    /// covered): those need a timed pass soon, so the caller wakes the reactor.
     pub(crate) fn sleep_covers_posts(&self) -> bool {
-        if self.has_pending() || self.domains.iter().any(|d| d.timer().is_some()) {
+        if self.has_pending() {
+            return false;
+        }
+        let now = Instant::now();
+        let late = |t: Duration| self.armed_until.is_none_or(|at| at > now + t);
+        if self.domains.iter().any(|d| d.timer().is_some_and(late)) {
             return false;
         }
         #[cfg(feature = "cuda")]
@@ -182,7 +188,7 @@ impl<D: Domain> Core<D> {
         }
         match self.cfg.op_timeout {
             Some(limit) if !self.slab.is_empty() || self.staging_waits() => {
-                self.armed_until.is_some_and(|at| at <= Instant::now() + deadline_slack(limit))
+                self.armed_until.is_some_and(|at| at <= now + deadline_slack(limit))
             }
             _ => true,
         }

@@ -60,28 +60,48 @@ impl fmt::Display for PeerId {
 /// Received two-sided messages and the tasks waiting for them.
 #[derive(Default)]
 pub(crate) struct Inbox {
+    /// Messages in arrival order, with their sender where the engine knows it.
     pub(crate) msgs: VecDeque<(Option<PeerId>, Bytes)>,
-    pub(crate) waiters: Vec<(u64, Waker)>,
+    /// Waiting receives: their id, the peer they wait for (`None`: any, `Engine::recv`;
+    /// `Some`: `Engine::recv_from`) and their waker.
+    pub(crate) waiters: Vec<(u64, Option<PeerId>, Waker)>,
     pub(crate) next_id: u64,
     pub(crate) closed: bool,
 }
 
 impl Inbox {
+    /// Queues a message; returns the waker of the first receive that may take it.
     pub(crate) fn push(&mut self, m: (Option<PeerId>, Bytes)) -> Option<Waker> {
+        let from = m.0;
         self.msgs.push_back(m);
-        self.pop_waiter()
+        let i = self.waiters.iter().position(|(_, want, _)| want.is_none() || *want == from)?;
+        Some(self.waiters.remove(i).2)
     }
 
-    pub(crate) fn pop_waiter(&mut self) -> Option<Waker> {
-        if self.waiters.is_empty() {
-            None
-        } else {
-            Some(self.waiters.remove(0).1)
+    /// Takes the oldest message from `from` (`None`: from anyone).
+    pub(crate) fn take(&mut self, from: Option<PeerId>) -> Option<(Option<PeerId>, Bytes)> {
+        match from {
+            None => self.msgs.pop_front(),
+            Some(p) => {
+                let i = self.msgs.iter().position(|(src, _)| *src == Some(p))?;
+                self.msgs.remove(i)
+            }
         }
     }
 
+    /// A dropped receive was woken for a message it did not take: the waker of the first
+    /// other receive that a queued message satisfies.
+    pub(crate) fn pass_on(&mut self) -> Option<Waker> {
+        let msgs = &self.msgs;
+        let i = self.waiters.iter().position(|(_, want, _)| match want {
+            None => !msgs.is_empty(),
+            Some(p) => msgs.iter().any(|(src, _)| *src == Some(*p)),
+        })?;
+        Some(self.waiters.remove(i).2)
+    }
+
     pub(crate) fn take_waiters(&mut self) -> Vec<Waker> {
-        self.waiters.drain(..).map(|(_, w)| w).collect()
+        self.waiters.drain(..).map(|(_, _, w)| w).collect()
     }
 }
 

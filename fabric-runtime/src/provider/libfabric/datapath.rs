@@ -467,6 +467,8 @@ impl Domain for LibfabricDomain {
         if self.wait_fd.is_none() || !self.overflow.is_empty() {
             return false;
         }
+        // The liveness checks of the first poll after the sleep are not put off.
+        self.tick.slept();
         let mut fids = [self.cq.fid()];
         // SAFETY: fabric and cq are open; fids holds one valid fid for the call's duration.
         let ret = unsafe { sys::fabric_shim_fi_trywait(self.fabric.as_ptr(), fids.as_mut_ptr(), 1) };
@@ -480,6 +482,12 @@ impl Domain for LibfabricDomain {
                 false
             }
         }
+    }
+
+    /// tcp with watched peers: their liveness connections are not wait fds, so a sleep
+    /// ends within [`SLEEP_CHECK`](super::liveness::SLEEP_CHECK) to look at them.
+    fn timer(&self) -> Option<std::time::Duration> {
+        self.tcp_live.as_ref().filter(|l| l.watching()).map(|_| super::liveness::SLEEP_CHECK)
     }
 
     /// Nothing to acknowledge: libfabric's wait fd is level-triggered on the provider's own

@@ -9,7 +9,9 @@
 //! and keeps it open; nothing is ever sent on it. The peer's kernel closes its end when
 //! the process dies (or resets it; a machine that vanishes is caught by TCP keep-alive,
 //! about 8 s), and the domain's poll, which looks at these sockets every
-//! [`CHECK_EVERY`](super::shm::CHECK_EVERY), reports [`Completion::PeerDown`].
+//! [`CHECK_EVERY`](super::shm::CHECK_EVERY), reports [`Completion::PeerDown`]. A sleeping
+//! reactor is woken every [`SLEEP_CHECK`] for this while peers are watched, and its first
+//! poll after a sleep checks.
 //!
 //! An engine that shuts down closes its listener and every accepted connection, so its
 //! peers see it go `Down` too. The inbound side just accepts and holds connections until
@@ -23,6 +25,12 @@ use socket2::{Domain as SockDomain, SockAddr, Socket, TcpKeepalive, Type};
 
 use crate::error::Error;
 use crate::provider::PeerHandle;
+
+/// How long an `Event` reactor with watched tcp peers sleeps at most
+/// ([`Domain::timer`](crate::provider::Domain::timer)): the connections are not among its
+/// wait fds, so this bounds how late an idle engine notices a dead peer. Ten wake-ups a
+/// second of an idle engine cost nothing measurable.
+pub(super) const SLEEP_CHECK: Duration = Duration::from_millis(100);
 
 /// Bytes the liveness port adds after the libfabric address.
 pub(super) const TRAILER: usize = 2;
@@ -95,6 +103,12 @@ impl TcpLiveness {
                 tracing::debug!(peer, %addr, error = %e, "no liveness connection; the peer's death is found by op_timeout")
             }
         }
+    }
+
+    /// Whether any peer is watched (then a sleeping reactor must still check, every
+    /// [`SLEEP_CHECK`]).
+    pub(super) fn watching(&self) -> bool {
+        !self.outbound.is_empty()
     }
 
     pub(super) fn unwatch(&mut self, peer: PeerHandle) {

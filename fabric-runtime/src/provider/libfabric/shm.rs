@@ -54,6 +54,13 @@ impl Tick {
         Tick { polls: 0, next: Instant::now() }
     }
 
+    /// The domain is about to sleep: the first poll after it looks at the clock (a
+    /// sleeping reactor polls once per wake-up, so waiting for the 16th poll would put the
+    /// check 16 wake-ups off).
+    pub(super) fn slept(&mut self) {
+        self.polls = POLLS_PER_CLOCK - 1;
+    }
+
     /// Whether the work is due now.
     pub(super) fn due(&mut self) -> bool {
         self.polls = self.polls.wrapping_add(1);
