@@ -51,6 +51,10 @@ fn ten_seconds_with_kills_drops_and_faults() {
     assert!(figure(&out, "peers") >= 2, "peers were killed:\n{out}");
     assert!(figure(&out, "verified") > 0, "bytes were verified:\n{out}");
     assert!(out.contains("faults injected"), "{out}");
+    // Bad remote accesses ran (the run itself fails if none went through a freed or a forged
+    // descriptor).
+    assert!(out.lines().any(|l| l.starts_with("stale ops") && l.contains("revoked (Stale")), "{out}");
+    assert!(figure(&out, "forged ops") > 0, "forged descriptors were used:\n{out}");
 }
 
 #[test]

@@ -17,21 +17,35 @@
 //! injection: `ledger.rs` says why) has its exact bytes at the peer, and the peer counted
 //! exactly the immediates of every created write_imm and imm-only write (its count is never
 //! above that, never below the `Ok` ones); the leader's RSS and open fds stay bounded.
+//!
+//! Among the random operations, bad remote accesses (`bad.rs`): through the descriptors of
+//! short-lived regions the peers keep allocating and freeing (stale: before the free, racing
+//! it, after the revocation) and through forged descriptors of the live regions. Each must
+//! end as the engine promises (`Stale`, `RemoteAccess`, `ConnectionLost`; `Ok` only before
+//! or racing the free), a forged one must not land, and no live peer may be reported `Down`.
+//! On tcp a bad access tears the connection down and fails what else was in flight on it
+//! with `ConnectionLost`: only those operations (and as many dropped ones as the engine
+//! failed) may be missing from the checks above (`ledger.rs`).
 //! Files: `traffic.rs` (one traffic task), `ledger.rs` (what was created, the checks),
-//! `peer.rs` (the peer process and the leader's handle on it).
+//! `peer.rs` (the peer process and the leader's handle on it), `bad.rs` (stale and forged
+//! descriptors).
 
+mod bad;
 mod ledger;
 mod peer;
 mod traffic;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::faults::{FaultHandle, FaultPlan, INJECTED_ERRNO, INJECTED_MESSAGE};
-use fabric_async::{Engine, Error, MemoryRegion};
+use fabric_async::{Engine, Error, MemoryRegion, PeerEvent, PeerId};
+use futures::StreamExt;
 
 use crate::session::Res;
 use ledger::{Counts, Target};
@@ -105,6 +119,19 @@ struct SoakArgs {
     /// complete Ok (docs/operations.md, "Soak").
     #[arg(long)]
     allow_dead_ok: bool,
+    /// Operations per 1000 through the descriptor of a peer's short-lived extra region: before
+    /// its free, racing it, or after its revocation (docs/operations.md, "Soak").
+    #[arg(long, default_value_t = 20)]
+    stale_per_mille: u64,
+    /// Operations per 1000 through a forged descriptor of a peer's region.
+    #[arg(long, default_value_t = 1)]
+    forged_per_mille: u64,
+    /// Bytes of each peer's short-lived extra regions.
+    #[arg(long, default_value_t = 64 << 10)]
+    extra_size: usize,
+    /// Longest time an extra region lives (uniform), and the pause before the next, in ms.
+    #[arg(long, default_value_t = 50)]
+    extra_every_ms: u64,
     /// Test hook: misrecord one write and one immediate, so the run must fail.
     #[arg(long, hide = true)]
     tamper: bool,
@@ -158,6 +185,13 @@ struct Totals {
     traffic_ms: f64,
     bytes_verified: u64,
     bytes_lost: u64,
+    /// Writes (and bytes) not in place that may have been lost with a connection.
+    lost_writes: u64,
+    lost_bytes: u64,
+    /// Immediates that never arrived, of operations that may have been lost with a connection.
+    imm_missing: u64,
+    /// Rounds in which the engine failed a dropped future's operation, of a live peer.
+    dropped_failed_rounds: u64,
     writes_verified: u64,
     arrivals_checked: u64,
     rounds: u64,
@@ -172,6 +206,8 @@ struct Leader {
     store_addr: SocketAddr,
     src: Arc<MemoryRegion>,
     src_bytes: Vec<u8>,
+    /// Where reads through stale and forged descriptors land (nobody looks).
+    sink: Arc<MemoryRegion>,
     readback: MemoryRegion,
     /// `readback`'s bytes copied out for the comparison (allocated once).
     scratch: Vec<u8>,
@@ -180,6 +216,13 @@ struct Leader {
     places: Vec<(Incarnation, Arc<Target>, usize)>,
     violations: Arc<Mutex<Vec<String>>>,
     t: Totals,
+    /// Stops the leader's side of the extra regions (`bad::cycle_extras`), one task per
+    /// incarnation.
+    stop: Arc<AtomicBool>,
+    extras: Vec<tokio::task::JoinHandle<Vec<String>>>,
+    /// Every `PeerEvent::Down` so far, and the incarnations the soak killed.
+    downs: Arc<Mutex<Vec<(PeerId, String)>>>,
+    killed_peers: HashSet<PeerId>,
 }
 
 async fn leader(a: SoakArgs) -> Res<bool> {
@@ -211,6 +254,18 @@ async fn leader(a: SoakArgs) -> Res<bool> {
         b = b.faults(plan);
     }
     let engine = b.build()?;
+    let downs: Arc<Mutex<Vec<(PeerId, String)>>> = Arc::default();
+    {
+        let mut events = engine.peer_events();
+        let downs = downs.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = events.next().await {
+                if let PeerEvent::Down { peer, reason } = ev {
+                    downs.lock().unwrap_or_else(|p| p.into_inner()).push((peer, reason));
+                }
+            }
+        });
+    }
     // Each task owns a slot of every peer region that holds a few of the largest writes.
     let slot = (8 * a.max_size).max(1 << 20);
     let region = slot as usize * a.tasks;
@@ -221,9 +276,10 @@ async fn leader(a: SoakArgs) -> Res<bool> {
     };
     let src = Arc::new(engine.register(src_bytes.clone()).await?);
     let readback = engine.alloc(region).await?;
+    let sink = Arc::new(engine.alloc(a.extra_size.max(4096)).await?);
     eprintln!(
         "soak: {} for {secs} s, {} peers, {} tasks, writes 1 B..{} B, {}% of futures dropped, \
-         {}, op_timeout {} s{}",
+         {}, op_timeout {} s{}; {}/1000 stale, {}/1000 forged",
         a.provider,
         a.peers,
         a.tasks,
@@ -234,7 +290,9 @@ async fn leader(a: SoakArgs) -> Res<bool> {
             n => format!("a peer killed every {n} s"),
         },
         a.op_timeout,
-        a.faults.as_ref().map_or(String::new(), |p| format!(", faults again={} fail={}", p.again, p.fail))
+        a.faults.as_ref().map_or(String::new(), |p| format!(", faults again={} fail={}", p.again, p.fail)),
+        a.stale_per_mille,
+        a.forged_per_mille
     );
     let mut l = Leader {
         a: a.clone(),
@@ -243,16 +301,24 @@ async fn leader(a: SoakArgs) -> Res<bool> {
         store_addr,
         src,
         src_bytes,
+        sink,
         readback,
         scratch: vec![0; region],
         region,
         places: Vec::new(),
         violations: Arc::default(),
         t: Totals::default(),
+        stop: Arc::default(),
+        extras: Vec::new(),
+        downs,
+        killed_peers: HashSet::new(),
     };
     for place in 0..a.peers {
         let inc = l.start(place, 0).await?;
         l.places.push(inc);
+    }
+    if a.stale_per_mille + a.forged_per_mille > 1000 {
+        return Err("--stale-per-mille plus --forged-per-mille must be at most 1000".into());
     }
     let t0 = Instant::now();
     let end = t0 + Duration::from_secs(secs);
@@ -282,8 +348,9 @@ async fn leader(a: SoakArgs) -> Res<bool> {
 }
 
 impl Leader {
-    /// Starts generation `gen` of place `place`.
-    async fn start(&self, place: usize, gen: usize) -> Res<(Incarnation, Arc<Target>, usize)> {
+    /// Starts generation `gen` of place `place`, and the leader's side of its extra regions.
+    async fn start(&mut self, place: usize, gen: usize) -> Res<(Incarnation, Arc<Target>, usize)> {
+        let extra = if self.a.stale_per_mille > 0 { self.a.extra_size } else { 0 };
         let inc = Incarnation::start(
             &self.engine,
             &self.store,
@@ -292,9 +359,22 @@ impl Leader {
             place,
             gen,
             self.region,
+            (extra, self.a.extra_every_ms),
         )
         .await?;
-        let target = Arc::new(Target::new(inc.name.clone(), inc.peer, inc.remote.clone()));
+        let forged =
+            self.engine.remote_region(&bad::forge(inc.remote.descriptor(), &self.a.provider)?).await?;
+        let target = Arc::new(Target::new(inc.name.clone(), inc.peer, inc.remote.clone(), forged));
+        if extra > 0 {
+            self.extras.push(tokio::spawn(bad::cycle_extras(
+                self.engine.clone(),
+                self.store_addr,
+                target.clone(),
+                self.stop.clone(),
+                Duration::from_millis(self.a.extra_every_ms),
+                self.a.seed ^ ((place as u64) << 32) ^ gen as u64,
+            )));
+        }
         Ok((inc, target, gen))
     }
 
@@ -307,7 +387,13 @@ impl Leader {
         slot: u64,
     ) -> Res<Option<usize>> {
         let targets: Vec<Arc<Target>> = self.places.iter().map(|p| p.1.clone()).collect();
+        for t in &targets {
+            t.new_round(self.engine.stats().peer(t.peer).map_or(0, |s| s.errors));
+        }
         let hang_after = Duration::from_secs(self.a.op_timeout + 10);
+        // `--tamper` misrecords a write and an immediate of the first round: no bad accesses
+        // then, so that nothing there may be tolerated as lost with a connection.
+        let quiet = self.a.tamper && self.t.rounds == 0;
         let mut tasks = Vec::new();
         for task in 0..self.a.tasks {
             let plan = TaskPlan {
@@ -321,10 +407,15 @@ impl Leader {
                 hang_after,
                 deadline: until,
                 seed: rng.next(),
+                stale_per_mille: if quiet { 0 } else { self.a.stale_per_mille },
+                forged_per_mille: if quiet { 0 } else { self.a.forged_per_mille },
+                tears_down: self.a.provider != "shm",
+                shm: self.a.provider == "shm",
             };
             tasks.push(tokio::spawn(traffic::run(
                 self.engine.clone(),
                 self.src.clone(),
+                self.sink.clone(),
                 targets.clone(),
                 plan,
             )));
@@ -339,6 +430,7 @@ impl Leader {
             let s = self.engine.stats().peer(target.peer).copied().unwrap_or_default();
             self.t.pending_at_kill += s.in_flight + s.backlog;
             target.alive.store(false, std::sync::atomic::Ordering::Release);
+            self.killed_peers.insert(target.peer);
             inc.kill();
             self.t.killed += 1;
             killed = Some(place);
@@ -394,7 +486,30 @@ impl Leader {
             l.writes = Vec::new();
             self.t.restarted += 1;
         }
+        // The extra regions' tasks of killed incarnations have ended: their violations.
+        let mut running = Vec::new();
+        for h in std::mem::take(&mut self.extras) {
+            if h.is_finished() {
+                traffic::merge(&self.violations, h.await?);
+            } else {
+                running.push(h);
+            }
+        }
+        self.extras = running;
+        self.downs_of_live();
         Ok(())
+    }
+
+    /// A `Down` event for a peer the soak did not kill is a violation (a bad remote access
+    /// must never make its owner `Down`).
+    fn downs_of_live(&self) {
+        let downs = std::mem::take(&mut *self.downs.lock().unwrap_or_else(|p| p.into_inner()));
+        for (peer, reason) in downs {
+            if !self.killed_peers.contains(&peer) {
+                let name = self.places.iter().find(|p| p.1.peer == peer).map_or("?", |p| p.1.name.as_str());
+                self.violation(format!("the live peer {name} ({peer:?}) was reported Down: {reason}"));
+            }
+        }
     }
 
     fn violation(&self, v: String) {
@@ -419,22 +534,51 @@ impl Leader {
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let (created, ok) = {
-            let l = t.ledger();
-            (l.created_arrivals, l.ok_arrivals)
+        // How many dropped futures' operations the engine failed this round: its error
+        // count for the peer, less the failures the futures that resolved reported.
+        let errors = self.engine.stats().peer(t.peer).map_or(0, |s| s.errors);
+        let (created, ok, unknown, dropped_failed, miscount) = {
+            let mut l = t.ledger();
+            let seen = l.errors_at_start + l.observed_errors;
+            let miscount = (errors < seen).then(|| (errors - l.errors_at_start, l.observed_errors));
+            let dropped_failed = errors.saturating_sub(seen);
+            l.counts.dropped_failed += dropped_failed;
+            // Immediates that may never arrive: those still missing at the last check, of
+            // this round's operations lost with a connection, and of at most
+            // `dropped_failed` dropped ones.
+            let unknown =
+                l.unknown_arrivals + l.lost_arrivals + dropped_failed.min(l.dropped_imm) * l.dropped_imm_max;
+            (l.created_arrivals, l.ok_arrivals, unknown, dropped_failed, miscount)
         };
+        if let Some((counted, reported)) = miscount {
+            self.violation(format!(
+                "{}: the engine counted {counted} failures this round, the futures reported {reported}",
+                t.name
+            ));
+        }
+        if dropped_failed > 0 {
+            self.t.dropped_failed_rounds += 1;
+        }
+        let want = created.saturating_sub(unknown).max(ok);
         let deadline = Instant::now() + Duration::from_secs(10);
-        let arrived = loop {
+        let mut arrived = loop {
             let inc = self.places.iter().find(|p| p.1.name == t.name).ok_or("no such incarnation")?;
             let n = inc.0.arrivals(&self.store).await?;
-            if n >= created || Instant::now() > deadline {
+            if n >= created || n >= want && unknown > 0 || Instant::now() > deadline {
                 break n;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
-        if arrived != created || arrived < ok {
+        if arrived < created && unknown > 0 {
+            // Some may never come: give the late ones a few of the peer's publications.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let inc = self.places.iter().find(|p| p.1.name == t.name).ok_or("no such incarnation")?;
+            arrived = inc.0.arrivals(&self.store).await?;
+        }
+        if arrived > created || arrived < want {
             self.violation(format!(
-                "{}: {arrived} immediates arrived, {created} posted ({ok} of them Ok)",
+                "{}: {arrived} immediates arrived, {created} posted ({ok} of them Ok, {unknown} may \
+                 have been lost with a connection)",
                 t.name
             ));
         }
@@ -442,17 +586,24 @@ impl Leader {
             let mut l = t.ledger();
             self.t.arrivals_checked += arrived.min(created).saturating_sub(l.checked_arrivals);
             l.checked_arrivals = arrived;
+            // What is still missing stays "may never arrive"; the rest of this round's
+            // tolerance is used up.
+            let still = created.saturating_sub(arrived).min(unknown);
+            self.t.imm_missing = (self.t.imm_missing + still).saturating_sub(l.unknown_arrivals);
+            l.unknown_arrivals = still;
         }
         let writes = std::mem::take(&mut t.ledger().writes);
         let Some(end) = writes.iter().map(|w| w.dst + w.len).max() else { return Ok(()) };
         self.read_back(t, end).await?;
         let region = &mut self.scratch[..end as usize];
         self.readback.read_at(0, region)?;
-        let (ok_bytes, lost, bad) = ledger::verify(&writes, region, &self.src_bytes);
-        self.t.bytes_verified += ok_bytes;
-        self.t.bytes_lost += lost;
+        let v = ledger::verify(&writes, region, &self.src_bytes, dropped_failed);
+        self.t.bytes_verified += v.ok;
+        self.t.bytes_lost += v.lost;
+        self.t.lost_writes += v.tolerated;
+        self.t.lost_bytes += v.tolerated_bytes;
         self.t.writes_verified += writes.len() as u64;
-        for b in bad {
+        for b in v.bad {
             self.violation(format!("{}: bytes lost: {b}", t.name));
         }
         Ok(())
@@ -506,6 +657,17 @@ impl Leader {
 
     /// Stops the peers, prints the summary and returns whether the run passed.
     async fn finish(mut self, faults: Option<FaultHandle>, t0: Instant) -> Res<bool> {
+        // Before the peers exit (which may be reported as Down).
+        self.downs_of_live();
+        self.stop.store(true, Ordering::Release);
+        for h in std::mem::take(&mut self.extras) {
+            match tokio::time::timeout(Duration::from_secs(20), h).await {
+                Ok(v) => traffic::merge(&self.violations, v?),
+                Err(_) => {
+                    self.violation("hang: the leader's side of a peer's extra regions did not stop".into())
+                }
+            }
+        }
         self.store.put("soak/exit", Vec::new()).await?;
         let places = std::mem::take(&mut self.places);
         let mut clean = true;
@@ -556,6 +718,26 @@ impl Leader {
             "verified         {} B in {} writes, {} immediates (live incarnations)",
             t.bytes_verified, t.writes_verified, t.arrivals_checked
         );
+        let st = |p: usize| {
+            let n: u64 = c.stale[p].iter().sum();
+            let by: Vec<String> = (0..bad::BAD_OUTCOMES)
+                .filter(|&k| c.stale[p][k] > 0)
+                .map(|k| format!("{} {}", bad::OUTCOMES[k], c.stale[p][k]))
+                .collect();
+            format!("{n} {} ({})", bad::PHASES[p], by.join(", "))
+        };
+        println!("stale ops        {}; {}; {}", st(1), st(2), st(0));
+        let forged: u64 = c.forged.iter().sum();
+        let by: Vec<String> = (0..bad::BAD_OUTCOMES)
+            .filter(|&k| c.forged[k] > 0)
+            .map(|k| format!("{} {}", bad::OUTCOMES[k], c.forged[k]))
+            .collect();
+        println!("forged ops       {forged} ({})", by.join(", "));
+        println!(
+            "connection lost  {} live ops (awaited); dropped ops the engine failed: {} in {} rounds; \
+             tolerated: {} writes ({} B) not in place, {} immediates not arrived",
+            c.lost, c.dropped_failed, t.dropped_failed_rounds, t.lost_writes, t.lost_bytes, t.imm_missing
+        );
         println!("bytes lost       {}", t.bytes_lost);
         let line =
             |f: &dyn Fn(&(f64, u64, u64)) -> String| t.samples.iter().map(f).collect::<Vec<_>>().join(" ");
@@ -576,6 +758,16 @@ impl Leader {
                 "{} write(s) to killed peers completed Ok (--allow-dead-ok tolerates it, for shm)",
                 t.probes_ok
             ));
+        }
+        let after_free = c.stale[bad::Phase::Racing as usize].iter().sum::<u64>()
+            + c.stale[bad::Phase::Revoked as usize].iter().sum::<u64>();
+        if self.a.stale_per_mille > 0 && (after_free == 0 || c.stale[bad::Phase::Revoked as usize][1] == 0) {
+            self.violation(
+                "no operation went through a freed region's descriptor (or none was revoked)".into(),
+            );
+        }
+        if self.a.forged_per_mille > 0 && forged == 0 {
+            self.violation("no operation went through a forged descriptor".into());
         }
         if c.hung > 0 || t.bytes_lost > 0 {
             self.violation(format!("{} hung operations, {} bytes lost", c.hung, t.bytes_lost));

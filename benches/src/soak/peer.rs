@@ -6,9 +6,13 @@
 //! immediates [`IMM`] it has counted under `<name>/imm` (the store keeps the last value),
 //! until the leader puts `soak/exit` or the leader dies (`PR_SET_PDEATHSIG`). The leader
 //! writes into the region and reads it back to verify; the peer itself never checks bytes.
+//! Meanwhile it keeps allocating and freeing short-lived extra regions for the leader's
+//! stale-descriptor operations (`bad.rs`).
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -34,6 +38,12 @@ pub struct PeerArgs {
     /// Bytes of the region the leader writes into.
     #[arg(long)]
     pub region: usize,
+    /// Bytes of each short-lived extra region (`bad.rs`); 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub extra_size: usize,
+    /// Pause between freeing an extra region and allocating the next, in ms.
+    #[arg(long, default_value_t = 50)]
+    pub extra_every_ms: u64,
 }
 
 /// The peer process.
@@ -45,8 +55,22 @@ pub async fn peer_main(a: PeerArgs) -> Res<()> {
     let engine = Engine::builder().provider(&a.provider).build()?;
     let region = engine.alloc(a.region).await?;
     let counter = engine.imm_counter(IMM);
+    let counter_bad = engine.imm_counter(super::bad::IMM_BAD);
     store.put(&format!("{}/addr", a.name), engine.address()).await?;
+    // (Before the leader can see any extra region: `bad::peer_extras` polls it.)
+    store.put(&format!("{}/xfree", a.name), Vec::new()).await?;
     store.put(&format!("{}/desc", a.name), region.descriptor().to_bytes()).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let extras = (a.extra_size > 0).then(|| {
+        tokio::spawn(super::bad::peer_extras(
+            engine.clone(),
+            a.store,
+            a.name.clone(),
+            a.extra_size,
+            Duration::from_millis(a.extra_every_ms),
+            stop.clone(),
+        ))
+    });
     let exit = store.get("soak/exit");
     tokio::pin!(exit);
     loop {
@@ -60,6 +84,14 @@ pub async fn peer_main(a: PeerArgs) -> Res<()> {
             _ = tokio::time::sleep(Duration::from_millis(10)) => {}
         }
     }
+    stop.store(true, Ordering::Release);
+    if let Some(x) = extras {
+        match tokio::time::timeout(Duration::from_secs(5), x).await {
+            Ok(r) => r??,
+            Err(_) => return Err("the extra regions' task did not stop within 5 s".into()),
+        }
+    }
+    drop(counter_bad);
     drop(counter);
     drop(region);
     engine.shutdown();
@@ -88,7 +120,9 @@ impl Drop for ChildGuard {
 }
 
 impl Incarnation {
-    /// Starts the process and waits (bounded) until it is reachable.
+    /// Starts the process and waits (bounded) until it is reachable. `extra`: the size of its
+    /// short-lived extra regions (0: none) and their pace in ms (`bad.rs`).
+    #[allow(clippy::too_many_arguments)]
     pub async fn start(
         engine: &Engine,
         store: &TcpStore,
@@ -97,12 +131,14 @@ impl Incarnation {
         place: usize,
         generation: usize,
         region: usize,
+        extra: (usize, u64),
     ) -> Res<Incarnation> {
         let name = format!("p{place}.{generation}");
         let child = ChildGuard(Some(
             Command::new(std::env::current_exe()?)
                 .args(["soak-peer", "--store", &store_addr.to_string(), "--name", &name])
                 .args(["--provider", provider, "--region", &region.to_string()])
+                .args(["--extra-size", &extra.0.to_string(), "--extra-every-ms", &extra.1.to_string()])
                 .stdin(Stdio::null())
                 .spawn()?,
         ));

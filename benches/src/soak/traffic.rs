@@ -9,14 +9,20 @@
 //! and each one's bytes can be checked after the round; once no live peer's slot has room
 //! for the next write, the task's round ends. Its source is a slice of the
 //! leader's source region, which never changes, so a dropped write may land any time.
+//!
+//! Among them, `stale_per_mille` / 1000 of the operations go through the descriptor of one
+//! of the peer's short-lived extra regions, and `forged_per_mille` / 1000 through a forged
+//! descriptor of its region, at a range this task wrote this round (`bad.rs`); those are
+//! always awaited.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fabric_async::faults::{INJECTED_ERRNO, INJECTED_MESSAGE};
-use fabric_async::{Engine, Error, MemoryRegion};
+use fabric_async::{Engine, Error, MemoryRegion, OpFuture};
 use futures::stream::{FuturesUnordered, StreamExt};
 
+use super::bad::{engine_counted, BadOutcome, Extra, Phase, IMM_BAD, OUTCOMES, PHASES};
 use super::ledger::{Kind, Outcome, Target};
 use super::peer::IMM;
 
@@ -59,6 +65,14 @@ pub struct TaskPlan {
     pub hang_after: Duration,
     pub deadline: Instant,
     pub seed: u64,
+    /// Operations per 1000 through a stale descriptor, and through a forged one.
+    pub stale_per_mille: u64,
+    pub forged_per_mille: u64,
+    /// Whether a bad access may make the transport tear the connection down and fail what
+    /// else is in flight on it with `ConnectionLost` (tcp, verbs; not shm).
+    pub tears_down: bool,
+    /// shm: no write_imm through a descriptor that may be freed or forged (`bad.rs`).
+    pub shm: bool,
 }
 
 /// A size from 1 byte to `max`, log-uniform: as many below 1 KiB as above 64 KiB.
@@ -69,10 +83,12 @@ fn size(rng: &mut Rng, max: u64) -> u64 {
     1 + rng.below(hi)
 }
 
-/// Runs the task; returns the violations it saw.
+/// Runs the task; returns the violations it saw. `sink` takes the reads through stale and
+/// forged descriptors.
 pub async fn run(
     engine: Engine,
     src: Arc<MemoryRegion>,
+    sink: Arc<MemoryRegion>,
     targets: Vec<Arc<Target>>,
     mut p: TaskPlan,
 ) -> Vec<String> {
@@ -80,9 +96,12 @@ pub async fn run(
     let mut cursor = vec![0u64; targets.len()];
     // Peers whose slot this round has no room for the write drawn last.
     let mut full = vec![false; targets.len()];
+    // Per peer, the last write of this task that resolved Ok this round: (dst, src, len).
+    let mut last_ok: Vec<Option<(u64, u64, u64)>> = vec![None; targets.len()];
     let mut violations = Vec::new();
     let mut window = FuturesUnordered::new();
     let base = p.task as u64 * p.slot;
+    let flags = Flags { tears_down: p.tears_down, hang_after: p.hang_after };
     while Instant::now() < p.deadline && !targets.is_empty() {
         let i = rng.below(targets.len() as u64) as usize;
         let t = &targets[i];
@@ -91,6 +110,22 @@ pub async fn run(
             break;
         }
         if !t.is_alive() || full[i] {
+            continue;
+        }
+        let roll = rng.below(1000);
+        let bad = if roll < p.forged_per_mille {
+            forged_op(&engine, &src, &sink, t, last_ok[i], &mut rng, &p)
+        } else if roll < p.forged_per_mille + p.stale_per_mille {
+            stale_op(&engine, &src, &sink, t, &mut rng, &p)
+        } else {
+            None
+        };
+        if let Some((fut, what)) = bad {
+            window.push(awaited(fut, t.clone(), i, what, p.hang_after));
+            while window.len() >= p.window {
+                let a = window.next().await.expect("not empty");
+                a.settle(&flags, &mut last_ok, &mut violations);
+            }
             continue;
         }
         let kind = match rng.below(10) {
@@ -132,7 +167,7 @@ pub async fn run(
             t.ledger().counts.raced += 1;
             let wait = Duration::from_micros(rng.below(500));
             let outcome = match tokio::time::timeout(wait, fut).await {
-                Ok(r) => classify(r, t, kind, &mut violations),
+                Ok(r) => classify(r, t, kind, p.tears_down, &mut violations),
                 Err(_) => {
                     t.ledger().counts.raced_lost += 1;
                     Outcome::Dropped
@@ -140,53 +175,225 @@ pub async fn run(
             };
             t.resolved(rec, arrivals, outcome);
         } else {
-            let (t, hang_after) = (t.clone(), p.hang_after);
-            window.push(async move {
-                let r = tokio::time::timeout(hang_after, fut).await;
-                Awaited { t, rec, arrivals, kind, len, r }
-            });
+            let write = write.then_some((base + dst, src_off, len));
+            let what = What::Live { rec, arrivals, kind, len, write };
+            window.push(awaited(fut, t.clone(), i, what, p.hang_after));
             while window.len() >= p.window {
                 let a = window.next().await.expect("not empty");
-                a.settle(hang_after, &mut violations);
+                a.settle(&flags, &mut last_ok, &mut violations);
             }
         }
     }
     while let Some(a) = window.next().await {
-        a.settle(p.hang_after, &mut violations);
+        a.settle(&flags, &mut last_ok, &mut violations);
     }
     violations
+}
+
+/// An operation through the descriptor of one of `t`'s extra regions (`bad.rs`); `None`
+/// where it has none yet.
+fn stale_op(
+    engine: &Engine,
+    src: &MemoryRegion,
+    sink: &MemoryRegion,
+    t: &Target,
+    rng: &mut Rng,
+    p: &TaskPlan,
+) -> Option<(OpFuture, What)> {
+    let extra = {
+        let x = t.extras.lock().unwrap_or_else(|p| p.into_inner());
+        // Half of them through the newest: the one most likely being freed right now.
+        let n = x.len() as u64;
+        let k = if n == 0 || rng.below(2) == 0 { n.checked_sub(1)? } else { rng.below(n) };
+        x[k as usize].clone()
+    };
+    let mut kind = match rng.below(3) {
+        0 => Kind::Write,
+        1 => Kind::WriteImm,
+        _ => Kind::Imm, // (a read, below)
+    };
+    let phase = extra.phase();
+    if p.shm && phase == Phase::Racing && kind == Kind::WriteImm {
+        kind = Kind::Write;
+    }
+    if phase == Phase::Racing && p.tears_down {
+        t.wire_bad.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+    let region_len = extra.remote.len();
+    let len = size(rng, region_len.min(p.max_size).min(sink.len() as u64));
+    let off = rng.below(region_len - len + 1);
+    let src_off = rng.below(p.src_len - len + 1);
+    let r = &extra.remote;
+    let fut = match kind {
+        Kind::Write => engine.write(src, src_off, r, off, len),
+        Kind::WriteImm => engine.write_imm(src, src_off, r, off, len, IMM_BAD),
+        Kind::Imm => engine.read(sink, 0, r, off, len),
+    };
+    Some((fut, What::Stale { extra, phase, kind, len }))
+}
+
+/// An operation through `t`'s forged descriptor (`bad.rs`) to the range of `last_ok` (a
+/// write of this task this round that resolved `Ok`), from other source bytes; `None` where
+/// there is no such write.
+fn forged_op(
+    engine: &Engine,
+    src: &MemoryRegion,
+    sink: &MemoryRegion,
+    t: &Target,
+    last_ok: Option<(u64, u64, u64)>,
+    rng: &mut Rng,
+    p: &TaskPlan,
+) -> Option<(OpFuture, What)> {
+    let (dst, written_from, len) = last_ok?;
+    let len = len.min(sink.len() as u64);
+    let mut src_off = rng.below(p.src_len - len + 1);
+    if src_off == written_from {
+        src_off = (src_off + 1) % (p.src_len - len + 1);
+    }
+    let kind = match rng.below(3) {
+        0 => Kind::Write,
+        1 if !p.shm => Kind::WriteImm,
+        1 => Kind::Write,
+        _ => Kind::Imm, // (a read, below)
+    };
+    if p.tears_down {
+        t.wire_bad.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+    let f = &t.forged;
+    let fut = match kind {
+        Kind::Write => engine.write(src, src_off, f, dst, len),
+        Kind::WriteImm => engine.write_imm(src, src_off, f, dst, len, IMM_BAD),
+        Kind::Imm => engine.read(sink, 0, f, dst, len),
+    };
+    Some((fut, What::Forged { kind, len }))
+}
+
+/// What an awaited operation was.
+enum What {
+    /// To the peer's region, recorded in the ledger (`write`: (dst, src, len)).
+    Live { rec: Option<usize>, arrivals: u64, kind: Kind, len: u64, write: Option<(u64, u64, u64)> },
+    /// Through an extra region's descriptor (`Kind::Imm` stands for a read).
+    Stale { extra: Arc<Extra>, phase: Phase, kind: Kind, len: u64 },
+    /// Through the forged descriptor (`Kind::Imm` stands for a read).
+    Forged { kind: Kind, len: u64 },
+}
+
+/// The name of a bad access's kind (`Kind::Imm` stands for a read there).
+fn bad_kind(k: Kind) -> &'static str {
+    match k {
+        Kind::Write => "write",
+        Kind::WriteImm => "write_imm",
+        Kind::Imm => "read",
+    }
+}
+
+struct Flags {
+    tears_down: bool,
+    hang_after: Duration,
 }
 
 /// An awaited operation's result, with what it takes to record it.
 struct Awaited {
     t: Arc<Target>,
-    rec: Option<usize>,
-    arrivals: u64,
-    kind: Kind,
-    len: u64,
+    /// The index of `t` among the task's targets.
+    ti: usize,
+    what: What,
     r: Result<fabric_async::Result<()>, tokio::time::error::Elapsed>,
 }
 
+async fn awaited(fut: OpFuture, t: Arc<Target>, ti: usize, what: What, hang_after: Duration) -> Awaited {
+    let r = tokio::time::timeout(hang_after, fut).await;
+    Awaited { t, ti, what, r }
+}
+
 impl Awaited {
-    fn settle(self, hang_after: Duration, violations: &mut Vec<String>) {
-        let outcome = match self.r {
-            Ok(r) => classify(r, &self.t, self.kind, violations),
-            Err(_) => {
-                violations.push(format!(
-                    "hang: a {:?} of {} B to {} did not resolve within {hang_after:?}",
-                    self.kind, self.len, self.t.name
-                ));
-                self.t.ledger().counts.hung += 1;
-                Outcome::Dropped
+    fn settle(self, f: &Flags, last_ok: &mut [Option<(u64, u64, u64)>], violations: &mut Vec<String>) {
+        let t = &self.t;
+        match self.what {
+            What::Live { rec, arrivals, kind, len, write } => {
+                let outcome = match self.r {
+                    Ok(r) => classify(r, t, kind, f.tears_down, violations),
+                    Err(_) => {
+                        violations.push(format!(
+                            "hang: a {kind:?} of {len} B to {} did not resolve within {:?}",
+                            t.name, f.hang_after
+                        ));
+                        t.ledger().counts.hung += 1;
+                        Outcome::Dropped
+                    }
+                };
+                if outcome == Outcome::Ok && write.is_some() {
+                    last_ok[self.ti] = write;
+                }
+                t.resolved(rec, arrivals, outcome);
             }
-        };
-        self.t.resolved(self.rec, self.arrivals, outcome);
+            What::Stale { extra, phase, kind, len } => {
+                if phase == Phase::Live {
+                    extra.live_done();
+                }
+                let o = self.r.as_ref().map_or(BadOutcome::Other, BadOutcome::of);
+                {
+                    let mut l = t.ledger();
+                    l.counts.stale[phase as usize][o as usize] += 1;
+                    if self.r.as_ref().is_ok_and(engine_counted) {
+                        l.observed_errors += 1;
+                    }
+                }
+                let fine = match phase {
+                    Phase::Live => {
+                        matches!(o, BadOutcome::Ok | BadOutcome::Injected)
+                            || o == BadOutcome::ConnectionLost && f.tears_down && t.may_lose()
+                    }
+                    Phase::Racing => o != BadOutcome::Other,
+                    Phase::Revoked => o == BadOutcome::Stale,
+                };
+                if self.r.is_err() || !fine && t.is_alive() {
+                    violations.push(format!(
+                        "a {} of {len} B through a stale descriptor of {} ({}) ended {}: {:?}",
+                        bad_kind(kind),
+                        t.name,
+                        PHASES[phase as usize],
+                        OUTCOMES[o as usize],
+                        self.r
+                    ));
+                }
+            }
+            What::Forged { kind, len } => {
+                let o = self.r.as_ref().map_or(BadOutcome::Other, BadOutcome::of);
+                {
+                    let mut l = t.ledger();
+                    l.counts.forged[o as usize] += 1;
+                    if self.r.as_ref().is_ok_and(engine_counted) {
+                        l.observed_errors += 1;
+                    }
+                }
+                let fine =
+                    matches!(o, BadOutcome::RemoteAccess | BadOutcome::ConnectionLost | BadOutcome::Injected);
+                if self.r.is_err() || !fine && (t.is_alive() || o == BadOutcome::Ok) {
+                    violations.push(format!(
+                        "a {} of {len} B through a forged descriptor of {} ended {}: {:?}",
+                        bad_kind(kind),
+                        t.name,
+                        OUTCOMES[o as usize],
+                        self.r
+                    ));
+                }
+            }
+        }
     }
 }
 
 /// An operation's result as an [`Outcome`]; a failure other than an injected one while the
-/// peer is alive is a violation (the soak's live peers never fail).
-fn classify(r: fabric_async::Result<()>, t: &Target, kind: Kind, violations: &mut Vec<String>) -> Outcome {
+/// peer is alive is a violation (the soak's live peers never fail), except `ConnectionLost`
+/// where a bad access to the peer may have torn the connection down (`tears_down`, and one
+/// was posted since the previous round began): then it may or may not have landed.
+fn classify(
+    r: fabric_async::Result<()>,
+    t: &Target,
+    kind: Kind,
+    tears_down: bool,
+    violations: &mut Vec<String>,
+) -> Outcome {
     match r {
         Ok(()) => Outcome::Ok,
         Err(Error::Completion { errno, message, .. })
@@ -194,6 +401,7 @@ fn classify(r: fabric_async::Result<()>, t: &Target, kind: Kind, violations: &mu
         {
             Outcome::Injected
         }
+        Err(Error::ConnectionLost { .. }) if tears_down && t.may_lose() => Outcome::Lost,
         Err(e) => {
             if t.is_alive() {
                 violations.push(format!("a {kind:?} to the live peer {} failed: {e}", t.name));
