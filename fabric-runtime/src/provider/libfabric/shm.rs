@@ -419,6 +419,39 @@ impl LibfabricDomain {
 mod tests {
     use super::*;
 
+    /// A fake 1.17 region header in /dev/shm, its lock left held by a process that exited:
+    /// the view opens, sees it held and its owner gone, and releases it; a region of
+    /// another pid is not opened.
+    #[test]
+    fn a_dead_owners_region_lock_is_released() {
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let pid = child.id() as libc::pid_t;
+        let pidfd = crate::sys::pidfd_open(pid).expect("pidfd");
+        child.wait().expect("wait");
+        let unlocked = spin_unlocked_value();
+        let name = format!("fabric-lock-test-{}", std::process::id());
+        let cname = std::ffi::CString::new(name.clone()).unwrap();
+        let mut page = vec![0u8; LOCK_VIEW_LEN];
+        page[0] = SMR_VERSION_1_17;
+        page[SMR_PID_OFFSET..SMR_PID_OFFSET + 4].copy_from_slice(&pid.to_ne_bytes());
+        page[SMR_LOCK_OFFSET..SMR_LOCK_OFFSET + 4].copy_from_slice(&(1 - unlocked).to_ne_bytes());
+        // SAFETY: a new shm object of this test, written through its own fd, then closed.
+        unsafe {
+            let fd = libc::shm_open(cname.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600);
+            assert!(fd >= 0, "shm_open");
+            assert_eq!(libc::write(fd, page.as_ptr().cast(), page.len()), page.len() as isize);
+            libc::close(fd);
+        }
+        let addr = format!("fi_shm://{name}\0");
+        assert!(PeerLock::open(addr.as_bytes(), pid + 1, &pidfd, unlocked).is_none(), "another pid's region");
+        let lock = PeerLock::open(addr.as_bytes(), pid, &pidfd, unlocked).expect("the view opens");
+        assert!(lock.held() && lock.owner_exited());
+        assert!(lock.release());
+        assert!(!lock.held() && !lock.release());
+        // SAFETY: the object this test created.
+        unsafe { libc::shm_unlink(cname.as_ptr()) };
+    }
+
     #[test]
     fn pid_of_an_shm_address() {
         assert_eq!(shm_pid(b"fi_shm://1234:1000:0\0"), Some(1234));
