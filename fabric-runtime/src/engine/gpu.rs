@@ -1,7 +1,7 @@
 //! GPU memory in the engine: regions in CUDA memory (allocated by the engine or owned by the
 //! user), the path each takes (GPUDirect, staged, CUDA IPC), the blocking copies of
 //! `read_at`/`write_at`, the staging pool, and the writes whose bytes cross bounce slots or
-//! an IPC mapping (paged writes, scatters and reads: `staged.rs`). The reactor's half is `reactor/staging.rs`; the protocol is in `docs/gpu.md`.
+//! an IPC mapping (paged writes, scatters and reads: `staged.rs`). The reactor's half is `reactor/core/staging.rs`; the protocol is in `docs/gpu.md`.
 //!
 //! ```text
 //!  source            destination (its descriptor)     what happens

@@ -1,5 +1,5 @@
 //! Transfer shapes with a staged GPU end, as jobs for the reactor's staging pool
-//! (`reactor/staging_send.rs`, `reactor/staging_pull.rs`):
+//! (`reactor/core/staging_send.rs`, `reactor/core/staging_pull.rs`):
 //!
 //! ```text
 //!  shape          staged end       pieces (each moved chunk by chunk)      arrivals at the target

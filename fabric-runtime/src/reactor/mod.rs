@@ -1,7 +1,7 @@
 //! The reactor: owns every domain (NIC) of one engine, posts what callers submit, polls
 //! completion queues, and wakes the futures and counters waiting on them.
 //!
-//! `core.rs` holds the state and one pass of the loop ([`core::Core::turn`]): take the
+//! `core/` (`core/mod.rs`) holds the state and one pass of the loop ([`core::Core::turn`]): take the
 //! submission queue (swapping buffers, so no allocation in steady state) → post (a full send
 //! queue leaves the rest in a backlog, in order) → poll every domain → complete futures,
 //! count immediates, deliver messages. This file runs passes on the reactor thread and
@@ -317,7 +317,7 @@ impl<D: Domain> Progress for Lingering<D> {
 }
 
 /// Direct posting (`EngineBuilder::direct_post`): a submitter that finds the reactor
-/// thread asleep runs a pass itself (`reactor/sleep.rs` shows the handshake).
+/// thread asleep runs a pass itself (`reactor/core/sleep.rs` shows the handshake).
 struct Direct<D: Domain> {
     core: Arc<Mutex<Core<D>>>,
 }

@@ -114,7 +114,7 @@ pub(crate) enum Submission {
     },
 }
 
-/// A transfer with a staged GPU end (see `reactor/staging_send.rs`): pieces moved chunk by
+/// A transfer with a staged GPU end (see `reactor/core/staging_send.rs`): pieces moved chunk by
 /// chunk through bounce slots, then the follow-ups, then `notify`.
 #[cfg(feature = "cuda")]
 pub(crate) struct StagedJob {

@@ -1,6 +1,6 @@
 //! The completion half of a reactor pass ([`Core::poll_domains`]): poll each domain, count
 //! arrivals, finish operations (their futures, batches and shard groups), deliver messages;
-//! and operation deadlines ([`Core::expire`]). A child module of `core.rs`, so it works on
+//! and operation deadlines ([`Core::expire`]). A child module of `core`, so it works on
 //! `Core`'s fields directly.
 
 use std::sync::atomic::Ordering;

@@ -1,6 +1,6 @@
 //! The reactor's shutdown ([`Core::close`]): refuse new work, give in-flight operations the
 //! grace period, cancel the rest, release waiters, close every registration and the NIC
-//! objects, and only then free memory. A child module of `core.rs`, so it works on `Core`'s
+//! objects, and only then free memory. A child module of `core`, so it works on `Core`'s
 //! fields directly.
 
 use std::time::{Duration, Instant};
