@@ -14,11 +14,8 @@ use crate::error::{Error, Result};
 use crate::provider::{
     Completion, Domain, LocalSlice, MemoryLocation, Op, PeerHandle, PostError, Registration,
 };
-use crate::pure::descriptor::EngineAddress;
 use crate::pure::int_map::IntMap;
-use crate::pure::revoke::{Hello, Revoke, MAX_REVOKED};
 use crate::pure::slab::Slab;
-use crate::shared::events::PeerEvent;
 use crate::shared::memory::{Backing, RegionShared};
 use crate::shared::notify::Notify;
 use crate::shared::queue::{OpKind, QueueState, Submission};
