@@ -8,7 +8,7 @@
 //! **Stale**: every peer process keeps allocating a short-lived extra region
 //! (`--extra-size`, every `--extra-every-ms`), publishes its descriptor under `<name>/x`
 //! (generation first), and frees it once the leader puts that generation under
-//! `<name>/xfree`. The leader ([`cycle_extras`]) resolves each descriptor while the region
+//! `<name>/xfree`. The leader ([`cycle_extras`](super::extras::cycle_extras)) resolves each descriptor while the region
 //! lives, hands it to the traffic tasks ([`Target::extras`]), and after a random while asks
 //! for the free. An operation through such a descriptor is classified by what the task knew
 //! when it created it ([`Phase`]):
@@ -31,17 +31,12 @@
 //! be freed (libfabric 1.17's shm target refuses it without answering the writer, which then
 //! waits for `op_timeout`): only through live (`Live`) and revoked ones.
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Mutex;
+use std::time::Duration;
 
-use fabric_async::bootstrap::{Rendezvous, TcpStore};
 use fabric_async::faults::{INJECTED_ERRNO, INJECTED_MESSAGE};
-use fabric_async::{Engine, Error, RegionDescriptor, RemoteRegion};
+use fabric_async::{Error, RegionDescriptor, RemoteRegion};
 
-use super::ledger::Target;
-use super::traffic::Rng;
 use crate::session::Res;
 
 /// The immediate of every write_imm through a stale or forged descriptor: the peer counts
@@ -49,7 +44,7 @@ use crate::session::Res;
 pub const IMM_BAD: u32 = 78;
 
 /// How many of a peer's latest extra regions the traffic tasks pick from.
-const KEEP: usize = 6;
+pub const KEEP: usize = 6;
 
 /// When, relative to the free of its region, an operation through a stale descriptor was
 /// created (see the module docs).
@@ -113,6 +108,11 @@ pub struct Extra {
 }
 
 impl Extra {
+    /// A freshly resolved extra region, not yet asked to be freed.
+    pub fn new(remote: RemoteRegion) -> Extra {
+        Extra { remote, state: Mutex::new((false, 0)) }
+    }
+
     /// The phase of an operation about to be created through it; a `Live` one must be
     /// ended with [`Extra::live_done`].
     pub fn phase(&self) -> Phase {
@@ -134,7 +134,7 @@ impl Extra {
     }
 
     /// Marks the free as requested once no `Live` operation is in flight.
-    async fn request_free(&self) {
+    pub async fn request_free(&self) {
         loop {
             {
                 let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -166,113 +166,4 @@ pub fn forge(desc: &RegionDescriptor, provider: &str) -> Res<Vec<u8>> {
 pub fn split_gen(v: &[u8]) -> Option<(u64, &[u8])> {
     let (g, rest) = v.split_at_checked(8)?;
     Some((u64::from_le_bytes(g.try_into().ok()?), rest))
-}
-
-/// The leader's side of one incarnation's extra regions (module docs), until `stop` or the
-/// target is killed. Returns its violations.
-pub async fn cycle_extras(
-    engine: Engine,
-    store_addr: SocketAddr,
-    t: Arc<Target>,
-    stop: Arc<AtomicBool>,
-    every: Duration,
-    seed: u64,
-) -> Vec<String> {
-    match cycle(&engine, store_addr, &t, &stop, every, seed).await {
-        Ok(()) => Vec::new(),
-        Err(e) if t.is_alive() && !stop.load(Ordering::Acquire) => {
-            vec![format!("extra regions of {}: {e}", t.name)]
-        }
-        Err(_) => Vec::new(),
-    }
-}
-
-async fn cycle(
-    engine: &Engine,
-    store_addr: SocketAddr,
-    t: &Target,
-    stop: &AtomicBool,
-    every: Duration,
-    seed: u64,
-) -> Res<()> {
-    let store = TcpStore::connect(store_addr).await?;
-    let mut rng = Rng::new(seed);
-    let running = || t.is_alive() && !stop.load(Ordering::Acquire);
-    let key = format!("{}/x", t.name);
-    let mut gen = 0u64;
-    while running() {
-        // The peer publishes generation `gen` once it freed the previous one.
-        let since = Instant::now();
-        let desc = loop {
-            if !running() {
-                return Ok(());
-            }
-            let v = tokio::time::timeout(Duration::from_secs(10), store.get(&key)).await.ok().transpose()?;
-            if let Some((g, d)) = v.as_deref().and_then(split_gen) {
-                if g == gen {
-                    break d.to_vec();
-                }
-            }
-            if since.elapsed() > Duration::from_secs(60) {
-                return Err(format!("generation {gen} not published within 60 s").into());
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        };
-        let remote = match tokio::time::timeout(Duration::from_secs(10), engine.remote_region(&desc)).await {
-            Ok(r) => r?,
-            Err(_) => return Err("remote_region of an extra region did not answer within 10 s".into()),
-        };
-        if remote.peer() != t.peer {
-            return Err(format!("an extra region resolved to {:?}, not {:?}", remote.peer(), t.peer).into());
-        }
-        let extra = Arc::new(Extra { remote, state: Mutex::new((false, 0)) });
-        {
-            let mut x = t.extras.lock().unwrap_or_else(|p| p.into_inner());
-            x.push_back(extra.clone());
-            while x.len() > KEEP {
-                x.pop_front();
-            }
-        }
-        // Live for a while, then freed while the tasks may still be using it.
-        tokio::time::sleep(Duration::from_micros(rng.below(every.as_micros().max(1) as u64))).await;
-        extra.request_free().await;
-        store.put(&format!("{}/xfree", t.name), gen.to_le_bytes().to_vec()).await?;
-        gen += 1;
-    }
-    Ok(())
-}
-
-/// The peer's side (module docs): until `stop`, allocate a region of `size`, publish it,
-/// free it when told, wait `every`, again.
-pub async fn peer_extras(
-    engine: Engine,
-    store_addr: SocketAddr,
-    name: String,
-    size: usize,
-    every: Duration,
-    stop: Arc<AtomicBool>,
-) -> Res<()> {
-    let store = TcpStore::connect(store_addr).await?;
-    let free_key = format!("{name}/xfree");
-    let mut gen = 0u64;
-    while !stop.load(Ordering::Acquire) {
-        let region = engine.alloc(size).await?;
-        let mut v = gen.to_le_bytes().to_vec();
-        v.extend_from_slice(&region.descriptor().to_bytes());
-        store.put(&format!("{name}/x"), v).await?;
-        loop {
-            if stop.load(Ordering::Acquire) {
-                return Ok(());
-            }
-            // (`peer_main` put an empty value before the leader could see any generation.)
-            if split_gen(&store.get(&free_key).await?).is_some_and(|(g, _)| g >= gen) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        drop(region);
-        gen += 1;
-        tokio::time::sleep(every).await;
-    }
-    Ok(())
 }

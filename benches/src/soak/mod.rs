@@ -31,8 +31,10 @@
 //! descriptors).
 
 mod bad;
+mod extras;
 mod ledger;
 mod peer;
+mod rng;
 mod traffic;
 
 use std::collections::HashSet;
@@ -50,7 +52,8 @@ use futures::StreamExt;
 use crate::session::Res;
 use ledger::{Counts, Target};
 use peer::{Incarnation, PeerArgs, IMM};
-use traffic::{Rng, TaskPlan};
+use rng::Rng;
+use traffic::TaskPlan;
 
 /// `fabric-bench soak` and its hidden peer.
 #[derive(Parser, Debug)]
@@ -216,7 +219,7 @@ struct Leader {
     places: Vec<(Incarnation, Arc<Target>, usize)>,
     violations: Arc<Mutex<Vec<String>>>,
     t: Totals,
-    /// Stops the leader's side of the extra regions (`bad::cycle_extras`), one task per
+    /// Stops the leader's side of the extra regions (`extras::cycle_extras`), one task per
     /// incarnation.
     stop: Arc<AtomicBool>,
     extras: Vec<tokio::task::JoinHandle<Vec<String>>>,
@@ -366,7 +369,7 @@ impl Leader {
             self.engine.remote_region(&bad::forge(inc.remote.descriptor(), &self.a.provider)?).await?;
         let target = Arc::new(Target::new(inc.name.clone(), inc.peer, inc.remote.clone(), forged));
         if extra > 0 {
-            self.extras.push(tokio::spawn(bad::cycle_extras(
+            self.extras.push(tokio::spawn(extras::cycle_extras(
                 self.engine.clone(),
                 self.store_addr,
                 target.clone(),

@@ -57,12 +57,12 @@ pub async fn peer_main(a: PeerArgs) -> Res<()> {
     let counter = engine.imm_counter(IMM);
     let counter_bad = engine.imm_counter(super::bad::IMM_BAD);
     store.put(&format!("{}/addr", a.name), engine.address()).await?;
-    // (Before the leader can see any extra region: `bad::peer_extras` polls it.)
+    // (Before the leader can see any extra region: `extras::peer_extras` polls it.)
     store.put(&format!("{}/xfree", a.name), Vec::new()).await?;
     store.put(&format!("{}/desc", a.name), region.descriptor().to_bytes()).await?;
     let stop = Arc::new(AtomicBool::new(false));
     let extras = (a.extra_size > 0).then(|| {
-        tokio::spawn(super::bad::peer_extras(
+        tokio::spawn(super::extras::peer_extras(
             engine.clone(),
             a.store,
             a.name.clone(),
