@@ -179,6 +179,39 @@ impl Drop for Peer {
     }
 }
 
+/// Runs one `#[ignore]`d test of this test binary (`test`) in a child process with `env` set,
+/// waits up to `bound` for it (killed past that, so a child stuck for good fails the caller
+/// instead of hanging the suite), and returns whether it exited successfully, with its
+/// stdout and stderr. Its output goes to files, not pipes: the peers it starts inherit them,
+/// and would hold a pipe open past the child's end.
+pub async fn run_child_test(
+    test: &str,
+    tag: &str,
+    env: &[(&str, String)],
+    bound: Duration,
+) -> (bool, String, String) {
+    let path = |what: &str| std::env::temp_dir().join(format!("fabric-{tag}-{}.{what}", std::process::id()));
+    let (out_path, err_path) = (path("out"), path("err"));
+    let file = |p: &std::path::Path| std::fs::File::create(p).expect("create the child's output file");
+    let child = Command::new(std::env::current_exe().expect("the test binary's path"))
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .args(["--ignored", "--exact", test, "--nocapture", "--test-threads", "1"])
+        .stdin(Stdio::null())
+        .stdout(file(&out_path))
+        .stderr(file(&err_path))
+        .spawn()
+        .expect("run the child test");
+    let mut child = Peer::from_child(child);
+    let ok = child.wait_success(bound).await;
+    drop(child);
+    let read = |p: &std::path::Path| {
+        let s = std::fs::read_to_string(p).unwrap_or_default();
+        let _ = std::fs::remove_file(p);
+        s
+    };
+    (ok, read(&out_path), read(&err_path))
+}
+
 /// Reads a key that the peer writes, with a deadline so a broken peer fails the test
 /// instead of hanging it.
 pub async fn get(store: &TcpStore, key: &str) -> Vec<u8> {

@@ -6,12 +6,11 @@
 //! `op_timeout` is 60 s here, so a failure that arrives within the test's bound (10 s) was
 //! found by the transport. The detection times are printed (`--nocapture`).
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use fabric_async::{Engine, Error, PeerEvent, PeerId, Rendezvous};
 use futures::StreamExt;
-use integration_tests::{fill_pattern, get, get_str, hash, providers, skipped, store, Peer};
+use integration_tests::{fill_pattern, get, get_str, hash, providers, run_child_test, skipped, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 const CHUNK: usize = 32 << 10;
@@ -84,31 +83,10 @@ async fn shm_without_cma_too() {
         skipped("shm_without_cma_too", "shm is not among FABRIC_TEST_PROVIDERS");
         return;
     }
-    // Its output goes to files, not pipes: the peers it starts inherit them, and would hold
-    // a pipe open past the child's end.
-    let path =
-        |what: &str| std::env::temp_dir().join(format!("fabric-shm-no-cma-{}.{what}", std::process::id()));
-    let (out_path, err_path) = (path("out"), path("err"));
-    let file = |p: &std::path::Path| std::fs::File::create(p).expect("create the child's output file");
-    let child = std::process::Command::new(std::env::current_exe().unwrap())
-        .env("FI_SHM_DISABLE_CMA", "1")
-        .args(["--ignored", "--exact", "shm_without_cma_child", "--nocapture", "--test-threads", "1"])
-        .stdin(Stdio::null())
-        .stdout(file(&out_path))
-        .stderr(file(&err_path))
-        .spawn()
-        .expect("run the child test");
     // Bounded: a child stuck for good (a reactor thread spinning on a lock its dead peer
     // left held, docs/faults.md) is killed and fails this test instead of hanging the suite.
-    let mut child = Peer::from_child(child);
-    let ok = child.wait_success(CHILD_BOUND).await;
-    drop(child);
-    let read = |p: &std::path::Path| {
-        let s = std::fs::read_to_string(p).unwrap_or_default();
-        let _ = std::fs::remove_file(p);
-        s
-    };
-    let (stdout, stderr) = (read(&out_path), read(&err_path));
+    let env = [("FI_SHM_DISABLE_CMA", "1".to_string())];
+    let (ok, stdout, stderr) = run_child_test("shm_without_cma_child", "shm-no-cma", &env, CHILD_BOUND).await;
     println!("{stdout}");
     assert!(ok, "the child test failed or did not end within {CHILD_BOUND:?} (killed): {stdout}\n{stderr}");
     assert!(stdout.contains("1 passed"), "the child ran: {stdout}");

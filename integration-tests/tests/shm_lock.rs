@@ -23,13 +23,12 @@
 //! `scripts/libfabric-source.sh`); it prints the libfabric library the child loaded and
 //! `k of N attempts spun`. It asserts nothing about the count: it measures.
 
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_async::Engine;
-use integration_tests::{get, store, Peer};
+use integration_tests::{get, run_child_test, store, Peer};
 
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 /// The write size: `FABRIC_SHM_LOCK_CHUNK` bytes, 1 MiB by default (copied by the target
@@ -57,29 +56,12 @@ async fn shm_killed_receiver() {
     let mut lib = String::new();
     let started = Instant::now();
     for i in 0..attempts {
-        let path = |what: &str| {
-            std::env::temp_dir().join(format!("fabric-shm-lock-{}-{i}.{what}", std::process::id()))
-        };
-        let (out_path, err_path) = (path("out"), path("err"));
-        let file = |p: &std::path::Path| std::fs::File::create(p).expect("create the child's output file");
-        let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .env("FABRIC_SHM_LOCK_CHILD", "1")
-            .env("FABRIC_SHM_LOCK_SEED", format!("{}", i as u64 * 7919 + std::process::id() as u64))
-            .args(["--ignored", "--exact", "shm_lock_attempt", "--nocapture", "--test-threads", "1"])
-            .stdin(Stdio::null())
-            .stdout(file(&out_path))
-            .stderr(file(&err_path))
-            .spawn()
-            .expect("run the child test");
-        let mut child = Peer::from_child(child);
-        let exited = child.wait_success(CHILD_BOUND).await;
-        drop(child);
-        let read = |p: &std::path::Path| {
-            let s = std::fs::read_to_string(p).unwrap_or_default();
-            let _ = std::fs::remove_file(p);
-            s
-        };
-        let (stdout, stderr) = (read(&out_path), read(&err_path));
+        let env = [
+            ("FABRIC_SHM_LOCK_CHILD", "1".to_string()),
+            ("FABRIC_SHM_LOCK_SEED", format!("{}", i as u64 * 7919 + std::process::id() as u64)),
+        ];
+        let (exited, stdout, stderr) =
+            run_child_test("shm_lock_attempt", &format!("shm-lock-{i}"), &env, CHILD_BOUND).await;
         // (The harness's "test shm_lock_attempt ... " may begin the same line.)
         let after = |key: &str| stdout.lines().find_map(|l| l.split_once(key).map(|(_, v)| v.to_string()));
         let verdict = after("verdict: ").unwrap_or_default();
