@@ -231,7 +231,7 @@ fn exercise(provider: &str) -> (Side, Side, PeerHandle, PeerHandle) {
                 Completion::Done { token } | Completion::Recv { token, .. } => {
                     assert!(seen.insert(*token), "token {token} completed twice");
                 }
-                Completion::Failed { token, errno, message } => {
+                Completion::Failed { token, errno, message, .. } => {
                     panic!("token {token} failed: {message} ({errno})")
                 }
                 Completion::Imm { .. } => {}
@@ -470,14 +470,14 @@ fn bad_remote_key(provider: &str, read: bool) -> Completion {
 fn bad_remote_key_gives_one_completion() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     match bad_remote_key("tcp", true) {
-        Completion::Failed { token: 9, errno, message } => {
+        Completion::Failed { token: 9, errno, message, .. } => {
             assert!(errno > 0, "errno {errno}");
             assert!(!message.is_empty());
         }
         other => panic!("tcp read with a bad key gave {other:?}"),
     }
     match bad_remote_key("tcp", false) {
-        Completion::Failed { token: 9, errno, message } => {
+        Completion::Failed { token: 9, errno, message, .. } => {
             assert!(errno > 0, "errno {errno}");
             assert!(!message.is_empty());
         }
