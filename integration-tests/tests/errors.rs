@@ -110,13 +110,27 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
     let forged = a.remote_region(&desc.to_bytes()).await.unwrap();
     let e = bounded(a.write(&src, 0, &forged, 0, 64)).await.unwrap_err();
     match &e {
-        Error::Completion { op: "write", message, .. } => assert!(!message.is_empty()),
+        Error::Completion { op: "write", message, .. } | Error::RemoteAccess { op: "write", message, .. } => {
+            assert!(!message.is_empty())
+        }
         other => panic!("expected a completion error, got {other}"),
+    }
+    if primary().starts_with("verbs") {
+        assert!(matches!(e, Error::RemoteAccess { .. }), "verbs: a remote access error: {e}");
     }
     // On tcp the target's provider drops the connection that carried the bad key, so this
     // peer may now be marked failed: later operations get a typed error, never a hang.
     if let Err(e) = bounded(a.imm(&forged, 9)).await {
-        assert!(matches!(e, Error::PeerUnreachable { .. } | Error::Completion { .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                Error::PeerUnreachable { .. }
+                    | Error::Completion { .. }
+                    | Error::RemoteAccess { .. }
+                    | Error::ConnectionLost { .. }
+            ),
+            "{e}"
+        );
     }
     // The target itself is fine: a fresh engine writes to it.
     let c = Engine::builder().provider(primary()).build().unwrap();
@@ -134,9 +148,10 @@ async fn bad_remote_key_is_a_completion_error_with_the_providers_message() {
 }
 
 /// A bad key among many writes in flight to one peer: every operation resolves, each with
-/// success or a typed error (never a hang, never an untyped one). On verbs the bad write kills
-/// the RC queue pair, so every write queued behind it fails, as `PeerUnreachable` naming
-/// the first cause, and the peer is marked failed.
+/// success or a typed error (never a hang, never an untyped one). On verbs the bad write
+/// fails as `RemoteAccess` and kills the RC queue pair, so the writes queued behind it on
+/// that queue pair fail as `ConnectionLost` naming the first cause (or succeed, if they were
+/// posted on the re-established one); the peer stays up and a later operation succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_in_flight_behind_a_bad_key_get_typed_errors() {
     let (_server, store, addr) = store().await;
@@ -153,19 +168,29 @@ async fn writes_in_flight_behind_a_bad_key_get_typed_errors() {
     writes.extend((1..=32u64).map(|i| a.write(&src, i * 16384, &good, i * 16384, 16384)));
     let results = bounded(futures::future::join_all(writes)).await;
     let typed = |r: &Result<(), Error>| {
-        matches!(r, Ok(()) | Err(Error::Completion { .. } | Error::PeerUnreachable { .. }))
+        matches!(
+            r,
+            Ok(())
+                | Err(Error::Completion { .. }
+                    | Error::PeerUnreachable { .. }
+                    | Error::RemoteAccess { .. }
+                    | Error::ConnectionLost { .. })
+        )
     };
     assert!(results.iter().all(typed), "{results:?}");
     assert!(results[1].is_err(), "the bad key is reported: {:?}", results[1]);
     if primary().starts_with("verbs") {
+        assert!(matches!(results[1], Err(Error::RemoteAccess { .. })), "{:?}", results[1]);
         for (i, r) in results.iter().enumerate().skip(2) {
             match r {
-                Err(Error::PeerUnreachable { message, .. }) => assert!(!message.is_empty()),
+                Ok(()) => {}
+                Err(Error::ConnectionLost { message, .. }) => {
+                    assert!(message.contains("remote access"), "names the first cause: {message}")
+                }
                 other => panic!("write {i} behind the bad key: {other:?}"),
             }
         }
-        let e = bounded(a.imm(&good, 1)).await.unwrap_err();
-        assert!(matches!(e, Error::PeerUnreachable { .. }), "the peer is marked failed: {e}");
+        bounded(a.imm(&good, 1)).await.expect("the peer stays up: a later operation succeeds");
     }
     store.put("target/exit", vec![]).await.unwrap();
     assert!(peer.wait_success(Duration::from_secs(20)).await);

@@ -61,7 +61,13 @@ async fn stale_descriptor_never_lands_in_a_reused_region() {
                 assert!(all_zero(r), "{p} {len}: round {round}: the stale write landed in new region {j}");
             }
             assert!(
-                matches!(r, Err(Error::Completion { .. } | Error::PeerUnreachable { .. })),
+                matches!(
+                    r,
+                    Err(Error::Completion { .. }
+                        | Error::PeerUnreachable { .. }
+                        | Error::RemoteAccess { .. }
+                        | Error::ConnectionLost { .. })
+                ),
                 "{p} {len}: round {round}: a write through a stale descriptor: {r:?}"
             );
         }
