@@ -120,6 +120,9 @@ async fn bad_remote_key_fails_that_operation_and_the_peer_stays_up() {
         }
         other => panic!("expected ConnectionLost or RemoteAccess, got {other}"),
     }
+    if primary().starts_with("verbs") {
+        assert!(matches!(e, Error::RemoteAccess { .. }), "verbs: a remote access error: {e}");
+    }
     if let Err(e) = bounded(a.imm(&forged, 9)).await {
         assert!(matches!(e, Error::ConnectionLost { .. } | Error::RemoteAccess { .. }), "{e}");
     }
@@ -161,6 +164,21 @@ async fn writes_in_flight_behind_a_bad_key_get_typed_errors() {
     };
     assert!(results.iter().all(typed), "{results:?}");
     assert!(results[1].is_err(), "the bad key is reported: {:?}", results[1]);
+    if primary().starts_with("verbs") {
+        // The bad write kills the RC queue pair: the writes queued behind it on that queue
+        // pair fail as `ConnectionLost` naming the first cause, or succeed if they were
+        // posted on the re-established one.
+        assert!(matches!(results[1], Err(Error::RemoteAccess { .. })), "{:?}", results[1]);
+        for (i, r) in results.iter().enumerate().skip(2) {
+            match r {
+                Ok(()) => {}
+                Err(Error::ConnectionLost { message, .. }) => {
+                    assert!(message.contains("remote access"), "names the first cause: {message}")
+                }
+                other => panic!("write {i} behind the bad key: {other:?}"),
+            }
+        }
+    }
     bounded(a.imm(&good, 1)).await.expect("the peer is not marked down");
     store.put("target/exit", vec![]).await.unwrap();
     assert!(peer.wait_success(Duration::from_secs(20)).await);

@@ -28,6 +28,7 @@
 //! | 28 UD Q_Key         u32      |       | 52 echo QPN (REP)   u32      |
 //! | 32 max message size u32      |       | 56 message QPN      u32      |
 //! +------------------------------+       | 60 message PSN      u32      |
+//!                                        | 64 epoch            u32      |
 //!                                        +------------------------------+
 //! ```
 //!
@@ -38,9 +39,11 @@ use crate::error::Error;
 
 const ADDR_MAGIC: [u8; 4] = *b"FVRB";
 /// Version of the address and of the handshake it implies. 2: two RC QPs per peer (data +
-/// message), both QPNs and PSNs in REQ/REP. A peer of another version is refused by
+/// message), both QPNs and PSNs in REQ/REP. 3: the handshake carries the connection's epoch
+/// (a connection torn down by a bad remote access is re-established with the next one). A
+/// peer of another version is refused by
 /// [`PeerAddr::decode`] (so the backend's `add_peer` fails at once instead of hanging).
-pub const ADDR_VERSION: u8 = 2;
+pub const ADDR_VERSION: u8 = 3;
 /// Bytes of an encoded [`PeerAddr`].
 pub const ADDR_LEN: usize = 36;
 
@@ -116,7 +119,7 @@ impl PeerAddr {
 
 const HS_MAGIC: [u8; 4] = *b"FVHS";
 /// Bytes of an encoded [`Handshake`].
-pub const HANDSHAKE_LEN: usize = 4 + 4 + ADDR_LEN + 20;
+pub const HANDSHAKE_LEN: usize = 4 + 4 + ADDR_LEN + 24;
 
 /// Which handshake message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +144,10 @@ pub struct Handshake {
     /// The sender's message RC QP number and initial packet sequence number.
     pub msg_qpn: u32,
     pub msg_psn: u32,
+    /// The connection's epoch: 0 for the first connection between two domains, one more
+    /// each time either side re-establishes it (new QPs). A REQ of a lower epoch than the
+    /// receiver's is stale; one of a higher epoch replaces the receiver's QPs.
+    pub epoch: u32,
 }
 
 impl Handshake {
@@ -157,6 +164,7 @@ impl Handshake {
         b[o + 8..o + 12].copy_from_slice(&self.echo_qpn.to_be_bytes());
         b[o + 12..o + 16].copy_from_slice(&self.msg_qpn.to_be_bytes());
         b[o + 16..o + 20].copy_from_slice(&self.msg_psn.to_be_bytes());
+        b[o + 20..o + 24].copy_from_slice(&self.epoch.to_be_bytes());
         b
     }
 
@@ -189,6 +197,7 @@ impl Handshake {
             echo_qpn: be32(o + 8),
             msg_qpn: be32(o + 12),
             msg_psn: be32(o + 16),
+            epoch: be32(o + 20),
         })
     }
 }
@@ -214,6 +223,7 @@ mod tests {
             echo_qpn: 77,
             msg_qpn: 0x123457,
             msg_psn: 0x0fedcb,
+            epoch: 0x0102_0304,
         }
     }
 
@@ -228,16 +238,17 @@ mod tests {
     #[test]
     fn encodings_are_big_endian_at_fixed_offsets() {
         let b = addr().encode();
-        assert_eq!(&b[..6], b"FVRB\x02\x03");
+        assert_eq!(&b[..6], b"FVRB\x03\x03");
         assert_eq!(&b[24..28], &[0, 0, 0, 0x11]);
         assert_eq!(&b[28..32], &[0x1f, 0x4b, 0x56, 0x42]);
         assert_eq!(&b[32..36], &[0, 0, 0x20, 0]);
         let h = handshake().encode();
-        assert_eq!(h.len(), 64);
-        assert_eq!(&h[..8], b"FVHS\x02\x02\0\0");
+        assert_eq!(h.len(), 68);
+        assert_eq!(&h[..8], b"FVHS\x03\x02\0\0");
         assert_eq!(&h[8..44], addr().encode().as_slice());
         assert_eq!(&h[44..48], &[0, 0x12, 0x34, 0x56]);
         assert_eq!(&h[60..64], &[0, 0x0f, 0xed, 0xcb]);
+        assert_eq!(&h[64..68], &[1, 2, 3, 4]);
     }
 
     #[test]
@@ -284,13 +295,19 @@ mod tests {
         b[5] = 3;
         assert!(Handshake::decode(&b).is_err());
         assert!(Handshake::decode(&b[..10]).is_err());
-        // A handshake of another version (v1: one QP per peer) is refused by name.
-        let mut b = m.encode();
-        b[4] = 1;
-        match Handshake::decode(&b) {
-            Err(Error::Malformed { reason, .. }) => assert!(reason.starts_with("version 1"), "{reason}"),
-            other => panic!("{other:?}"),
+        // A handshake of another version (v1: one QP per peer; v2: no epoch) is refused by
+        // name, and a v2-sized message (64 bytes, no epoch) is too short.
+        for v in [1, 2] {
+            let mut b = m.encode();
+            b[4] = v;
+            match Handshake::decode(&b) {
+                Err(Error::Malformed { reason, .. }) => {
+                    assert!(reason.starts_with(&format!("version {v}")), "{reason}")
+                }
+                other => panic!("{other:?}"),
+            }
         }
+        assert!(Handshake::decode(&m.encode()[..64]).is_err());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rdma_sys as sys;
 
-use super::error::{check, os_error, status_errno, status_str};
+use super::error::{check, os_error, status_class, status_errno, status_str, StatusClass};
 use super::handshake::HANDSHAKE_RETRY;
 use super::qp::{ChainedWr, Lane, PeerState};
 use super::{VerbsDomain, TRANSPORT, WR_IMM_RECV, WR_KIND_MASK, WR_MSG_RECV, WR_OP, WR_UD_RECV, WR_UD_SEND};
@@ -77,28 +77,13 @@ impl VerbsDomain {
                 };
                 self.free_ops.push(index as u32);
                 self.outstanding -= 1;
-                self.peers[peer].lane(lane).outstanding -= 1;
+                let retired = self.op_completed(peer, wc.qp_num);
                 if ok {
                     self.ready.push_back(Completion::Done { token });
-                } else {
-                    let message = format!("{} (vendor error {:#x})", status_str(wc.status), wc.vendor_err);
-                    let (errno, message) = if wc.status == sys::ibv_wc_status::IBV_WC_WR_FLUSH_ERR {
-                        // Flushed because the QP went to the error state earlier: the
-                        // connection to this peer is gone (ECONNRESET, so the engine reports
-                        // `PeerUnreachable` and marks the peer failed), with the first cause.
-                        let cause = match &self.peers[peer].state {
-                            PeerState::Failed(m) => m.clone(),
-                            _ => "the queue pair left the ready state".into(),
-                        };
-                        (libc::ECONNRESET, format!("{message}: {cause}"))
-                    } else {
-                        // Any error completion moves an RC QP to the error state.
-                        self.fail_peer(peer, format!("queue pair failed: {message}"));
-                        (status_errno(wc.status), message)
-                    };
-                    let cause = FailCause::of_errno(errno);
-                    self.ready.push_back(Completion::Failed { token, errno, message, cause });
+                    return;
                 }
+                let (errno, message, cause) = self.op_failed(peer, lane, &wc, retired);
+                self.ready.push_back(Completion::Failed { token, errno, message, cause });
             }
             WR_IMM_RECV => {
                 // A zero-length entry: it only ever completes a peer's write with immediate.
@@ -128,6 +113,58 @@ impl VerbsDomain {
             WR_UD_RECV => self.ud_recv_done(index, &wc, ok),
             WR_UD_SEND => self.ud_send_done(index, &wc, ok),
             _ => tracing::warn!(wr_id = wc.wr_id, "completion with a foreign wr_id; skipped"),
+        }
+    }
+
+    /// What a failed work completion of an operation on `peer`'s `lane` means (see "Faults"
+    /// in the module docs), and what follows from it: the QP is replaced (a bad access or a
+    /// bad request: the operation fails alone) or the peer fails (it is unreachable).
+    /// `retired` is the retirement cause of the QP it completed on, if that QP was replaced.
+    fn op_failed(
+        &mut self,
+        peer: usize,
+        lane: Lane,
+        wc: &Wc,
+        retired: Option<String>,
+    ) -> (i32, String, FailCause) {
+        let message = format!("{} (vendor error {:#x})", status_str(wc.status), wc.vendor_err);
+        if let Some(first) = retired {
+            // Posted on a QP that was torn down and replaced since: lost with it.
+            return (
+                libc::ECONNRESET,
+                format!("{message}: lost with the connection: {first}"),
+                FailCause::ConnectionLost,
+            );
+        }
+        match status_class(wc.status) {
+            StatusClass::Flushed => match &self.peers[peer].state {
+                // Flushed behind the failure that lost the peer.
+                PeerState::Failed(m) => (libc::ECONNRESET, format!("{message}: {m}"), FailCause::PeerLost),
+                _ => {
+                    // The QP went to the error state with no error completion here: the
+                    // peer's side of a refused access tore the connection down.
+                    let first = "the queue pair left the ready state (torn down by the peer's side)";
+                    self.reconnect(peer, lane, first);
+                    (
+                        libc::ECONNRESET,
+                        format!("{message}: lost with the connection: {first}"),
+                        FailCause::ConnectionLost,
+                    )
+                }
+            },
+            StatusClass::PeerLost => {
+                self.fail_peer(peer, format!("queue pair failed: {message}"));
+                (status_errno(wc.status), message, FailCause::PeerLost)
+            }
+            class => {
+                // This operation's own failure. The QP is in the error state now (both sides'
+                // QPs, for a refused access): the connection is re-established, and what was
+                // posted behind this operation is flushed and fails `ConnectionLost`.
+                self.reconnect(peer, lane, &format!("an earlier operation failed: {message}"));
+                let cause =
+                    if class == StatusClass::RemoteAccess { FailCause::RemoteAccess } else { FailCause::Op };
+                (status_errno(wc.status), message, cause)
+            }
         }
     }
 
@@ -162,8 +199,11 @@ impl VerbsDomain {
         let Some(p) = self.peers.get_mut(peer as usize) else {
             return fail(Error::UnknownPeer { peer: peer as u32 });
         };
+        let lane = if matches!(op, Op::Send { .. }) { Lane::Msg } else { Lane::Data };
         match &p.state {
-            PeerState::Connected { .. } => {}
+            PeerState::Connected => {}
+            // While one lane is re-established, the other carries on.
+            PeerState::Connecting { .. } if p.ready(lane) => {}
             PeerState::Connecting { since, .. } => {
                 if since.elapsed() < self.cfg.connect_timeout {
                     return Err(PostError::Again);
@@ -174,7 +214,6 @@ impl VerbsDomain {
             }
             PeerState::Failed(_) => return self.post_send_op_failed(peer),
         }
-        let lane = if matches!(op, Op::Send { .. }) { Lane::Msg } else { Lane::Data };
         if p.qps[lane as usize].outstanding >= self.sq_depth || self.outstanding >= self.max_outstanding {
             return Err(PostError::Again);
         }
@@ -261,7 +300,8 @@ impl VerbsDomain {
     unsafe fn flush_qp(&mut self, idx: usize, lane: Lane) {
         let p = self.peers[idx].lane(lane);
         let n = p.chain.len();
-        if n == 0 {
+        if n == 0 || p.remote_qpn.is_none() {
+            // A fresh QP (being connected) keeps its chain until it is in RTS.
             return;
         }
         let base = p.chain.as_mut_ptr();
@@ -295,7 +335,7 @@ impl VerbsDomain {
         };
         for wr_id in refused {
             let index = (wr_id & !WR_OP) as usize;
-            if let Some((token, peer, lane)) = self.ops.get_mut(index).and_then(Option::take) {
+            if let Some((token, peer, _)) = self.ops.get_mut(index).and_then(Option::take) {
                 self.free_ops.push(index as u32);
                 self.peers[peer].lane(lane).outstanding -= 1;
                 self.outstanding -= 1;
@@ -357,6 +397,18 @@ impl Domain for VerbsDomain {
         let idx = self.new_peer(remote, PeerState::Connecting { since: Instant::now(), last: None })?;
         self.drive_handshakes(Instant::now());
         Ok(idx as PeerHandle)
+    }
+
+    /// See [`VerbsDomain`]'s "Faults": both QPs are replaced and the handshake runs again
+    /// (with the next epoch); `Ok` at once, and posts to the peer answer [`PostError::Again`]
+    /// until it completes, or fail [`Error::PeerUnreachable`] if it has not within
+    /// `connect_timeout` (the peer is failed again: the engine marks it down). `Err` only if
+    /// the QPs cannot be made.
+    fn revive_peer(&mut self, peer: PeerHandle) -> Result<(), Error> {
+        if (peer as usize) >= self.peers.len() {
+            return Err(Error::UnknownPeer { peer: peer as u32 });
+        }
+        self.revive(peer as usize)
     }
 
     unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {

@@ -280,7 +280,13 @@ impl VerbsDomain {
 
     /// Whether the connection to `peer` is up (for tests and diagnostics).
     pub fn is_connected(&self, peer: PeerHandle) -> bool {
-        self.peers.get(peer as usize).is_some_and(|p| matches!(p.state, PeerState::Connected { .. }))
+        self.peers.get(peer as usize).is_some_and(|p| matches!(p.state, PeerState::Connected))
+    }
+
+    /// The epoch of the connection to `peer`: how many times it has been re-established
+    /// (for tests and diagnostics; see "Faults" in the module docs).
+    pub fn connection_epoch(&self, peer: PeerHandle) -> Option<u32> {
+        self.peers.get(peer as usize).map(|p| p.epoch)
     }
 }
 

@@ -54,6 +54,41 @@ pub(super) fn status_errno(status: u32) -> i32 {
     }
 }
 
+/// How far a failed work completion's status reaches (see "Faults" in the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StatusClass {
+    /// Flushed: the QP had already gone to the error state (an earlier failure, or ours).
+    Flushed,
+    /// The responder refused this operation's remote key or range: the operation fails with
+    /// `RemoteAccess`; the QPs on both sides went to the error state and are replaced.
+    RemoteAccess,
+    /// This operation was bad (a local protection or length error, an invalid request or a
+    /// remote operation error): it fails on its own; the QP went to the error state and is
+    /// replaced.
+    Op,
+    /// The peer is unreachable (transport or RNR retries exceeded, no response, aborted,
+    /// or a status we do not know): the peer is lost.
+    PeerLost,
+}
+
+/// The class of a failed (not `IBV_WC_SUCCESS`) work completion status.
+pub(super) fn status_class(status: u32) -> StatusClass {
+    use sys::ibv_wc_status::*;
+    match status {
+        IBV_WC_WR_FLUSH_ERR => StatusClass::Flushed,
+        IBV_WC_REM_ACCESS_ERR => StatusClass::RemoteAccess,
+        IBV_WC_LOC_LEN_ERR
+        | IBV_WC_LOC_QP_OP_ERR
+        | IBV_WC_LOC_PROT_ERR
+        | IBV_WC_LOC_ACCESS_ERR
+        | IBV_WC_MW_BIND_ERR
+        | IBV_WC_REM_INV_REQ_ERR
+        | IBV_WC_REM_OP_ERR
+        | IBV_WC_BAD_RESP_ERR => StatusClass::Op,
+        _ => StatusClass::PeerLost,
+    }
+}
+
 pub(super) fn status_str(status: u32) -> String {
     // SAFETY: ibv_wc_status_str accepts any value and returns a static NUL-terminated string.
     let p = unsafe { sys::ibv_wc_status_str(status) };
@@ -75,6 +110,15 @@ mod tests {
         assert_eq!(status_errno(IBV_WC_REM_ACCESS_ERR), libc::EACCES);
         assert_eq!(status_errno(IBV_WC_WR_FLUSH_ERR), libc::ECANCELED);
         assert!(!status_str(IBV_WC_REM_ACCESS_ERR).is_empty());
+        assert_eq!(status_class(IBV_WC_REM_ACCESS_ERR), StatusClass::RemoteAccess);
+        assert_eq!(status_class(IBV_WC_WR_FLUSH_ERR), StatusClass::Flushed);
+        assert_eq!(status_class(IBV_WC_REM_INV_REQ_ERR), StatusClass::Op);
+        // A dead peer: the peer_death tests rely on these failing the peer.
+        for s in
+            [IBV_WC_RETRY_EXC_ERR, IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_RESP_TIMEOUT_ERR, IBV_WC_REM_ABORT_ERR]
+        {
+            assert_eq!(status_class(s), StatusClass::PeerLost, "{}", status_str(s));
+        }
         assert!(check("x", 0).is_ok());
         assert!(
             matches!(check("x", libc::ENOMEM), Err(Error::Provider { errno, .. }) if errno == libc::ENOMEM)

@@ -87,7 +87,17 @@ impl VerbsDomain {
     /// A handshake message (REQ or REP) carrying both of our QPs.
     fn handshake(&self, peer: usize, kind: HsKind, echo_qpn: u32) -> Handshake {
         let [d, m] = &self.peers[peer].qps;
-        Handshake { kind, from: self.me, qpn: d.qpn, psn: d.psn, echo_qpn, msg_qpn: m.qpn, msg_psn: m.psn }
+        let epoch = self.peers[peer].epoch;
+        Handshake {
+            kind,
+            from: self.me,
+            qpn: d.qpn,
+            psn: d.psn,
+            echo_qpn,
+            msg_qpn: m.qpn,
+            msg_psn: m.psn,
+            epoch,
+        }
     }
 
     /// Answers a REQ from `peer` with a REP echoing its data QPN.
@@ -96,7 +106,7 @@ impl VerbsDomain {
         self.send_handshake(peer, msg);
     }
 
-    /// Acts on a REQ or REP (see "Connection setup" in the module docs).
+    /// Acts on a REQ or REP (see "Connection setup" and "Faults" in the module docs).
     fn on_handshake(&mut self, msg: Handshake) {
         let from = msg.from;
         let known = self.peer_by_addr.get(&from).copied();
@@ -108,39 +118,59 @@ impl VerbsDomain {
                         from,
                         PeerState::Connecting { since: Instant::now(), last: Some(Instant::now()) },
                     )
-                    .and_then(|idx| self.connect(idx, &msg).map(|()| idx));
+                    .and_then(|idx| self.accept(idx, &msg, false).map(|()| idx));
                 match r {
                     Ok(idx) => self.reply(idx, msg.qpn),
                     Err(e) => tracing::warn!(error = %e, "accepting a verbs connection failed"),
                 }
             }
-            (HsKind::Req, Some(idx)) => match self.peers[idx].state.clone() {
-                PeerState::Connected { remote_qpn, remote_msg_qpn }
-                    if remote_qpn == msg.qpn && remote_msg_qpn == msg.msg_qpn =>
-                {
-                    self.reply(idx, msg.qpn)
-                }
-                PeerState::Connected { remote_qpn, .. } => tracing::warn!(
-                    remote_qpn,
-                    req_qpn = msg.qpn,
-                    "REQ from a connected peer for another QP (peer restarted?); ignored"
-                ),
-                PeerState::Connecting { .. } => {
-                    // Simultaneous open: the larger address accepts, the smaller one waits for
-                    // the REP to its own REQ.
-                    if self.address.as_slice() >= from.encode().as_slice() {
-                        match self.connect(idx, &msg) {
-                            Ok(()) => self.reply(idx, msg.qpn),
-                            Err(e) => self.fail_peer(idx, format!("connecting the QP failed: {e}")),
+            (HsKind::Req, Some(idx)) => {
+                let p = &self.peers[idx];
+                let accept = if msg.epoch < p.epoch {
+                    // Stale: from before the connection was last re-established.
+                    tracing::debug!(epoch = msg.epoch, ours = p.epoch, "stale verbs REQ; ignored");
+                    false
+                } else if msg.epoch > p.epoch {
+                    // The peer re-established the connection (or revived us): follow it.
+                    true
+                } else {
+                    match p.state {
+                        PeerState::Connected => {
+                            if p.qps[0].remote_qpn == Some(msg.qpn)
+                                && p.qps[1].remote_qpn == Some(msg.msg_qpn)
+                            {
+                                // A duplicated or late REQ for the QPs we are connected to.
+                                self.reply(idx, msg.qpn);
+                            } else {
+                                tracing::warn!(
+                                    epoch = msg.epoch,
+                                    req_qpn = msg.qpn,
+                                    "REQ from a connected peer for other QPs in the same epoch; ignored"
+                                );
+                            }
+                            false
                         }
+                        // Simultaneous open (or both sides re-establishing at once): the
+                        // larger address accepts, the smaller one waits for the REP to its own
+                        // REQ.
+                        PeerState::Connecting { .. } => self.address.as_slice() >= from.encode().as_slice(),
+                        PeerState::Failed(_) => false,
+                    }
+                };
+                if accept {
+                    match self.accept(idx, &msg, false) {
+                        Ok(()) => self.reply(idx, msg.qpn),
+                        Err(e) => self.fail_peer(idx, format!("connecting the QP failed: {e}")),
                     }
                 }
-                PeerState::Failed(_) => {}
-            },
+            }
             (HsKind::Rep, Some(idx)) => {
                 let p = &self.peers[idx];
-                if matches!(p.state, PeerState::Connecting { .. }) && msg.echo_qpn == p.qps[0].qpn {
-                    if let Err(e) = self.connect(idx, &msg) {
+                if matches!(p.state, PeerState::Connecting { .. })
+                    && msg.epoch == p.epoch
+                    && msg.echo_qpn == p.qps[0].qpn
+                {
+                    if let Err(e) = self.accept(idx, &msg, true) {
                         self.fail_peer(idx, format!("connecting the QP failed: {e}"));
                     }
                 }

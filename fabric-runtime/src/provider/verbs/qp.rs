@@ -1,6 +1,7 @@
 //! Queue pairs and peers: a peer's two RC QPs (data, message) with their send-side
 //! bookkeeping, the peer's connection state, creating QPs and moving them INIT → RTR → RTS
-//! (or to ERR when the peer fails).
+//! (or to ERR when the peer fails), and replacing a QP that the transport tore down (the
+//! old one is retired: kept until its work requests have completed, then destroyed).
 
 use std::ffi::c_int;
 use std::ptr;
@@ -19,15 +20,11 @@ use crate::pure::verbs_wire::{Handshake, PeerAddr};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum PeerState {
     /// Our REQ is out; `last` is when it was last sent.
-    Connecting {
-        since: Instant,
-        last: Option<Instant>,
-    },
-    /// Both QPs are in RTS, towards the peer's data QP `remote_qpn` and message QP.
-    Connected {
-        remote_qpn: u32,
-        remote_msg_qpn: u32,
-    },
+    Connecting { since: Instant, last: Option<Instant> },
+    /// Both QPs are in RTS (each towards the remote QP in its `remote_qpn`).
+    Connected,
+    /// The peer is lost (an error completion that means so, or no answer to the handshake
+    /// within the connect timeout): every QP of it is in the error state.
     Failed(String),
 }
 
@@ -50,6 +47,17 @@ pub(super) struct PeerQp {
     /// Work requests accepted by `post` and not yet handed to the NIC: `flush` links them
     /// and posts them with one `ibv_post_send` (one doorbell per QP for the batch).
     pub(super) chain: Vec<ChainedWr>,
+    /// The remote RC QP this one is connected to (RTR → RTS done); `None` while the QP is
+    /// fresh (INIT, waiting for the handshake): nothing is posted on it then.
+    pub(super) remote_qpn: Option<u32>,
+}
+
+/// A QP replaced by a reconnection, in the error state, kept until every work request
+/// posted on it has completed (flushed), so that no completion is lost; then destroyed.
+pub(super) struct RetiredQp {
+    pub(super) q: PeerQp,
+    /// Why it was replaced: named in the `ConnectionLost` message of each flushed request.
+    pub(super) cause: String,
 }
 
 /// One peer: its two RC QPs, its address and its connection state.
@@ -60,6 +68,11 @@ pub(super) struct Peer {
     pub(super) state: PeerState,
     /// To the peer's UD QP, made on first use.
     pub(super) ah: Option<Ah>,
+    /// The connection's epoch (see "Faults" in the module docs): 0 at first, one more each
+    /// time either side replaces QPs; both sides agree once the handshake completes.
+    pub(super) epoch: u32,
+    /// QPs replaced by reconnections whose work requests have not all completed yet.
+    pub(super) retired: Vec<RetiredQp>,
 }
 
 impl Peer {
@@ -67,8 +80,16 @@ impl Peer {
         &mut self.qps[lane as usize]
     }
 
+    /// Whether a connected QP of the peer has work requests chained for the next `flush`
+    /// (the peer is then in `VerbsDomain::chained`). A fresh QP's chain (moved there from the
+    /// QP it replaced) waits until the QP is connected, and does not count until then.
     pub(super) fn has_chain(&self) -> bool {
-        self.qps.iter().any(|q| !q.chain.is_empty())
+        self.qps.iter().any(|q| q.remote_qpn.is_some() && !q.chain.is_empty())
+    }
+
+    /// Whether `lane`'s QP is connected (in RTS): posts on it go to the NIC.
+    pub(super) fn ready(&self, lane: Lane) -> bool {
+        self.qps[lane as usize].remote_qpn.is_some()
     }
 }
 
@@ -174,7 +195,7 @@ impl VerbsDomain {
         )?;
         // SAFETY: the QP is live.
         let qpn = unsafe { (*qp.as_ptr()).qp_num };
-        Ok(PeerQp { qp, qpn, psn: random_psn(), outstanding: 0, chain: Vec::new() })
+        Ok(PeerQp { qp, qpn, psn: random_psn(), outstanding: 0, chain: Vec::new(), remote_qpn: None })
     }
 
     /// A new peer with its data QP (on the imm SRQ) and message QP (on the message SRQ) in
@@ -186,26 +207,150 @@ impl VerbsDomain {
         self.peer_by_addr.insert(remote, idx);
         self.peer_by_qpn.insert(data.qpn, idx);
         self.peer_by_qpn.insert(msg.qpn, idx);
-        self.peers.push(Peer { qps: [data, msg], remote, state, ah: None });
+        self.peers.push(Peer { qps: [data, msg], remote, state, ah: None, epoch: 0, retired: Vec::new() });
         Ok(idx)
     }
 
-    /// Both QPs of `peer`: INIT → RTR → RTS towards the remote data QP `remote_qpn` (from
-    /// `remote_psn`) and message QP `remote_msg_qpn` (from `remote_msg_psn`). The peer is
-    /// Connected only when both are in RTS.
-    pub(super) fn connect(&mut self, peer: usize, msg: &Handshake) -> Result<(), Error> {
+    /// Replaces `lane`'s QP of `peer` with a fresh one (INIT): the old one goes to the error
+    /// state and is retired with `cause` (its posted work requests complete as flushed and
+    /// fail `ConnectionLost` naming `cause`); work requests chained and not yet handed to the
+    /// NIC move to the fresh QP, in order, and are posted once it is connected. Does not
+    /// change the peer's state or epoch.
+    pub(super) fn replace_lane(&mut self, peer: usize, lane: Lane, cause: &str) -> Result<(), Error> {
+        let srq = match lane {
+            Lane::Data => self.imm_srq.clone(),
+            Lane::Msg => self.msg_srq.clone(),
+        };
+        let mut fresh = self.new_rc_qp(&srq)?;
+        self.peer_by_qpn.insert(fresh.qpn, peer);
+        let p = &mut self.peers[peer];
+        let old = &mut p.qps[lane as usize];
+        fresh.chain = std::mem::take(&mut old.chain);
+        fresh.outstanding = fresh.chain.len() as u32;
+        old.outstanding -= fresh.outstanding;
+        let old = std::mem::replace(old, fresh);
+        tracing::info!(peer, old_qpn = old.qpn, qpn = p.qps[lane as usize].qpn, %cause, "verbs QP replaced");
+        move_to_err(&old);
+        if old.outstanding == 0 {
+            self.peer_by_qpn.remove(&old.qpn);
+        } else {
+            p.retired.push(RetiredQp { q: old, cause: cause.to_owned() });
+        }
+        Ok(())
+    }
+
+    /// Re-establishes the connection to `peer` after `lane`'s QP was torn down: the QP is
+    /// replaced, the epoch goes up by one and a REQ goes out at the next `poll` (posts on
+    /// the lane answer `Again` until the REP arrives, and the peer fails if none does within
+    /// the connect timeout). Nothing if the lane is already being re-established or the
+    /// peer has failed; if no QP can be made, the peer fails.
+    pub(super) fn reconnect(&mut self, peer: usize, lane: Lane, cause: &str) {
+        let p = &self.peers[peer];
+        if matches!(p.state, PeerState::Failed(_)) || !p.ready(lane) {
+            return;
+        }
+        if let Err(e) = self.replace_lane(peer, lane, cause) {
+            self.fail_peer(peer, format!("{cause}; re-creating its queue pair failed: {e}"));
+            return;
+        }
+        let p = &mut self.peers[peer];
+        p.epoch = p.epoch.wrapping_add(1);
+        let since = match p.state {
+            PeerState::Connecting { since, .. } => since,
+            _ => Instant::now(),
+        };
+        p.state = PeerState::Connecting { since, last: None };
+        tracing::info!(peer, epoch = p.epoch, %cause, "verbs connection being re-established");
+    }
+
+    /// Decrements the outstanding count of the QP `qpn` of `peer` (current or retired) for
+    /// one completed work request. Returns the retirement cause if the QP is retired (and
+    /// destroys it when that was its last request), `None` for a current QP.
+    pub(super) fn op_completed(&mut self, peer: usize, qpn: u32) -> Option<String> {
+        let p = &mut self.peers[peer];
+        if let Some(q) = p.qps.iter_mut().find(|q| q.qpn == qpn) {
+            q.outstanding = q.outstanding.saturating_sub(1);
+            return None;
+        }
+        let i = p.retired.iter().position(|r| r.q.qpn == qpn)?;
+        let r = &mut p.retired[i];
+        r.q.outstanding = r.q.outstanding.saturating_sub(1);
+        let cause = r.cause.clone();
+        if r.q.outstanding == 0 {
+            let r = p.retired.swap_remove(i);
+            self.peer_by_qpn.remove(&r.q.qpn);
+            tracing::debug!(peer, qpn = r.q.qpn, "retired verbs QP drained; destroyed");
+        }
+        Some(cause)
+    }
+
+    /// Connects `peer`'s QPs to the two that `msg` (a REQ, or the REP to ours) names, lane
+    /// by lane, and adopts its epoch:
+    ///
+    /// * a fresh lane (INIT) goes RTR → RTS towards the named QP;
+    /// * a connected lane already towards the named QP is kept as it is (the other lane was
+    ///   re-established, not this one);
+    /// * a connected lane towards another QP: the peer replaced its side, so ours is replaced
+    ///   too. Answering a REQ, the fresh QP is connected at once (the REP tells the peer its
+    ///   number); reading a REP, it cannot be (the peer has already connected its QP to our
+    ///   old one), so the epoch goes up and the peer stays Connecting: the next REQ carries it.
+    ///
+    /// A failed peer (the other side re-established the connection after a transient outage)
+    /// has all of its QPs replaced first. The peer is Connected when both lanes are.
+    pub(super) fn accept(&mut self, peer: usize, msg: &Handshake, rep: bool) -> Result<(), Error> {
         if msg.msg_qpn == 0 || msg.msg_qpn > 0x00ff_ffff || msg.qpn == 0 || msg.qpn > 0x00ff_ffff {
             return Err(Error::Malformed {
                 what: "verbs handshake",
                 reason: format!("QPNs {:#x} / {:#x} are not 24-bit QP numbers", msg.qpn, msg.msg_qpn),
             });
         }
-        self.connect_qp(peer, Lane::Data, msg.qpn, msg.psn)?;
-        self.connect_qp(peer, Lane::Msg, msg.msg_qpn, msg.msg_psn)?;
-        self.peers[peer].state = PeerState::Connected { remote_qpn: msg.qpn, remote_msg_qpn: msg.msg_qpn };
-        let p = &self.peers[peer];
+        if let PeerState::Failed(m) = &self.peers[peer].state {
+            let cause = format!("the peer re-established the connection after: {m}");
+            for lane in [Lane::Data, Lane::Msg] {
+                self.replace_lane(peer, lane, &cause)?;
+            }
+            self.peers[peer].state =
+                PeerState::Connecting { since: Instant::now(), last: Some(Instant::now()) };
+        }
+        self.peers[peer].epoch = msg.epoch;
+        let mut again = false;
+        for (lane, qpn, psn) in [(Lane::Data, msg.qpn, msg.psn), (Lane::Msg, msg.msg_qpn, msg.msg_psn)] {
+            match self.peers[peer].qps[lane as usize].remote_qpn {
+                None => self.connect_qp(peer, lane, qpn, psn)?,
+                Some(r) if r == qpn => {}
+                Some(_) => {
+                    let e = msg.epoch;
+                    self.replace_lane(
+                        peer,
+                        lane,
+                        &format!("the peer re-established the connection (epoch {e})"),
+                    )?;
+                    if rep {
+                        again = true;
+                    } else {
+                        self.connect_qp(peer, lane, qpn, psn)?;
+                    }
+                }
+            }
+        }
+        // Work requests chained while a lane was being re-established go out at the next flush.
+        if self.peers[peer].has_chain() && !self.chained.contains(&peer) {
+            self.chained.push(peer);
+        }
+        let p = &mut self.peers[peer];
+        if again {
+            p.epoch = p.epoch.wrapping_add(1);
+            let since = match p.state {
+                PeerState::Connecting { since, .. } => since,
+                _ => Instant::now(),
+            };
+            p.state = PeerState::Connecting { since, last: None };
+            return Ok(());
+        }
+        p.state = PeerState::Connected;
         tracing::debug!(
             peer,
+            epoch = p.epoch,
             qpn = p.qps[0].qpn,
             msg_qpn = p.qps[1].qpn,
             remote_qpn = msg.qpn,
@@ -216,7 +361,7 @@ impl VerbsDomain {
     }
 
     /// One QP of `peer`: INIT → RTR → RTS towards the remote RC QP `remote_qpn`.
-    fn connect_qp(&self, peer: usize, lane: Lane, remote_qpn: u32, remote_psn: u32) -> Result<(), Error> {
+    fn connect_qp(&mut self, peer: usize, lane: Lane, remote_qpn: u32, remote_psn: u32) -> Result<(), Error> {
         let p = &self.peers[peer];
         let q = &p.qps[lane as usize];
         // SAFETY: all-zero is a valid ibv_qp_attr.
@@ -257,26 +402,77 @@ impl VerbsDomain {
                 | m::IBV_QP_RNR_RETRY.0
                 | m::IBV_QP_SQ_PSN.0
                 | m::IBV_QP_MAX_QP_RD_ATOMIC.0,
-        )
+        )?;
+        self.peers[peer].qps[lane as usize].remote_qpn = Some(remote_qpn);
+        Ok(())
     }
 
     /// Marks `peer` failed with its first cause and moves both of its QPs to the error
-    /// state: an error completion on one QP fails the peer, so the work still queued on the
-    /// other is flushed too (each completes as `ECONNRESET` naming the cause, see `classify`).
+    /// state: the peer is lost, so the work still queued on either QP is flushed (each
+    /// completes as `ECONNRESET`, `PeerLost`, naming the cause, see `classify`).
     pub(super) fn fail_peer(&mut self, peer: usize, message: String) {
         let p = &mut self.peers[peer];
         if matches!(p.state, PeerState::Failed(_)) {
             return;
         }
         tracing::warn!(peer, %message, "verbs peer failed");
-        p.state = PeerState::Failed(message);
         for q in &p.qps {
-            // SAFETY: all-zero is a valid ibv_qp_attr.
-            let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
-            a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
-            if let Err(e) = modify_qp(&q.qp, &mut a, sys::ibv_qp_attr_mask::IBV_QP_STATE.0) {
-                tracing::debug!(peer, qpn = q.qpn, error = %e, "moving a failed peer's QP to ERR failed");
+            move_to_err(q);
+        }
+        // Work requests chained on a fresh QP (moved from the QP it replaced) never reached
+        // the NIC and never will: they fail now, as the flushed ones do.
+        let unposted: Vec<u64> = p
+            .qps
+            .iter_mut()
+            .filter(|q| q.remote_qpn.is_none())
+            .flat_map(|q| {
+                q.outstanding -= q.chain.len() as u32;
+                q.chain.drain(..).map(|w| w.wr.wr_id)
+            })
+            .collect();
+        for wr_id in unposted {
+            let index = (wr_id & !super::WR_KIND_MASK) as usize;
+            if let Some((token, _, _)) = self.ops.get_mut(index).and_then(Option::take) {
+                self.free_ops.push(index as u32);
+                self.outstanding -= 1;
+                let message = format!("not posted: {message}");
+                let cause = crate::provider::FailCause::PeerLost;
+                self.ready.push_back(crate::provider::Completion::Failed {
+                    token,
+                    errno: libc::ECONNRESET,
+                    message,
+                    cause,
+                });
             }
         }
+        self.peers[peer].state = PeerState::Failed(message);
+    }
+
+    /// Brings back a failed peer (`Domain::revive_peer`): both QPs are replaced, the epoch
+    /// goes up and the handshake starts again; posts answer `Again` until it completes, and
+    /// the peer fails again if it does not within the connect timeout. A peer that has not
+    /// failed is left as it is.
+    pub(super) fn revive(&mut self, peer: usize) -> Result<(), Error> {
+        let PeerState::Failed(m) = &self.peers[peer].state else { return Ok(()) };
+        let cause = format!("the peer was revived after: {m}");
+        for lane in [Lane::Data, Lane::Msg] {
+            self.replace_lane(peer, lane, &cause)?;
+        }
+        let p = &mut self.peers[peer];
+        p.epoch = p.epoch.wrapping_add(1);
+        p.state = PeerState::Connecting { since: Instant::now(), last: None };
+        tracing::info!(peer, epoch = p.epoch, "verbs peer revived; handshaking again");
+        self.drive_handshakes(Instant::now());
+        Ok(())
+    }
+}
+
+/// Moves a QP to the error state (its posted work requests are flushed); failures are logged.
+fn move_to_err(q: &PeerQp) {
+    // SAFETY: all-zero is a valid ibv_qp_attr.
+    let mut a: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    a.qp_state = sys::ibv_qp_state::IBV_QPS_ERR;
+    if let Err(e) = modify_qp(&q.qp, &mut a, sys::ibv_qp_attr_mask::IBV_QP_STATE.0) {
+        tracing::debug!(qpn = q.qpn, error = %e, "moving a QP to ERR failed");
     }
 }

@@ -8,6 +8,7 @@ use rdma_sys as sys;
 
 use super::datapath::Wc;
 use super::error::{check, status_str};
+use super::qp::Lane;
 use super::{VerbsDomain, WR_IMM_RECV, WR_MSG_RECV};
 use crate::provider::Completion;
 
@@ -154,8 +155,15 @@ impl VerbsDomain {
     pub(super) fn recv_failed(&mut self, wc: &Wc) {
         let status = status_str(wc.status);
         tracing::warn!(%status, qpn = wc.qp_num, "a receive failed");
-        if let Some(&p) = self.peer_by_qpn.get(&wc.qp_num) {
-            self.fail_peer(p, format!("receive failed: {status} (vendor error {:#x})", wc.vendor_err));
-        }
+        // The receiving QP went to the error state (the requester's operation was refused
+        // here, e.g. a write with immediate through a bad key): the connection is
+        // re-established, as the requester does. A QP already replaced is left alone.
+        let Some(&p) = self.peer_by_qpn.get(&wc.qp_num) else { return };
+        let lane = match self.peers[p].qps.iter().position(|q| q.qpn == wc.qp_num) {
+            Some(0) => Lane::Data,
+            Some(_) => Lane::Msg,
+            None => return,
+        };
+        self.reconnect(p, lane, &format!("a receive failed: {status} (vendor error {:#x})", wc.vendor_err));
     }
 }
