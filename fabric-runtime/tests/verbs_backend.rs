@@ -649,7 +649,7 @@ fn work_chained_during_a_reconnection_goes_out_on_the_new_queue_pair() {
     }
 }
 
-/// `Domain::revive_peer`: a peer that failed (here: it did not answer the handshake within
+/// `VerbsDomain::reconnect_failed`: a peer that failed (here: it did not answer the handshake within
 /// the connect timeout, as after a transient outage) and answers again is brought back by a
 /// fresh handshake (the next epoch); reviving a connected peer changes nothing.
 #[test]
@@ -684,7 +684,7 @@ fn a_failed_peer_that_answers_again_is_revived() {
     pump(ds, &mut got, |_| t.elapsed() > Duration::from_millis(300));
     assert!(!ds[0].is_connected(hc));
     let t0 = Instant::now();
-    ds[0].revive_peer(hc).expect("revive");
+    ds[0].reconnect_failed(hc).expect("reconnect");
     let data = pattern(77, 64);
     abuf.fill(0, &data);
     post(ds, &mut got, 0, 2, op());
@@ -695,7 +695,7 @@ fn a_failed_peer_that_answers_again_is_revived() {
     let epoch = ds[0].connection_epoch(hc);
     assert_eq!(epoch, Some(1));
     // Reviving a connected peer: nothing happens.
-    ds[0].revive_peer(hc).expect("revive");
+    ds[0].reconnect_failed(hc).expect("reconnect");
     assert_eq!(ds[0].connection_epoch(hc), epoch);
     post(ds, &mut got, 0, 3, op());
     pump(ds, &mut got, |g| has(&g[0], &Completion::Done { token: 3 }));

@@ -72,8 +72,12 @@ async fn bad_remote_access_fails_that_operation_only_and_the_peer_stays_up() {
                         _ => bounded(kind, user.read(&sink, 0, bad, 0, PIECE)).await,
                     };
                     let failed_in = t0.elapsed();
+                    // A dropped region's descriptor is revoked by its owner (docs/faults.md):
+                    // refused before it is posted once the revocation has arrived (`Stale`),
+                    // by the owner's NIC while racing it (`RemoteAccess`).
+                    let revoked = what == "dropped region" && matches!(r, Err(Error::Stale { .. }));
                     assert!(
-                        matches!(r, Err(Error::RemoteAccess { .. })),
+                        revoked || matches!(r, Err(Error::RemoteAccess { .. })),
                         "{p}: round {round}: a {kind} through a {what}: {r:?}"
                     );
                     assert!(
@@ -118,7 +122,7 @@ async fn bad_remote_access_fails_that_operation_only_and_the_peer_stays_up() {
         let max = |v: &[Duration]| v.iter().max().copied().unwrap_or_default();
         let mean = |v: &[Duration]| v.iter().sum::<Duration>() / v.len().max(1) as u32;
         eprintln!(
-            "{p}: bad access -> Error::RemoteAccess: mean {:?}, max {:?} (18 ops); live write_imm + its immediate \
+            "{p}: bad access -> Error::RemoteAccess (or Stale once revoked): mean {:?}, max {:?} (18 ops); live write_imm + its immediate \
              right after (connection re-established): mean {:?}, max {:?}",
             mean(&fail_times),
             max(&fail_times),

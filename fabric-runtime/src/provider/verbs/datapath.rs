@@ -399,16 +399,19 @@ impl Domain for VerbsDomain {
         Ok(idx as PeerHandle)
     }
 
-    /// See [`VerbsDomain`]'s "Faults": both QPs are replaced and the handshake runs again
-    /// (with the next epoch); `Ok` at once, and posts to the peer answer [`PostError::Again`]
-    /// until it completes, or fail [`Error::PeerUnreachable`] if it has not within
-    /// `connect_timeout` (the peer is failed again: the engine marks it down). `Err` only if
-    /// the QPs cannot be made.
+    /// Refused: the engine brings a peer back only if it answers *now*, and on verbs that
+    /// takes a handshake round trip, which this call cannot wait for on the reactor thread
+    /// (and a dead peer's would time out). So a verbs peer marked down stays down, as before
+    /// (`Error::Stale` for its descriptors); [`VerbsDomain::reconnect_failed`] is the backend half of
+    /// an asynchronous revival (fresh QPs and a handshake), for when the engine can wait for
+    /// its outcome.
     fn revive_peer(&mut self, peer: PeerHandle) -> Result<(), Error> {
         if (peer as usize) >= self.peers.len() {
             return Err(Error::UnknownPeer { peer: peer as u32 });
         }
-        self.revive(peer as usize)
+        Err(Error::Unsupported(
+            "verbs: whether a peer marked down answers again takes a handshake; add it again once it restarted (a new incarnation)".into(),
+        ))
     }
 
     unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {

@@ -283,6 +283,19 @@ impl VerbsDomain {
         self.peers.get(peer as usize).is_some_and(|p| matches!(p.state, PeerState::Connected))
     }
 
+    /// Reconnects a failed peer: both QPs are replaced, the epoch goes up and the handshake
+    /// runs again; `Ok` at once, and posts to the peer answer `PostError::Again` until it
+    /// completes, or fail [`Error::PeerUnreachable`] if it has not within `connect_timeout`
+    /// (the peer is failed again). A peer that has not failed is left alone. `Err` if the
+    /// handle is unknown or the QPs cannot be made. (`Domain::revive_peer` refuses on verbs:
+    /// see there.)
+    pub fn reconnect_failed(&mut self, peer: PeerHandle) -> Result<(), Error> {
+        if (peer as usize) >= self.peers.len() {
+            return Err(Error::UnknownPeer { peer: peer as u32 });
+        }
+        self.revive(peer as usize)
+    }
+
     /// The epoch of the connection to `peer`: how many times it has been re-established
     /// (for tests and diagnostics; see "Faults" in the module docs).
     pub fn connection_epoch(&self, peer: PeerHandle) -> Option<u32> {

@@ -142,11 +142,13 @@
 //! and one more REQ (next epoch) settles it. Immediates are counted from the shared imm SRQ,
 //! so a write with immediate that lands on a re-established QP is counted once like any other.
 //!
-//! **Reviving a peer** ([`Domain::revive_peer`], when the application adds a peer the engine
-//! marked down): a failed peer gets both QPs replaced, the next epoch and a fresh handshake,
-//! and `revive_peer` returns `Ok` at once; posts answer [`PostError::Again`] until the REP
-//! arrives, and fail [`Error::PeerUnreachable`] after `connect_timeout` without one (the peer
-//! is failed again, and the engine marks it down). A peer that has not failed is left alone.
+//! **Reconnecting a failed peer** ([`VerbsDomain::reconnect_failed`]): a failed peer gets both QPs
+//! replaced, the next epoch and a fresh handshake, and `reconnect_failed` returns `Ok` at once; posts
+//! answer [`PostError::Again`] until the REP arrives, and fail [`Error::PeerUnreachable`] after
+//! `connect_timeout` without one (the peer is failed again). A peer that has not failed is
+//! left alone. [`Domain::revive_peer`] (the engine's `add_peer` of a peer marked down) refuses
+//! on verbs: the engine revives a peer only if it answers at once, which on verbs takes a
+//! handshake round trip; so a verbs peer marked down stays down, as before.
 //!
 //! Measured on rxe in the emulated VM (`tests/verbs_backend.rs`,
 //! `integration-tests/tests/bad_access_verbs.rs`): a bad write, write with immediate or read
