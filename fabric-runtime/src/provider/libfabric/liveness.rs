@@ -231,7 +231,8 @@ impl super::LibfabricDomain {
     ) {
         let Some(live) = self.tcp_live.as_mut() else { return };
         for (peer, message) in live.check() {
-            tracing::warn!(peer, %message, "tcp peer down");
+            // The engine says it at warn for the peers it was asked to add (`Completion::PeerDown`).
+            tracing::debug!(peer, %message, "tcp peer down");
             out.push_back(crate::provider::Completion::PeerDown { peer, message });
         }
     }

@@ -576,7 +576,8 @@ impl LibfabricDomain {
             } else {
                 format!("shm peer process {pid} exited")
             };
-            tracing::warn!(peer, pid, "shm peer process exited; failing its operations");
+            // The engine says it at warn for the peers it was asked to add (`Completion::PeerDown`).
+            tracing::debug!(peer, pid, "shm peer process exited; failing its operations");
             self.shm_drop_peer(peer, libc::ECONNRESET, &message, out);
             out.push_back(Completion::PeerDown { peer, message });
         }

@@ -147,7 +147,11 @@ impl<D: Domain> Core<D> {
             }
             Completion::PeerDown { peer: handle, message } => {
                 let Some(&peer) = self.handle_to_peer[d].get(&handle) else { return };
-                tracing::warn!(peer = peer.0, nic = d, %message, "peer down");
+                if self.peers.get(peer.0 as usize).is_some_and(|p| p.passive) {
+                    tracing::debug!(peer = peer.0, nic = d, %message, "peer down (known through its Hello)");
+                } else {
+                    tracing::warn!(peer = peer.0, nic = d, %message, "peer down");
+                }
                 self.mark_down(peer, &message);
                 self.fail_peer(peer, &message);
             }

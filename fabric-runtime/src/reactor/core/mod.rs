@@ -95,6 +95,10 @@ impl Pool {
 
 struct PeerState {
     handles: Vec<PeerHandle>,
+    /// Added only because it said `Hello` (it holds our descriptors; the application never
+    /// asked for it): its going down is logged at debug, not as a warning (a peer that shuts
+    /// down cleanly goes down too).
+    passive: bool,
     failed: Option<String>,
     /// Removed by `Engine::remove_peer`: its handles are given back, its id is not reused.
     removed: bool,

@@ -19,6 +19,15 @@ use crate::shared::PeerId;
 
 impl<D: Domain> Core<D> {
     pub(super) fn add_peer(&mut self, address: crate::pure::descriptor::EngineAddress) -> Result<PeerId> {
+        self.add_peer_as(address, false)
+    }
+
+    /// [`Core::add_peer`]; `passive`: only because it said `Hello` ([`PeerState::passive`]).
+    fn add_peer_as(
+        &mut self,
+        address: crate::pure::descriptor::EngineAddress,
+        passive: bool,
+    ) -> Result<PeerId> {
         let incarnation = address.incarnation;
         // Peers are found by their transport addresses; the incarnation tells runs apart.
         let key = crate::pure::descriptor::EngineAddress { incarnation: 0, ..address.clone() }.to_bytes();
@@ -51,6 +60,9 @@ impl<D: Domain> Core<D> {
                             return stale(format!("peer {id} is gone: {why} (and does not answer: {e})"));
                         }
                     }
+                    if !passive {
+                        self.peers[id.0 as usize].passive = false;
+                    }
                     return Ok(id);
                 }
             }
@@ -66,6 +78,7 @@ impl<D: Domain> Core<D> {
         let stats = self.shared.stats.add_peer();
         self.peers.push(PeerState {
             handles,
+            passive,
             failed: None,
             removed: false,
             incarnation,
@@ -125,7 +138,7 @@ impl<D: Domain> Core<D> {
         let address = Hello::from_bytes(msg).and_then(|h| EngineAddress::from_bytes(&h.address));
         match address {
             Ok(a) if a.transport == self.shared.transport => {
-                if let Err(e) = self.add_peer(a) {
+                if let Err(e) = self.add_peer_as(a, true) {
                     tracing::debug!(error = %e, "a peer that said hello could not be added");
                 }
             }
