@@ -170,6 +170,9 @@ pub(crate) struct Linger {
     counted: Option<(Driver, u64)>,
     /// It does not linger (any more): an ordinary future from now on.
     parked: bool,
+    /// It never lingers (its result comes after device work: CUDA copies), as with a
+    /// budget of 0.
+    pub(crate) never: bool,
 }
 
 impl Linger {
@@ -245,8 +248,10 @@ pub(crate) fn linger_poll<T>(
     if st.parked {
         return register(cx);
     }
-    // A budget of zero (a `BusyPoll` engine's driver without lingering): park at once.
-    if budget.is_zero() {
+    // A budget of zero (a `BusyPoll` engine's driver without lingering), or a wait for device
+    // work on an engine whose lingering futures only look (a `BusyPoll` one's drive the
+    // NICs and the copies' events: they keep lingering): park at once.
+    if budget.is_zero() || (st.never && !driver.drives()) {
         st.parked = true;
         return park(driver, cx, register);
     }

@@ -44,6 +44,8 @@ pub struct EngineBuilder {
     pub(crate) staging_pool: u64,
     /// Write same-host GPU destinations through CUDA IPC.
     pub(crate) cuda_ipc: bool,
+    /// CUDA streams per device for the engine's copies.
+    pub(crate) cuda_streams: usize,
     /// Fault injection (tests only).
     #[cfg(feature = "faults")]
     pub(crate) faults: Option<crate::provider::faults::FaultPlan>,
@@ -80,6 +82,7 @@ impl Default for EngineBuilder {
             staging_chunk: 4 << 20,
             staging_pool: 64 << 20,
             cuda_ipc: true,
+            cuda_streams: DEFAULT_CUDA_STREAMS,
             #[cfg(feature = "faults")]
             faults: None,
         }
@@ -87,6 +90,9 @@ impl Default for EngineBuilder {
 }
 
 /// [`EngineBuilder::max_counters`]' default.
+/// `EngineBuilder::cuda_streams` by default.
+pub(crate) const DEFAULT_CUDA_STREAMS: usize = 4;
+
 pub(crate) const MAX_COUNTERS_DEFAULT: usize = crate::pure::counter_table::DEFAULT_LIMIT;
 
 /// CPUs from which [`EngineBuilder::await_linger`] and [`EngineBuilder::poll_window`] are
@@ -209,6 +215,14 @@ impl EngineBuilder {
     /// spins nowhere. On a machine with few CPUs the spinning threads would take the cores
     /// the transfer itself needs (on 2 cores a tcp stream fell to half), hence no default
     /// there. 0 turns it off.
+    ///
+    /// Lingering turns itself off while it does not pay: when more than half of the last 64
+    /// lingering futures spent their budget and parked anyway (results that take longer than
+    /// the budget, as in a deep pipeline of CUDA IPC copies), futures park at once, but one
+    /// in 16, whose outcome tells when results are quick again (`ReactorStats::linger_skipped`
+    /// counts the others). On two H200 a stream of 16 CUDA IPC writes in flight ran 5x
+    /// faster that way at 64 KiB: each lingering spin that ran out ended in a wake-up that
+    /// cost the reactor 35-60 µs (`docs/gpu.md`).
     pub fn await_linger(mut self, d: Duration) -> Self {
         self.await_linger = d;
         self
@@ -460,6 +474,16 @@ impl EngineBuilder {
     /// take the region's network path (staged or GPUDirect), as across hosts.
     pub fn cuda_ipc(mut self, enabled: bool) -> Self {
         self.cuda_ipc = enabled;
+        self
+    }
+
+    /// CUDA streams per device that the engine's copies (CUDA IPC writes, staging copies)
+    /// are spread over (default 4; 1 to 64, clamped). Copies of concurrent operations go
+    /// to different streams round-robin, so they overlap on the copy engines instead of
+    /// queueing behind each other; the chunks of one staged transfer share a stream.
+    /// Streams are created at the first copy on a device.
+    pub fn cuda_streams(mut self, streams: usize) -> Self {
+        self.cuda_streams = streams.clamp(1, 64);
         self
     }
 

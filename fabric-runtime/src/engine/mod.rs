@@ -22,15 +22,11 @@
 mod builder;
 #[cfg(feature = "cuda")]
 mod gpu;
-#[cfg(feature = "cuda")]
-mod gpu_signal;
 #[cfg(feature = "metrics")]
 mod metrics;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
-#[cfg(feature = "cuda")]
-mod staged;
 mod stats;
 mod transfer;
 mod wakeups;
@@ -61,11 +57,11 @@ pub use crate::reactor::ReactorMode;
 pub use crate::shared::PeerId;
 pub use builder::EngineBuilder;
 #[cfg(feature = "cuda")]
-pub use gpu_signal::GpuCounter;
+pub use gpu::signal::GpuCounter;
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion};
-pub use stats::{CounterStats, EngineStats, OpStats, ReactorStats};
+pub use stats::{CounterStats, EngineStats, GpuStats, OpStats, ReactorStats};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 pub use wakeups::CompletionWakeups;
 
@@ -85,7 +81,7 @@ struct EngineInner {
     mode: ReactorMode,
     /// The pinned words of `gpu_counter`s.
     #[cfg(feature = "cuda")]
-    gpu_counters: gpu_signal::GpuCounters,
+    gpu_counters: gpu::signal::GpuCounters,
 }
 
 impl Drop for EngineInner {
@@ -153,6 +149,7 @@ impl Engine {
             shared.gpu.chunk = chunk;
             shared.gpu.slots = slots;
             shared.gpu.ipc_enabled = cfg.cuda_ipc;
+            shared.gpu.streams = cfg.cuda_streams;
         }
         shared.huge_pages = cfg.huge_pages;
         shared.set_max_counters(cfg.max_counters);

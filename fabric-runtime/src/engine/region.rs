@@ -65,8 +65,8 @@ impl MemoryRegion {
         self.check(offset, buf.len() as u64)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.inner.gpu {
-            let dir = crate::shared::queue::CopyDir::DeviceToHost;
-            return super::gpu::copy_blocking(g, dir, offset, buf.as_mut_ptr(), buf.len());
+            // SAFETY: the range was checked above; `buf` is ours for the call.
+            return unsafe { g.copy_blocking(false, offset, buf.as_mut_ptr(), buf.len()) };
         }
         // SAFETY: the range is inside the allocation (checked); the copy goes through raw
         // pointers so no reference to NIC-written memory is created.
@@ -82,8 +82,8 @@ impl MemoryRegion {
         self.check(offset, data.len() as u64)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.inner.gpu {
-            let dir = crate::shared::queue::CopyDir::HostToDevice;
-            return super::gpu::copy_blocking(g, dir, offset, data.as_ptr().cast_mut(), data.len());
+            // SAFETY: the range was checked above; `data` is only read, for the call.
+            return unsafe { g.copy_blocking(true, offset, data.as_ptr().cast_mut(), data.len()) };
         }
         // SAFETY: as in `read_at`; the region owns its memory, so writing through the
         // pointer is writing to memory we own.
@@ -184,6 +184,13 @@ pub struct RemoteRegion {
 }
 
 impl RemoteRegion {
+    /// Whether writes into this region are pulled by its owner: its NICs reach it through
+    /// the staging pool (`docs/gpu.md`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn pulled(&self) -> bool {
+        self.desc.gpu.as_ref().is_some_and(|g| g.staged)
+    }
+
     /// The peer that owns the region.
     pub fn peer(&self) -> PeerId {
         self.peer

@@ -101,6 +101,12 @@ pub struct ReactorStats {
     /// time is added when it returns, so a snapshot taken while a pass runs (by the task its
     /// completions just woke, say) lacks that pass's share.
     pub completing: Duration,
+    /// Of the reactor's time, that inside completing the waiters of operations (waking their
+    /// tasks: a futex wake-up for a parked one). Zero unless `time_reactor`.
+    pub waking: Duration,
+    /// Of the reactor's time, that inside taking and handling the submission queue (posting,
+    /// and the enqueue of CUDA copies). Zero unless `time_reactor`.
+    pub taking: Duration,
     /// Futures lingering now, 0 or 1 ([`EngineBuilder::await_linger`](crate::EngineBuilder::await_linger)):
     /// one pending future of the engine looks for its result rather than parking, and the
     /// reactor thread polls the NICs instead of sleeping.
@@ -111,6 +117,35 @@ pub struct ReactorStats {
     /// registered their waker and parked, as without lingering. `lingered - linger_parked`
     /// (less those lingering now or dropped while lingering) saved an OS wake-up each.
     pub linger_parked: u64,
+    /// Futures that did not linger because more than half of the last 64 lingers parked
+    /// anyway (results that take longer than the budget: deep pipelines of GPU copies,
+    /// large writes); one in 16 still lingers, so lingering comes back when results speed up.
+    pub linger_skipped: u64,
+}
+
+/// The engine's CUDA copies (CUDA IPC writes, staging copies), each stage's time summed
+/// over the gates (a gate: the copies of one operation or chunk, and the event after them).
+/// Divide by `gates` for the mean per operation; `docs/gpu.md` has the breakdown of one
+/// IPC `write_imm`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GpuStats {
+    /// Gates started.
+    pub gates: u64,
+    /// Copies enqueued in them.
+    pub copies: u64,
+    /// From the engine handing an operation over to the reactor starting its copies
+    /// (operations with copies of their own: CUDA IPC writes, `Engine::after`).
+    pub handoff: Duration,
+    /// Inside the driver's copy and event-record calls.
+    pub enqueue: Duration,
+    /// From the end of the enqueue to the reactor's pass that saw the copies done: the
+    /// copies' own time plus how late the reactor looked.
+    pub copy: Duration,
+    /// Inside the passes' event queries (`cuEventQuery`), and how many were made: the
+    /// reactor's own cost of watching copies.
+    pub polling: Duration,
+    pub queries: u64,
 }
 
 /// One immediate value's counter.
@@ -151,6 +186,8 @@ pub struct EngineStats {
     /// per-request ones); a wait on such a value fails with
     /// [`Error::CounterLimit`](crate::Error::CounterLimit).
     pub imm_refused: u64,
+    /// The engine's CUDA copies (all zero without GPU transfers).
+    pub gpu: GpuStats,
 }
 
 impl EngineStats {
@@ -283,9 +320,12 @@ impl Engine {
             in_post: Duration::from_nanos(r.post_ns.load(Ordering::Relaxed)),
             in_poll: Duration::from_nanos(r.poll_ns.load(Ordering::Relaxed)),
             completing: Duration::from_nanos(r.complete_ns.load(Ordering::Relaxed)),
+            waking: Duration::from_nanos(r.wake_ns.load(Ordering::Relaxed)),
+            taking: Duration::from_nanos(r.take_ns.load(Ordering::Relaxed)),
             lingering: u64::from(r.lingering()),
             lingered: r.linger.began.load(Ordering::Relaxed),
             linger_parked: r.linger.parked.load(Ordering::Relaxed),
+            linger_skipped: r.linger.skipped.load(Ordering::Relaxed),
         };
         let (cells, max_counters, imm_refused) = {
             let c = lock(&self.shared().counters);
@@ -301,7 +341,19 @@ impl Engine {
             })
             .collect();
         counters.sort_by_key(|c| c.imm);
+        let g = &s.gpu;
+        let ns = |a: &std::sync::atomic::AtomicU64| Duration::from_nanos(a.load(Ordering::Relaxed));
+        let gpu = GpuStats {
+            gates: g.gates.load(Ordering::Relaxed),
+            copies: g.copies.load(Ordering::Relaxed),
+            handoff: ns(&g.handoff_ns),
+            enqueue: ns(&g.enqueue_ns),
+            copy: ns(&g.copy_ns),
+            polling: ns(&g.poll_ns),
+            queries: g.queries.load(Ordering::Relaxed),
+        };
         EngineStats {
+            gpu,
             transport: self.shared().transport.clone(),
             nics,
             peers,

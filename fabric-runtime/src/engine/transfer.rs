@@ -17,6 +17,8 @@ use crate::provider::RemoteSlice;
 use crate::pure::route::{Arrivals, PageLayout, TransferOpts};
 use crate::shared::memory::RegionShared;
 use crate::shared::notify::{GroupState, Notify, OpState};
+#[cfg(feature = "cuda")]
+use crate::shared::queue::GatedCopies;
 use crate::shared::queue::{OpKind, OpReq, Submission};
 use crate::shared::Shared;
 
@@ -297,14 +299,15 @@ impl<'a> Transfers<'a> {
     pub(super) fn hand(&self, subs: Vec<Submission>) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Some(ev) = self.after {
-            let gate = Submission::Gated {
+            let gate = Submission::Gated(Box::new(GatedCopies {
                 ordinal: ev.ordinal(),
                 copies: Vec::new(),
                 then: subs,
                 done: None,
                 keep: Vec::new(),
                 after: Some(ev.clone()),
-            };
+                handed: std::time::Instant::now(),
+            }));
             return self.shared().submit(gate).map_err(|_| Error::Shutdown);
         }
         self.shared().submit_all(subs).map_err(|_| Error::Shutdown)
@@ -497,7 +500,9 @@ impl<'a> Transfers<'a> {
     ///
     /// With a staged GPU end (`docs/gpu.md`) pages move through bounce slots (a page larger
     /// than a slot in several chunks, its imm on the last); into staged GPU memory the
-    /// owner pulls each page and counts exactly one arrival once all are in GPU memory.
+    /// owner pulls each page and counts exactly one arrival once all are in GPU memory. Into
+    /// a GPU region of another process on this host (CUDA IPC), every page is a copy of one
+    /// gate on the copy engine and the owner counts exactly one arrival, after the last.
     ///
     /// # Cancel safety
     ///
@@ -551,10 +556,11 @@ impl<'a> Transfers<'a> {
     /// Arrivals of the immediate that [`Transfers::write_paged`] of `pages` pages into `dst`
     /// produces at its owner.
     ///
-    /// Into a staged GPU region (see `docs/gpu.md`): exactly one (none for no pages).
+    /// Into a staged GPU region, or a GPU region written through CUDA IPC (see
+    /// `docs/gpu.md`): exactly one (none for no pages).
     pub fn paged_arrivals(&self, dst: &RemoteRegion, pages: usize) -> Result<u64> {
         #[cfg(feature = "cuda")]
-        if super::staged::dst_staged(dst) {
+        if dst.pulled() || dst.gpu_path() == Some(crate::pure::staging::GpuPath::Ipc) {
             return Ok(u64::from(pages > 0));
         }
         self.opts.paged_arrivals(pages, dst.desc.domains.len())
@@ -666,13 +672,27 @@ impl<'a> Transfers<'a> {
 
     /// Arrivals of the immediate that [`Transfers::scatter`] with `entries` produces at each
     /// member, indexed like the group. A member whose region is staged GPU memory counts
-    /// exactly one (if it has an entry).
+    /// exactly one (if it has an entry); so does every member when all members with an entry
+    /// are reached through CUDA IPC (the scatter is then one gate of copies and one imm-only
+    /// write per member).
     pub fn scatter_arrivals(&self, group: &PeerGroup, entries: &[ScatterEntry]) -> Result<Vec<u64>> {
         self.check_entries(None, group, entries)?;
         let mut out = vec![0u64; group.len()];
+        #[cfg(feature = "cuda")]
+        if !entries.is_empty()
+            && entries
+                .iter()
+                .all(|e| group.members[e.member].gpu_path() == Some(crate::pure::staging::GpuPath::Ipc))
+        {
+            // Every member through CUDA IPC: one gate, one arrival per member named.
+            for e in entries {
+                out[e.member] = 1;
+            }
+            return Ok(out);
+        }
         for e in entries {
             #[cfg(feature = "cuda")]
-            if super::staged::dst_staged(&group.members[e.member]) {
+            if group.members[e.member].pulled() {
                 // Into staged GPU memory: one arrival per member, once all its bytes are in.
                 out[e.member] = 1;
                 continue;

@@ -280,6 +280,11 @@ impl<D: Domain> Progress for Lingering<D> {
         if cur != 0 && now < cur {
             return None;
         }
+        // Most recent lingers parked anyway: park at once (the wake-up is paid either way,
+        // and a lingering spin beside the reactor only delays it).
+        if !r.linger.worth_it() {
+            return None;
+        }
         r.linger.until.compare_exchange(cur, until, Ordering::SeqCst, Ordering::Relaxed).ok()?;
         r.linger.began.fetch_add(1, Ordering::Relaxed);
         if self.drive.is_some() {
@@ -303,6 +308,7 @@ impl<D: Domain> Progress for Lingering<D> {
         if parked {
             l.parked.fetch_add(1, Ordering::Relaxed);
         }
+        l.outcome(parked);
         // Only if still ours: after our budget another future may have taken it.
         let _ = l.until.compare_exchange(token, 0, Ordering::SeqCst, Ordering::Relaxed);
     }
@@ -509,7 +515,10 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
             continue;
         }
         let since = if spins { last_activity.elapsed() } else { Duration::MAX };
-        match windows.idle(since, || shared.stats.reactor.lingering()) {
+        // CUDA copies wake nobody: while they are in flight (and one started or ended
+        // lately) the reactor polls, as it does for a lingering future.
+        let copies = c.copies_fresh();
+        match windows.idle(since, || copies || shared.stats.reactor.lingering()) {
             Idle::Spin => {
                 drop(c);
                 std::hint::spin_loop();

@@ -37,6 +37,8 @@ pub(crate) struct GpuShared {
     pub(crate) pool_init: futures::lock::Mutex<bool>,
     /// Whether same-host GPU destinations are written through CUDA IPC.
     pub(crate) ipc_enabled: bool,
+    /// `EngineBuilder::cuda_streams`: streams per device for the reactor's copies.
+    pub(crate) streams: usize,
 }
 
 impl Default for GpuShared {
@@ -51,6 +53,7 @@ impl Default for GpuShared {
             pool: Mutex::default(),
             pool_init: futures::lock::Mutex::new(false),
             ipc_enabled: true,
+            streams: 1,
         }
     }
 }

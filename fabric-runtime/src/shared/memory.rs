@@ -153,6 +153,50 @@ pub(crate) struct GpuMemory {
     pub(crate) _host: Option<Backing>,
 }
 
+#[cfg(feature = "cuda")]
+impl GpuMemory {
+    /// A blocking copy between `len` bytes of the device memory at `device_off` and the host
+    /// buffer at `host` (`to_device`: host to device), for `read_at` / `write_at` / `to_vec`
+    /// of a GPU region (setup calls, not a data path: it waits for the copy engine).
+    ///
+    /// # Safety
+    ///
+    /// `device_off..+len` lies inside the region (the caller bounds-checked it), and `host`
+    /// is valid for `len` bytes (of reads, or of writes when copying to the host) until the
+    /// call returns.
+    pub(crate) unsafe fn copy_blocking(
+        &self,
+        to_device: bool,
+        device_off: u64,
+        host: *mut u8,
+        len: usize,
+    ) -> Result<(), Error> {
+        use crate::cuda;
+        if len == 0 {
+            return Ok(());
+        }
+        let dev = self.ptr + device_off;
+        let Some(ctx) = &self.ctx else {
+            let (dst, src) = if to_device { (dev, host as u64) } else { (host as u64, dev) };
+            // SAFETY: emulated device memory is host memory of the region's length; both
+            // ranges are valid for `len` bytes (this function's contract).
+            unsafe { cuda::emulated_copy(dst, src, len) };
+            return Ok(());
+        };
+        let stream = cuda::Stream::new(ctx)?;
+        // SAFETY: both ranges are valid for `len` bytes (this function's contract); the
+        // stream is synchronized before the call returns, so neither is used after it.
+        unsafe {
+            if to_device {
+                stream.copy_h2d_raw(dev, host, len)?;
+            } else {
+                stream.copy_d2h_raw(host, dev, len)?;
+            }
+        }
+        stream.synchronize()
+    }
+}
+
 pub(crate) struct RegionShared {
     /// `Some` until `Drop` hands it to the reactor together with the registrations.
     backing: Option<Backing>,

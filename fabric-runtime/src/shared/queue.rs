@@ -74,20 +74,9 @@ pub(crate) enum Submission {
         imm: u32,
         reply: Reply<u64>,
     },
-    /// CUDA copies to run first (on the reactor's stream of device `ordinal`); once their
-    /// event is ready, `then` is handled and `done` completed. `keep` holds the memory the
-    /// copies touch until then.
+    /// CUDA copies to run first, then follow-ups ([`GatedCopies`]).
     #[cfg(feature = "cuda")]
-    Gated {
-        ordinal: usize,
-        copies: Vec<CudaCopy>,
-        then: Vec<Submission>,
-        done: Option<Notify>,
-        keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
-        /// A user's CUDA event the copies (and `then`) wait for first
-        /// (`Engine::after`): the reactor's stream waits on it, never a thread.
-        after: Option<Arc<crate::cuda::Event>>,
-    },
+    Gated(Box<GatedCopies>),
     /// A transfer with a staged GPU end, run through the engine's staging pool.
     #[cfg(feature = "cuda")]
     Staged(Box<StagedJob>),
@@ -114,7 +103,24 @@ pub(crate) enum Submission {
     },
 }
 
-/// A transfer with a staged GPU end (see `reactor/core/staging_send.rs`): pieces moved chunk by
+/// CUDA copies to run first (on a stream of the reactor's for device `ordinal`); once their
+/// event is ready, `then` is handled and `done` completed. `keep` holds the memory the
+/// copies touch until then.
+#[cfg(feature = "cuda")]
+pub(crate) struct GatedCopies {
+    pub(crate) ordinal: usize,
+    pub(crate) copies: Vec<CudaCopy>,
+    pub(crate) then: Vec<Submission>,
+    pub(crate) done: Option<Notify>,
+    pub(crate) keep: Vec<Arc<dyn std::any::Any + Send + Sync>>,
+    /// A user's CUDA event the copies (and `then`) wait for first (`Engine::after`): the
+    /// reactor's stream waits on it, never a thread.
+    pub(crate) after: Option<Arc<crate::cuda::Event>>,
+    /// When the engine handed it over (`EngineStats::gpu`'s hand-off time).
+    pub(crate) handed: std::time::Instant,
+}
+
+/// A transfer with a staged GPU end (see `reactor/core/gpu/send.rs`): pieces moved chunk by
 /// chunk through bounce slots, then the follow-ups, then `notify`.
 #[cfg(feature = "cuda")]
 pub(crate) struct StagedJob {
@@ -248,7 +254,8 @@ impl Submission {
             }
             Submission::Deregister { .. } => {}
             #[cfg(feature = "cuda")]
-            Submission::Gated { then, done, .. } => {
+            Submission::Gated(g) => {
+                let GatedCopies { then, done, .. } = *g;
                 for s in then {
                     s.fail(e.clone());
                 }

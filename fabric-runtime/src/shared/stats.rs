@@ -81,6 +81,10 @@ pub(crate) struct ReactorCounters {
     pub(crate) post_ns: AtomicU64,
     pub(crate) poll_ns: AtomicU64,
     pub(crate) complete_ns: AtomicU64,
+    /// `time_reactor`: ns inside completing futures (waking their tasks), and inside taking
+    /// and handling the submission queue.
+    pub(crate) wake_ns: AtomicU64,
+    pub(crate) take_ns: AtomicU64,
     pub(crate) linger: LingerCounters,
 }
 
@@ -98,6 +102,41 @@ pub(crate) struct LingerCounters {
     /// Futures that began to linger, and those of them that spent their budget and parked.
     pub(crate) began: AtomicU64,
     pub(crate) parked: AtomicU64,
+    /// The outcomes of the last 64 lingers, newest in bit 0 (1: it spent its budget and
+    /// parked), and the futures that did not linger because most of those parked.
+    pub(crate) recent: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    /// Futures that found lingering off for misses (the skipped ones and the probes).
+    pub(crate) off: AtomicU64,
+}
+
+/// Lingering pays only when results come within the budget: when more than this many of
+/// the last 64 lingers parked anyway (a deep pipeline of GPU copies, large writes), futures
+/// park at once, but for one in [`LINGER_PROBE`], whose outcome keeps the history current.
+pub(crate) const LINGER_MISSES_MAX: u32 = 32;
+/// While lingering is off for misses, one future in this many lingers still (a probe).
+pub(crate) const LINGER_PROBE: u64 = 16;
+
+impl LingerCounters {
+    /// Whether the next future may linger: yes, unless most recent lingers parked anyway
+    /// (then one in [`LINGER_PROBE`] does, to see whether that changed).
+    pub(crate) fn worth_it(&self) -> bool {
+        if self.recent.load(Ordering::Relaxed).count_ones() <= LINGER_MISSES_MAX {
+            return true;
+        }
+        if self.off.fetch_add(1, Ordering::Relaxed) % LINGER_PROBE == LINGER_PROBE - 1 {
+            return true;
+        }
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    /// A linger ended: `parked` if its budget ran out.
+    pub(crate) fn outcome(&self, parked: bool) {
+        let _ = self
+            .recent
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| Some(r << 1 | u64::from(parked)));
+    }
 }
 
 impl ReactorCounters {
@@ -137,12 +176,30 @@ impl ReactorCounters {
     }
 }
 
+/// The reactor's CUDA copies (`EngineStats::gpu`): gates started, copies in them, and ns
+/// summed over the gates of each stage.
+#[derive(Debug, Default)]
+pub(crate) struct GpuCounters {
+    pub(crate) gates: AtomicU64,
+    pub(crate) copies: AtomicU64,
+    /// From the engine handing an IPC write over to the reactor starting its copies.
+    pub(crate) handoff_ns: AtomicU64,
+    /// Inside the copy and event-record calls.
+    pub(crate) enqueue_ns: AtomicU64,
+    /// From the end of the enqueue to the pass that saw the copies done.
+    pub(crate) copy_ns: AtomicU64,
+    /// Inside the passes' event queries, and how many were made.
+    pub(crate) poll_ns: AtomicU64,
+    pub(crate) queries: AtomicU64,
+}
+
 /// Every counter of one engine.
 #[derive(Debug)]
 pub(crate) struct Stats {
     pub(crate) nics: Box<[OpCounters]>,
     pub(crate) peers: Mutex<Vec<Arc<OpCounters>>>,
     pub(crate) reactor: ReactorCounters,
+    pub(crate) gpu: GpuCounters,
 }
 
 impl Stats {
@@ -162,7 +219,10 @@ impl Stats {
                 post_ns: AtomicU64::new(0),
                 poll_ns: AtomicU64::new(0),
                 complete_ns: AtomicU64::new(0),
+                wake_ns: AtomicU64::new(0),
+                take_ns: AtomicU64::new(0),
             },
+            gpu: GpuCounters::default(),
         }
     }
 
@@ -224,5 +284,37 @@ impl Stats {
             f(&c.backlog, n);
         }
         f(&peer.backlog, n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lingering turns itself off when most lingers park, probes one future in 16 while off,
+    /// and comes back once lingers succeed again.
+    #[test]
+    fn lingering_turns_itself_off_and_back_on() {
+        let l = LingerCounters::default();
+        for _ in 0..64 {
+            assert!(l.worth_it(), "fresh history: linger");
+            l.outcome(false);
+        }
+        for _ in 0..LINGER_MISSES_MAX {
+            assert!(l.worth_it());
+            l.outcome(true);
+        }
+        assert!(l.worth_it(), "exactly half parked: still on");
+        l.outcome(true);
+        let tried: Vec<bool> = (0..32).map(|_| l.worth_it()).collect();
+        assert_eq!(tried.iter().filter(|t| **t).count(), 2, "one probe in 16: {tried:?}");
+        assert_eq!(l.skipped.load(Ordering::Relaxed), 30);
+        // Probes that succeed bring it back: once at most half of the last 64 parked.
+        let mut probes = 0;
+        while !(0..LINGER_PROBE).all(|_| l.worth_it()) {
+            l.outcome(false);
+            probes += 1;
+            assert!(probes <= 64, "lingering never came back");
+        }
     }
 }

@@ -267,7 +267,9 @@ impl<D: Domain> Core<D> {
             self.internal_done(tag, result);
             return;
         }
+        let t = self.clock();
         let next = op.notify.complete(result);
+        ReactorCounters::charge(&self.shared.stats.reactor.wake_ns, t);
         drop(op.keep);
         for s in next {
             // The imm-only writes of an `Arrivals::One` transfer: its shards are all done.

@@ -24,14 +24,10 @@ use crate::shared::{PeerId, Shared};
 use crate::sync::lock;
 use crate::sys;
 
-// The staged-GPU half of the reactor (gates on CUDA events, the pull protocol): a child
-// module, so it works on `Core`'s fields directly.
+// The GPU half of the reactor (gates on CUDA events, the staging pool, the pull protocol):
+// a child module, so it works on `Core`'s fields directly.
 #[cfg(feature = "cuda")]
-mod staging;
-#[cfg(feature = "cuda")]
-mod staging_pull;
-#[cfg(feature = "cuda")]
-mod staging_send;
+mod gpu;
 // Preparing an `Event`-mode sleep, waking from it, and whether a sleep still covers what a
 // caller posted directly (a child module: it works on `Core`'s fields).
 mod sleep;
@@ -158,7 +154,7 @@ pub(crate) struct Core<D: Domain> {
     revoking: Vec<(u64, u64)>,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
-    staging: staging::Staging,
+    staging: gpu::Staging,
 }
 
 impl<D: Domain> Core<D> {
@@ -205,13 +201,22 @@ impl<D: Domain> Core<D> {
             slept_since: None,
             revoking: Vec::new(),
             #[cfg(feature = "cuda")]
-            staging: staging::Staging::default(),
+            staging: gpu::Staging::default(),
         };
         r.post_all_recvs()?;
         for d in r.domains.iter_mut() {
             d.flush();
         }
         Ok(r)
+    }
+
+    /// Whether CUDA copies are in flight and one started or finished lately: an idle
+    /// reactor then polls instead of sleeping (`gpu::GATE_POLL_WINDOW`).
+    pub(crate) fn copies_fresh(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.staging.copies_fresh(std::time::Instant::now());
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     /// Whether staged GPU writes wait for ACKs (which `op_timeout` also bounds).
@@ -340,6 +345,7 @@ impl<D: Domain> Core<D> {
     /// Takes and handles every queued submission. Returns true if shutdown was requested
     /// (and sets `closing`, which the reactor thread acts on).
     fn take_submissions(&mut self) -> bool {
+        let t = self.clock();
         let closing = {
             let mut q = lock(&self.shared.queue);
             self.shared.has_items.store(false, Ordering::Release);
@@ -351,6 +357,7 @@ impl<D: Domain> Core<D> {
             self.handle(s);
         }
         self.items = items;
+        ReactorCounters::charge(&self.shared.stats.reactor.take_ns, t);
         self.closing |= closing;
         if !self.revoking.is_empty() && !self.closing {
             self.send_revocations();
@@ -425,13 +432,19 @@ impl<D: Domain> Core<D> {
                 let _ = reply.send(Ok(self.retire_counter(imm)));
             }
             #[cfg(feature = "cuda")]
-            Submission::Gated { ordinal, copies, then, done, keep, after } => self.start_gate(
-                ordinal,
-                after.as_deref(),
-                &copies,
-                staging::GateThen::Submit(then, done),
-                keep,
-            ),
+            Submission::Gated(g) => {
+                let crate::shared::queue::GatedCopies { ordinal, copies, then, done, keep, after, handed } =
+                    *g;
+                self.start_gate(
+                    ordinal,
+                    gpu::Lane::Next,
+                    after.as_deref(),
+                    &copies,
+                    gpu::GateThen::Submit(then, done),
+                    keep,
+                    Some(handed),
+                )
+            }
             #[cfg(feature = "cuda")]
             Submission::Staged(job) => self.start_job(*job),
             #[cfg(feature = "cuda")]

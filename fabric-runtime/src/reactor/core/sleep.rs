@@ -83,8 +83,9 @@ impl<D: Domain> Core<D> {
         }
         #[cfg(feature = "cuda")]
         if self.staging.has_gates() {
-            // CUDA events wake nobody: poll them soon.
-            timeout = min_timeout(timeout, Duration::from_micros(20));
+            // CUDA events wake nobody: poll them soon (a long copy: the reactor polled
+            // through `GATE_POLL_WINDOW` already).
+            timeout = min_timeout(timeout, super::gpu::GATE_SLEEP);
         } else if self.cfg.op_timeout.is_some() && self.staging.awaits_acks() {
             // A peer that never ACKs must still time out.
             timeout = min_timeout(timeout, DEADLINE_TICK);

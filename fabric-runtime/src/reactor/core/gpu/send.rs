@@ -18,13 +18,12 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::staging::{GateThen, IDX_BITS, ID_MASK};
-use super::staging::{Keep, TAG_CHUNK, TAG_PULL_SENT};
-use super::Core;
+use super::gates::{GateThen, Keep, Lane, IDX_BITS, ID_MASK, TAG_CHUNK, TAG_PULL_SENT};
 use crate::error::{Error, Result};
 use crate::provider::{Domain, RemoteSlice};
 use crate::pure::control::{Ack, Pull};
 use crate::pure::descriptor::EngineAddress;
+use crate::reactor::core::Core;
 use crate::shared::memory::RegionShared;
 use crate::shared::notify::{GroupState, Notify};
 use crate::shared::queue::{
@@ -33,7 +32,7 @@ use crate::shared::queue::{
 use crate::shared::PeerId;
 
 /// What an ACK completes.
-pub(super) enum Waiter {
+pub(crate) enum Waiter {
     /// Chunk `idx` of job `job` (its slot goes back).
     Chunk { job: u64, idx: u64 },
     /// A follow-up PULL, or a whole transfer.
@@ -41,7 +40,7 @@ pub(super) enum Waiter {
 }
 
 /// A sent PULL waiting for its ACK.
-pub(super) struct Awaiting {
+pub(crate) struct Awaiting {
     waiter: Waiter,
     peer: PeerId,
     sent: Instant,
@@ -53,7 +52,7 @@ pub(super) struct Awaiting {
 
 impl Awaiting {
     /// Shutdown: fails the caller; returns the memory a peer may still write.
-    pub(super) fn fail_at_shutdown(self) -> Option<Arc<RegionShared>> {
+    pub(crate) fn fail_at_shutdown(self) -> Option<Arc<RegionShared>> {
         if let Waiter::Done(n) = self.waiter {
             n.fail(Error::Shutdown);
         }
@@ -78,7 +77,7 @@ struct Work {
 }
 
 /// A staged job in progress.
-pub(super) struct Job {
+pub(crate) struct Job {
     ordinal: usize,
     pieces: Vec<Piece>,
     chunks: Vec<Work>,
@@ -111,7 +110,7 @@ impl Job {
     }
 
     /// Shutdown: fails the caller and gives back what the job held.
-    pub(super) fn close(self) -> Keep {
+    pub(crate) fn close(self) -> Keep {
         // A push we serve: its reader's own shutdown or timeout tells it.
         self.notify.fail(Error::Shutdown);
         let mut keep = self.keep;
@@ -153,12 +152,12 @@ fn plan(pieces: &[Piece], slot_len: u64) -> Vec<Work> {
 
 impl<D: Domain> Core<D> {
     /// Starts a staged job (a `Submission::Staged`).
-    pub(super) fn start_job(&mut self, job: StagedJob) {
+    pub(crate) fn start_job(&mut self, job: StagedJob) {
         self.start_job_acked(job, None);
     }
 
     /// Starts a staged job that, with `ack`, ends with an ACK to a peer (a push we serve).
-    pub(super) fn start_job_acked(&mut self, job: StagedJob, ack: Option<(PeerId, u64)>) {
+    pub(crate) fn start_job_acked(&mut self, job: StagedJob, ack: Option<(PeerId, u64)>) {
         let StagedJob { ordinal, pieces, then, keep, local, notify } = job;
         let fail = |core: &mut Self, notify: Notify, e: Error| match ack {
             Some((peer, op)) => core.send_ack(peer, op, Some(e.to_string())),
@@ -207,7 +206,7 @@ impl<D: Domain> Core<D> {
     }
 
     /// Starts what chunks of job `id` can start (free slots, barriers), or finishes it.
-    pub(super) fn pump_job(&mut self, id: u64) {
+    pub(crate) fn pump_job(&mut self, id: u64) {
         loop {
             let Some(job) = self.staging.jobs.get_mut(&id) else { return };
             if job.error.is_some() || job.next == job.chunks.len() {
@@ -243,7 +242,15 @@ impl<D: Domain> Core<D> {
                         len: w.len as usize,
                     };
                     let keep: Keep = vec![pool.region().clone()];
-                    self.start_gate(ordinal, None, &[copy], GateThen::JobChunk { job: id, idx }, keep);
+                    self.start_gate(
+                        ordinal,
+                        Lane::Of(id),
+                        None,
+                        &[copy],
+                        GateThen::JobChunk { job: id, idx },
+                        keep,
+                        None,
+                    );
                 }
                 _ => self.dispatch_chunk(id, idx),
             }
@@ -253,7 +260,7 @@ impl<D: Domain> Core<D> {
 
     /// Chunk `idx` of job `id` is ready (in its slot, or needs no copy): write it, or offer
     /// it to the owner of a staged destination with a PULL.
-    pub(super) fn dispatch_chunk(&mut self, id: u64, idx: u64) {
+    pub(crate) fn dispatch_chunk(&mut self, id: u64, idx: u64) {
         let Some(job) = self.staging.jobs.get_mut(&id) else { return };
         let Some(&w) = job.chunks.get(idx as usize) else { return };
         if job.error.is_some() {
@@ -323,7 +330,7 @@ impl<D: Domain> Core<D> {
     }
 
     /// Chunk `idx` of job `id` is done (written, or pulled and ACKed), or failed.
-    pub(super) fn chunk_done(&mut self, id: u64, idx: u64, result: Result<()>) {
+    pub(crate) fn chunk_done(&mut self, id: u64, idx: u64, result: Result<()>) {
         let Some(job) = self.staging.jobs.get_mut(&id) else { return };
         job.in_flight = job.in_flight.saturating_sub(1);
         let for_pull = job.chunks.get(idx as usize).is_some_and(|w| job.for_pull(w));
@@ -408,7 +415,7 @@ impl<D: Domain> Core<D> {
 
     /// Reader of a staged GPU region: asks its owner to write it into `keep` (a
     /// `Submission::Push`); the ACK completes `notify`.
-    pub(super) fn send_push(&mut self, peer: PeerId, push: Pull, keep: Arc<RegionShared>, notify: Notify) {
+    pub(crate) fn send_push(&mut self, peer: PeerId, push: Pull, keep: Arc<RegionShared>, notify: Notify) {
         self.send_request(peer, push, Waiter::Done(notify), Some(keep));
     }
 
@@ -432,7 +439,7 @@ impl<D: Domain> Core<D> {
     }
 
     /// A PULL could not be sent.
-    pub(super) fn pull_send_failed(&mut self, op: u64, e: Error) {
+    pub(crate) fn pull_send_failed(&mut self, op: u64, e: Error) {
         if let Some(a) = self.staging.awaiting.remove(&op) {
             self.complete_waiter(a.waiter, Err(e));
         }
@@ -452,7 +459,7 @@ impl<D: Domain> Core<D> {
     /// Fails the PULLs whose ACK has not come within `limit` (`op_timeout`) and marks their
     /// peer failed, as for any operation. As for a timed-out operation, the entry (and the
     /// slot or source the peer may still read) stays until a late ACK or shutdown.
-    pub(super) fn expire_acks(&mut self, now: Instant, limit: Duration) {
+    pub(crate) fn expire_acks(&mut self, now: Instant, limit: Duration) {
         let mut failed = Vec::new();
         for a in self.staging.awaiting.values_mut() {
             if a.told || now.duration_since(a.sent) < limit {
@@ -490,7 +497,7 @@ impl<D: Domain> Core<D> {
     /// Owner: a peer reads one of our staged GPU regions (a push request): its bytes are
     /// written into the peer's registered memory chunk by chunk through the pool (on NIC 0,
     /// the endpoint the ACK then goes out on, so the ACK cannot overtake them), then ACKed.
-    pub(super) fn on_push(&mut self, data: &[u8]) {
+    pub(crate) fn on_push(&mut self, data: &[u8]) {
         let push = match Pull::push_from_bytes(data) {
             Ok(p) => p,
             Err(e) => return tracing::warn!(error = %e, "dropped a malformed push request"),
@@ -530,7 +537,7 @@ impl<D: Domain> Core<D> {
     }
 
     /// Sender: the ACK of one of our pulls.
-    pub(super) fn on_ack(&mut self, data: &[u8]) {
+    pub(crate) fn on_ack(&mut self, data: &[u8]) {
         let ack = match Ack::from_bytes(data) {
             Ok(a) => a,
             Err(e) => return tracing::warn!(error = %e, "dropped a malformed ACK"),

@@ -1,5 +1,5 @@
 //! Transfer shapes with a staged GPU end, as jobs for the reactor's staging pool
-//! (`reactor/core/staging_send.rs`, `reactor/core/staging_pull.rs`):
+//! (`reactor/core/gpu/send.rs`, `reactor/core/gpu/pull.rs`):
 //!
 //! ```text
 //!  shape          staged end       pieces (each moved chunk by chunk)      arrivals at the target
@@ -20,25 +20,18 @@
 
 use std::sync::Arc;
 
-use super::op::OpFuture;
-use super::region::{MemoryRegion, RemoteRegion};
-use super::transfer::{PeerGroup, Plan, ScatterEntry, Transfers};
+use crate::engine::op::OpFuture;
+use crate::engine::region::{MemoryRegion, RemoteRegion};
+use crate::engine::transfer::{PeerGroup, Plan, ScatterEntry, Transfers};
 use crate::error::{Error, Result};
 use crate::pure::control::{Pull, PullSource};
 use crate::pure::route::{Arrivals, PageLayout, TransferOpts};
 use crate::shared::notify::{Notify, OpState};
 use crate::shared::queue::{OpKind, Piece, PieceDst, PieceSrc, StagedJob, Submission, Then};
 
-/// Whether writes into `dst` are pulled by its owner: its NICs reach it through the staging
-/// pool. (A destination that also offers CUDA IPC takes this path for paged writes and
-/// scatters, which do not use IPC.)
-pub(super) fn dst_staged(dst: &RemoteRegion) -> bool {
-    dst.desc.gpu.as_ref().is_some_and(|g| g.staged)
-}
-
 /// The source of a piece at `off` of `src`: device memory to copy into slots, or memory
 /// the NICs know.
-pub(super) fn piece_src(src: &MemoryRegion, off: u64) -> PieceSrc {
+pub(in crate::engine) fn piece_src(src: &MemoryRegion, off: u64) -> PieceSrc {
     match src.inner.staged() {
         Some(g) => PieceSrc::Device(g.ptr + off),
         None => PieceSrc::Registered {
@@ -55,7 +48,7 @@ pub(super) fn piece_src(src: &MemoryRegion, off: u64) -> PieceSrc {
 
 impl Transfers<'_> {
     /// The PULL of `len` bytes into `dst` at `dst_off` (sources filled in by the reactor).
-    pub(super) fn pull_template(
+    pub(in crate::engine) fn pull_template(
         &self,
         dst: &RemoteRegion,
         dst_off: u64,
@@ -78,7 +71,7 @@ impl Transfers<'_> {
 
     /// Hands a staged job to the reactor; its future completes when every piece and
     /// follow-up has.
-    pub(super) fn run_job(
+    pub(in crate::engine) fn run_job(
         &self,
         src: &MemoryRegion,
         pieces: Vec<Piece>,
@@ -98,13 +91,13 @@ impl Transfers<'_> {
             notify: Notify::Future(state.clone()),
         };
         self.hand(vec![Submission::Staged(Box::new(job))])?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
+        Ok(OpFuture::pending(state).driven_by(self.engine.driver()).without_linger())
     }
 
     /// A plan of RDMA writes (host or GPUDirect destination) whose local addresses are
     /// made a piece source by `src_at`, run as a staged job (its `Arrivals::One`
     /// follow-ups as the job's).
-    pub(super) fn staged_writes(
+    pub(in crate::engine) fn staged_writes(
         &self,
         src: &MemoryRegion,
         plan: Plan,
@@ -126,7 +119,7 @@ impl Transfers<'_> {
     }
 
     /// `write_paged` with a staged GPU end, or `None` when neither end is staged.
-    pub(super) fn staged_paged(
+    pub(in crate::engine) fn staged_paged(
         &self,
         src: &MemoryRegion,
         dst: &RemoteRegion,
@@ -135,12 +128,17 @@ impl Transfers<'_> {
         dst_pages: &[u32],
         imm: Option<u32>,
     ) -> Option<OpFuture> {
+        if super::ipc::via_ipc(dst) {
+            return Some(
+                self.ipc_paged(src, dst, layout, src_pages, dst_pages, imm).unwrap_or_else(OpFuture::failed),
+            );
+        }
         let src_staged = src.inner.staged().is_some();
-        if !src_staged && !dst_staged(dst) {
+        if !src_staged && !dst.pulled() {
             return None;
         }
         let r = (|| {
-            if !dst_staged(dst) {
+            if !dst.pulled() {
                 // Staged source, host or GPUDirect destination: the usual pages (their
                 // local addresses are device addresses), each through bounce slots.
                 let plan = self.paged(src, dst, layout, src_pages, dst_pages, imm)?;
@@ -170,15 +168,18 @@ impl Transfers<'_> {
     }
 
     /// `scatter` with a staged GPU end (the source, or any member), or `None` without one.
-    pub(super) fn staged_scatter(
+    pub(in crate::engine) fn staged_scatter(
         &self,
         src: &MemoryRegion,
         group: &PeerGroup,
         entries: &[ScatterEntry],
         imm: Option<u32>,
     ) -> Option<OpFuture> {
+        if Self::ipc_scatter_applies(group, entries) {
+            return Some(self.ipc_scatter(src, group, entries, imm).unwrap_or_else(OpFuture::failed));
+        }
         let src_staged = src.inner.staged().is_some();
-        if !src_staged && !group.members().iter().any(dst_staged) {
+        if !src_staged && !group.members().iter().any(RemoteRegion::pulled) {
             return None;
         }
         let r = (|| {
@@ -196,7 +197,7 @@ impl Transfers<'_> {
             let mut plain_then = false;
             for e in entries {
                 let m = &group.members()[e.member];
-                if dst_staged(m) {
+                if m.pulled() {
                     let pull = self.pull_template(m, e.dst_off, e.len, None)?;
                     pieces.push(Piece {
                         src: piece_src(src, e.src_off),
@@ -252,7 +253,7 @@ impl Transfers<'_> {
     /// region into host or GPUDirect memory: a push request, which its owner serves by
     /// writing the bytes through its bounce slots and ACKing. Staged to staged:
     /// `Unsupported` (see `docs/gpu.md`).
-    pub(super) fn staged_read(
+    pub(in crate::engine) fn staged_read(
         &self,
         dst: &MemoryRegion,
         dst_off: u64,
@@ -261,7 +262,7 @@ impl Transfers<'_> {
         len: u64,
     ) -> Option<OpFuture> {
         let local_staged = dst.inner.staged().is_some();
-        if !local_staged && !dst_staged(src) {
+        if !local_staged && !src.pulled() {
             return None;
         }
         let r = (|| {
@@ -272,7 +273,7 @@ impl Transfers<'_> {
             if len == 0 {
                 return Ok(OpFuture::done());
             }
-            if dst_staged(src) {
+            if src.pulled() {
                 if local_staged {
                     return Err(Error::Unsupported(
                         "read from a peer's staged GPU region into staged GPU memory: the owner can \
@@ -297,7 +298,7 @@ impl Transfers<'_> {
                     notify: Notify::Future(state.clone()),
                 };
                 self.hand(vec![s])?;
-                return Ok(OpFuture::pending(state).driven_by(self.engine.driver()));
+                return Ok(OpFuture::pending(state).driven_by(self.engine.driver()).without_linger());
             }
             let sources = src
                 .desc
@@ -315,7 +316,7 @@ impl Transfers<'_> {
                 notify: Notify::Future(state.clone()),
             };
             self.hand(vec![s])?;
-            Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
+            Ok(OpFuture::pending(state).driven_by(self.engine.driver()).without_linger())
         })();
         Some(r.unwrap_or_else(OpFuture::failed))
     }

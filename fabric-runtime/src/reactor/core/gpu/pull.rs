@@ -15,13 +15,13 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::staging::{GateThen, Keep, IDX_BITS, ID_MASK, TAG_ACK_SENT, TAG_READ};
-use super::Core;
+use super::gates::{GateThen, Keep, Lane, IDX_BITS, ID_MASK, TAG_ACK_SENT, TAG_READ};
 use crate::error::{Error, Result};
 use crate::provider::{Domain, RemoteSlice};
 use crate::pure::control::{Ack, Pull, PullSource};
 use crate::pure::descriptor::EngineAddress;
 use crate::pure::staging::ChunkPlan;
+use crate::reactor::core::Core;
 use crate::shared::memory::RegionShared;
 use crate::shared::notify::Notify;
 use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Submission};
@@ -31,7 +31,7 @@ use crate::shared::PeerId;
 const PULL_READS_IN_FLIGHT: u32 = 4;
 
 /// How a pull ends.
-pub(super) enum Finish {
+pub(crate) enum Finish {
     /// A peer's PULL: count `imm` (on success), then ACK `op`.
     Ack { op: u64, imm: Option<u32> },
     /// A local read into staged memory: complete the caller's future.
@@ -39,7 +39,7 @@ pub(super) enum Finish {
 }
 
 /// A pull in progress.
-pub(super) struct PullState {
+pub(crate) struct PullState {
     peer: PeerId,
     region: Arc<RegionShared>,
     sources: Vec<PullSource>,
@@ -57,7 +57,7 @@ pub(super) struct PullState {
 
 impl PullState {
     /// Shutdown: fails a local caller and gives back the region.
-    pub(super) fn close(self) -> Arc<RegionShared> {
+    pub(crate) fn close(self) -> Arc<RegionShared> {
         if let Finish::Local(n) = self.finish {
             n.fail(Error::Shutdown);
         }
@@ -67,7 +67,7 @@ impl PullState {
 
 impl<D: Domain> Core<D> {
     /// Receiver: a peer asks us to pull its bytes into one of our staged GPU regions.
-    pub(super) fn on_pull(&mut self, data: &[u8]) {
+    pub(crate) fn on_pull(&mut self, data: &[u8]) {
         let pull = match Pull::from_bytes(data) {
             Ok(p) => p,
             Err(e) => return tracing::warn!(error = %e, "dropped a malformed PULL"),
@@ -87,7 +87,7 @@ impl<D: Domain> Core<D> {
         }
     }
 
-    pub(super) fn check_pull(&self, pull: &Pull) -> std::result::Result<Arc<RegionShared>, String> {
+    pub(crate) fn check_pull(&self, pull: &Pull) -> std::result::Result<Arc<RegionShared>, String> {
         let region = self
             .shared
             .gpu
@@ -111,7 +111,7 @@ impl<D: Domain> Core<D> {
 
     /// A local read of `len` bytes from `sources` (a peer's host or GPUDirect region) into
     /// staged `region` at `dst_off` (a `Submission::ReadStaged`).
-    pub(super) fn start_read(
+    pub(crate) fn start_read(
         &mut self,
         peer: PeerId,
         region: Arc<RegionShared>,
@@ -179,7 +179,7 @@ impl<D: Domain> Core<D> {
     }
 
     /// Posts the next chunk reads of pull `id` (as slots allow), or finishes it.
-    pub(super) fn pump_pull(&mut self, id: u64) {
+    pub(crate) fn pump_pull(&mut self, id: u64) {
         let nics = self.domains.len();
         loop {
             let Some(p) = self.staging.pulls.get(&id) else { return };
@@ -249,7 +249,7 @@ impl<D: Domain> Core<D> {
         self.pump_all();
     }
 
-    pub(super) fn pull_read_done(&mut self, id: u64, idx: u64, result: Result<()>) {
+    pub(crate) fn pull_read_done(&mut self, id: u64, idx: u64, result: Result<()>) {
         let Some(p) = self.staging.pulls.get_mut(&id) else { return };
         p.reads = p.reads.saturating_sub(1);
         if let Err(e) = result {
@@ -270,10 +270,18 @@ impl<D: Domain> Core<D> {
         let ordinal = g.ordinal as usize;
         let keep: Keep = vec![p.region.clone(), pool.region().clone()];
         p.copies += 1;
-        self.start_gate(ordinal, None, &[copy], GateThen::PullChunk { pull: id, idx }, keep);
+        self.start_gate(
+            ordinal,
+            Lane::Of(id),
+            None,
+            &[copy],
+            GateThen::PullChunk { pull: id, idx },
+            keep,
+            None,
+        );
     }
 
-    pub(super) fn pull_copy_done(&mut self, id: u64, idx: u64, result: Result<()>) {
+    pub(crate) fn pull_copy_done(&mut self, id: u64, idx: u64, result: Result<()>) {
         let Some(p) = self.staging.pulls.get_mut(&id) else { return };
         p.copies = p.copies.saturating_sub(1);
         match result {
@@ -285,7 +293,7 @@ impl<D: Domain> Core<D> {
         self.release_pull_slot(id, idx);
     }
 
-    pub(super) fn send_ack(&mut self, peer: PeerId, op: u64, error: Option<String>) {
+    pub(crate) fn send_ack(&mut self, peer: PeerId, op: u64, error: Option<String>) {
         if let Some(e) = &error {
             tracing::warn!(op, error = %e, "a pull into a staged GPU region failed");
         }

@@ -1,7 +1,10 @@
 //! GPU memory in the engine: regions in CUDA memory (allocated by the engine or owned by the
 //! user), the path each takes (GPUDirect, staged, CUDA IPC), the blocking copies of
 //! `read_at`/`write_at`, the staging pool, and the writes whose bytes cross bounce slots or
-//! an IPC mapping (paged writes, scatters and reads: `staged.rs`). The reactor's half is `reactor/core/staging.rs`; the protocol is in `docs/gpu.md`.
+//! an IPC mapping (`ipc.rs`: every shape through CUDA IPC as one gate of copies; `staged.rs`:
+//! paged writes, scatters and reads with a staged end). The reactor's half is
+//! `reactor/core/gpu/`; the protocol is in `docs/gpu.md`. Imports go one way: this folder
+//! uses the rest of the engine (`region.rs`, `transfer.rs`, `op.rs`), which never names it.
 //!
 //! ```text
 //!  source            destination (its descriptor)     what happens
@@ -12,22 +15,24 @@
 //!  any               GPU on this host (IPC)           copy engine into the IPC mapping, imm-only write
 //! ```
 
-use std::any::Any;
+mod ipc;
+pub(super) mod signal;
+mod staged;
+
 use std::sync::Arc;
 
+use self::staged::piece_src;
 use super::op::OpFuture;
 use super::region::{MemoryRegion, RemoteRegion};
-use super::staged::piece_src;
 use super::transfer::Transfers;
 use super::Engine;
-use crate::cuda::{self, DeviceBuffer, MemoryKind, PinnedHostBuffer, Stream};
+use crate::cuda::{self, DeviceBuffer, MemoryKind, PinnedHostBuffer};
 use crate::error::{Error, Result};
 use crate::provider::MemoryLocation;
 use crate::pure::descriptor::GpuRegion;
 use crate::pure::staging::GpuPath;
 use crate::shared::memory::{Backing, GpuMemory, RegionShared};
-use crate::shared::notify::{Notify, OpState};
-use crate::shared::queue::{CopyDir, CudaCopy, OpKind, OpReq, Piece, PieceDst, PieceSrc, Submission};
+use crate::shared::queue::{OpKind, Piece, PieceDst, PieceSrc};
 
 impl Engine {
     /// `alloc_in(len, Cuda { ordinal })`: a new zeroed device allocation, registered.
@@ -190,39 +195,6 @@ impl Engine {
     }
 }
 
-/// A blocking copy for `read_at` / `write_at` / `to_vec` of a GPU region (setup calls).
-pub(super) fn copy_blocking(
-    g: &GpuMemory,
-    dir: CopyDir,
-    device_off: u64,
-    host: *mut u8,
-    len: usize,
-) -> Result<()> {
-    if len == 0 {
-        return Ok(());
-    }
-    let dev = g.ptr + device_off;
-    let Some(ctx) = &g.ctx else {
-        let (dst, src) = match dir {
-            CopyDir::HostToDevice => (dev, host as u64),
-            _ => (host as u64, dev),
-        };
-        // SAFETY: as below; emulated device memory is host memory of the region's length.
-        unsafe { cuda::emulated_copy(dst, src, len) };
-        return Ok(());
-    };
-    let stream = Stream::new(ctx)?;
-    // SAFETY: the caller bounds-checked `device_off..+len` against the region and passes a
-    // host buffer of `len` bytes; the stream is synchronized before either goes away.
-    unsafe {
-        match dir {
-            CopyDir::HostToDevice => stream.copy_h2d_raw(dev, host, len)?,
-            _ => stream.copy_d2h_raw(host, dev, len)?,
-        }
-    }
-    stream.synchronize()
-}
-
 impl MemoryRegion {
     /// For a GPU region, how its NICs reach it ([`GpuPath::GpuDirect`] or
     /// [`GpuPath::Staged`]); `None` for host memory.
@@ -291,8 +263,6 @@ pub(super) fn ipc_usable(shared: &crate::shared::Shared, g: &GpuRegion) -> Optio
     cuda::IpcExport::from_bytes(g.ipc.as_deref()?).ok()
 }
 
-type Keep = Vec<Arc<dyn Any + Send + Sync>>;
-
 impl Transfers<'_> {
     /// A write whose bytes cross bounce slots or an IPC mapping, or `None` when it is a
     /// plain RDMA write (both ends host or GPUDirect). Ranges are checked here.
@@ -317,7 +287,7 @@ impl Transfers<'_> {
             dst.check(dst_off, len)?;
             src.check(src_off, len)?;
             match dst_path {
-                Some(GpuPath::Ipc) => self.ipc_write(src, src_off, dst, dst_off, len, imm),
+                Some(GpuPath::Ipc) => self.ipc_write(src, &[(dst, vec![(src_off, dst_off, len)])], imm),
                 Some(GpuPath::Staged) => self.pull_write(src, src_off, dst, dst_off, len, imm),
                 _ => self.staged_source_write(src, src_off, dst, dst_off, len, imm),
             }
@@ -355,70 +325,6 @@ impl Transfers<'_> {
         let pull = self.pull_template(dst, dst_off, len, imm)?;
         let piece = Piece { src: piece_src(src, src_off), len, dst: PieceDst::Pull { peer: dst.peer, pull } };
         self.run_job(src, vec![piece], Vec::new())
-    }
-
-    /// Into a GPU region of a process on this host: the copy engine writes its IPC mapping;
-    /// then an imm-only write (if `imm`) so the owner counts it.
-    fn ipc_write(
-        &self,
-        src: &MemoryRegion,
-        src_off: u64,
-        dst: &RemoteRegion,
-        dst_off: u64,
-        len: u64,
-        imm: Option<u32>,
-    ) -> Result<OpFuture> {
-        let export = dst.ipc.as_ref().ok_or_else(|| Error::Unsupported("CUDA IPC to this region".into()))?;
-        let dst_ordinal = dst.desc.gpu.as_ref().map_or(0, |g| g.ordinal);
-        let ordinal = src.inner.gpu.as_ref().map_or(dst_ordinal, |g| g.ordinal) as usize;
-        let mapping = self.shared().gpu.ipc_mapping(export, ordinal)?;
-        let target = cuda::DeviceMemory::device_ptr(&*mapping) + dst_off;
-        let copy = match &src.inner.gpu {
-            Some(g) => CudaCopy {
-                dir: CopyDir::DeviceToDevice,
-                dst: target,
-                src: g.ptr + src_off,
-                len: len as usize,
-            },
-            None => CudaCopy {
-                dir: CopyDir::HostToDevice,
-                dst: target,
-                src: src.inner.backing().addr() + src_off,
-                len: len as usize,
-            },
-        };
-        let state = Arc::new(OpState::default());
-        let done = Notify::Future(state.clone());
-        let (then, done) = match imm {
-            Some(imm) => {
-                let nic = self.opts.nic_of(0, self.shared().nics, self.shared().next_start());
-                let req = OpReq {
-                    domain: nic,
-                    peer: dst.peer,
-                    kind: OpKind::Write,
-                    local_addr: 0,
-                    len: 0,
-                    remote: crate::provider::RemoteSlice {
-                        addr: dst.desc.domains[nic].base,
-                        key: dst.desc.domains[nic].key,
-                    },
-                    imm: Some(imm),
-                };
-                (vec![Submission::Op { req, keep: None, notify: done }], None)
-            }
-            None => (Vec::new(), Some(done)),
-        };
-        let keep: Keep = vec![src.inner.clone(), mapping];
-        let s = Submission::Gated {
-            ordinal,
-            copies: if len > 0 { vec![copy] } else { Vec::new() },
-            then,
-            done,
-            keep,
-            after: None,
-        };
-        self.hand(vec![s])?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()))
     }
 
     /// Refuses the synchronous path (`post_write_imm`) with bytes when either end is staged

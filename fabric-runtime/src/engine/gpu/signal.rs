@@ -19,10 +19,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use super::transfer::Transfers;
-use super::Engine;
 use crate::counter::{ImmCounter, Mirror};
 use crate::cuda::{self, Event, PinnedHostBuffer};
+use crate::engine::transfer::Transfers;
+use crate::engine::Engine;
 use crate::error::Result;
 use crate::sync::lock;
 
