@@ -73,6 +73,7 @@ fn builder(provider: &str) -> fabric_async::EngineBuilder {
     }
 }
 
+mod batch;
 mod shapes;
 
 const GPU1: MemoryLocation = MemoryLocation::Cuda { ordinal: 1 };
