@@ -16,10 +16,11 @@
 //!    the layer and the block's position in the request),
 //! 2. takes free blocks in the chosen decode worker's cache, announces the request to it with
 //!    a two-sided message (request id, immediate, arrival count, block table),
-//! 3. writes every layer's blocks with **one `write_paged`** (with `--location cuda`: one
-//!    `write_imm` per block, since `write_paged` does not stage GPU memory yet) carrying the request's own
-//!    immediate: one completion signal per request, whose arrival count is
-//!    `engine.paged_arrivals(..)` (one per page; the worker computes the same number itself),
+//! 3. writes every layer's blocks with **one `write_paged`** (host or GPU memory; with
+//!    `--location cuda` on one host, one gate of copies through CUDA IPC) carrying the
+//!    request's own immediate: one completion signal per request, whose arrival count is
+//!    `engine.paged_arrivals(..)` (one per page into host memory, exactly one into GPU
+//!    memory through CUDA IPC or staging; the worker checks the announced number),
 //! 4. waits, with a deadline, for the worker's acknowledgement: the worker awaited the
 //!    immediate's counter (with a deadline too) and checked every byte of every block.
 //!
@@ -297,16 +298,16 @@ async fn serve(
     announced: u64,
     table: &[u32],
 ) -> Result<(), Served> {
-    // The same arrival count, computed here from what this side knows.
-    let expected = if kv.gpu_path().is_some() {
-        // One write_imm per block into GPU memory (see `attempt`).
-        (table.len() * cli.layers) as u64
-    } else {
-        engine.transfer_opts().paged_arrivals(table.len() * cli.layers, engine.nics())?
-    };
-    if expected != announced {
-        return Err(format!("request {req}: {announced} arrivals announced, {expected} expected").into());
+    // The same arrival count, computed here from what this side knows: one per page into
+    // host memory; into GPU memory exactly one when the writer copies through CUDA IPC or
+    // this cache is staged (`paged_arrivals`), one per page when its NICs write it directly.
+    let per_page = engine.transfer_opts().paged_arrivals(table.len() * cli.layers, engine.nics())?;
+    let pages = (table.len() * cli.layers) as u64;
+    let fits = announced == per_page || (kv.gpu_path().is_some() && announced == u64::from(pages > 0));
+    if !fits {
+        return Err(format!("request {req}: {announced} arrivals announced, {per_page} expected").into());
     }
+    let expected = announced;
     let counter = engine.imm_counter(imm);
     match race_down(engine, &[prefill], wait_arrivals(&counter, expected, cli.deadline())).await {
         Ok(r) => r?,
@@ -492,14 +493,9 @@ impl Prefill {
         })?;
         let (src_pages, dst_pages) = (self.cli.pages(src_table), self.cli.pages(&dst_table));
         let imm = IMM_BASE + req;
-        // `write_paged` does not stage GPU memory yet: into a GPU cache (staged or CUDA IPC)
-        // each block is one write_imm, one arrival each.
-        let gpu = w.kv.gpu_path().is_some();
-        let arrivals = if gpu {
-            dst_pages.len() as u64
-        } else {
-            self.engine.paged_arrivals(&w.kv, dst_pages.len()).map_err(KvError::Transfer)?
-        };
+        // One write_paged for every layer's blocks, in host or GPU memory (into a GPU cache
+        // on this host: one gate of copies through CUDA IPC and one arrival).
+        let arrivals = self.engine.paged_arrivals(&w.kv, dst_pages.len()).map_err(KvError::Transfer)?;
         let blocks: Vec<String> = dst_table.iter().map(u32::to_string).collect();
         let announce = format!("req {req} {imm} {arrivals} {}", blocks.join(","));
         let (tx, rx) = oneshot::channel();
@@ -512,18 +508,10 @@ impl Prefill {
         let attempt = async {
             self.engine.send(w.kv.peer(), announce.as_bytes()).await.map_err(KvError::Transfer)?;
             set("writing the blocks");
-            if gpu {
-                let page = layout.page_len;
-                let writes = src_pages.iter().zip(&dst_pages).map(|(s, d)| {
-                    self.engine.write_imm(&self.src, *s as u64 * page, &w.kv, *d as u64 * page, page, imm)
-                });
-                futures::future::try_join_all(writes).await.map_err(KvError::Transfer)?;
-            } else {
-                self.engine
-                    .write_paged(&self.src, &w.kv, &layout, &src_pages, &dst_pages, Some(imm))
-                    .await
-                    .map_err(KvError::Transfer)?;
-            }
+            self.engine
+                .write_paged(&self.src, &w.kv, &layout, &src_pages, &dst_pages, Some(imm))
+                .await
+                .map_err(KvError::Transfer)?;
             set("awaiting the acknowledgement");
             rx.await.map_err(|_| KvError::WorkerLeft)?.map_err(KvError::Rejected)
         };
