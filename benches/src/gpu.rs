@@ -133,7 +133,15 @@ fn ceilings(send: usize, recv: usize, size: usize, iters: u64) -> Res<Ceilings> 
 /// An engine (`cuda_ipc` as given) with a GPU region of `len` bytes on `ordinal`, connected
 /// to the other side's.
 async fn gpu_side(ctx: &mut Ctx, ipc: bool, ordinal: usize, len: usize) -> Res<Side> {
-    let engine: Engine = builder(&ctx.o).mode(ctx.o.mode).cuda_ipc(ipc).build()?;
+    let mut b = builder(&ctx.o).mode(ctx.o.mode).cuda_ipc(ipc).time_reactor(ctx.o.time_calls);
+    // The reactor on this side's NIC CPU, as `bw`'s host engines: a reactor thread inherits
+    // the affinity of the thread that starts it, which `bw` pinned to its one app CPU, and
+    // sharing that CPU with the awaiting task cost the GPU rows 2-5x (the task's lingering
+    // spin and the reactor's passes took turns on it).
+    if let Some(p) = crate::pin::plan_bw() {
+        b = b.pin_core(if ctx.lead { p[0] } else { p[2] });
+    }
+    let engine: Engine = b.build()?;
     let region = engine.alloc_in(len, MemoryLocation::Cuda { ordinal: ordinal as u32 }).await?;
     let chunk = vec![0x5au8; 4 << 20];
     let mut off = 0;
@@ -234,10 +242,40 @@ pub async fn run(
                 );
                 ctx.progress("bw", (k * reps + r) as f64 / (sizes.len() * reps) as f64, &what);
                 if ctx.lead {
+                    let (g0, r0) = {
+                        let st = side.engine.stats();
+                        (st.gpu, st.reactor)
+                    };
                     e[k].push(gbps(
                         size as u64 * ops,
                         engine_stream(&side, size, ops, window, Pattern::Cold).await?,
                     ));
+                    if r + 1 == reps {
+                        // Where an operation's time goes (`EngineStats::gpu`), per gate.
+                        let st = side.engine.stats();
+                        let (g, rs) = (st.gpu, st.reactor);
+                        let n = (g.gates - g0.gates).max(1) as f64;
+                        let us =
+                            |a: std::time::Duration, b: std::time::Duration| (a - b).as_secs_f64() * 1e6 / n;
+                        ctx.note(&format!(
+                            "GPU {name} {}: per gate: hand-off {:.1} us, enqueue {:.1} us, enqueue -> seen done {:.1} us, event queries {:.1} us ({:.1} calls); {} gates, {:.2} passes ({:.2} callers') and {:.3} sleeps per op; per op in post {:.1} us, in poll {:.1} us, completing {:.1} us (waking {:.1} us), taking submissions {:.1} us",
+                            human(size),
+                            us(g.handoff, g0.handoff),
+                            us(g.enqueue, g0.enqueue),
+                            us(g.copy, g0.copy),
+                            us(g.polling, g0.polling),
+                            (g.queries - g0.queries) as f64 / n,
+                            g.gates - g0.gates,
+                            (rs.passes - r0.passes) as f64 / ops as f64,
+                            (rs.caller_passes - r0.caller_passes) as f64 / ops as f64,
+                            (rs.sleeps - r0.sleeps) as f64 / ops as f64,
+                            (rs.in_post - r0.in_post).as_secs_f64() * 1e6 / ops as f64,
+                            (rs.in_poll - r0.in_poll).as_secs_f64() * 1e6 / ops as f64,
+                            (rs.completing - r0.completing).as_secs_f64() * 1e6 / ops as f64,
+                            (rs.waking - r0.waking).as_secs_f64() * 1e6 / ops as f64,
+                            (rs.taking - r0.taking).as_secs_f64() * 1e6 / ops as f64,
+                        ));
+                    }
                 } else {
                     engine_absorb(&side, ops, size).await?;
                 }
