@@ -75,18 +75,6 @@ pub(crate) trait Progress: Send + Sync {
     /// The lingering future that holds `token` stops: its result came, it spent its budget
     /// and parks (`parked`), or it was dropped.
     fn linger_end(&self, _token: u64, _parked: bool) {}
-
-    /// Posts an operation's submission on the caller's thread at once, instead of queueing
-    /// it for the next pass: one lock (the core's) instead of the queue's twice. Gives it
-    /// back when another thread is in a pass, the engine is shutting down, or the
-    /// submission is not an operation; the caller then queues it.
-    #[cfg(not(loom))]
-    fn submit_here(
-        &self,
-        s: crate::shared::queue::Submission,
-    ) -> Result<(), crate::shared::queue::Submission> {
-        Err(s)
-    }
 }
 
 /// Posts a submission on the caller's thread while an `Event`-mode reactor thread sleeps

@@ -75,6 +75,8 @@ struct EngineInner {
     /// The reactor pass that callers run (cloned into futures): `ReactorMode::Inline`, or
     /// `EngineBuilder::await_spin`.
     driver: Option<Driver>,
+    /// `ReactorMode::Inline`: operations posted on the submitting thread.
+    submitter: Option<Arc<dyn crate::shared::queue::SubmitHere>>,
     /// A reactor pass for other threads (direct posting, `completion_wakeups`), where
     /// every NIC has a wait fd; `Shared` holds it weakly.
     direct: Option<Arc<dyn crate::sync::DirectPost>>,
@@ -165,6 +167,7 @@ impl Engine {
                 shared,
                 thread: std::sync::Mutex::new(Some(started.thread)),
                 driver: started.driver,
+                submitter: started.submitter,
                 direct: started.direct,
                 mode,
                 #[cfg(feature = "cuda")]
@@ -185,10 +188,10 @@ impl Engine {
     }
 
     /// Hands one operation to the reactor: on an `Inline` engine posted at once on this
-    /// thread when no other thread is in a pass (`Progress::submit_here`), else queued.
+    /// thread when no other thread is in a pass (`SubmitHere::submit_here`), else queued.
     /// Gives it back if the engine is shutting down.
     pub(crate) fn submit_op(&self, s: Submission) -> std::result::Result<(), Submission> {
-        let s = match self.driver() {
+        let s = match &self.inner.submitter {
             Some(d) => match d.submit_here(s) {
                 Ok(()) => return Ok(()),
                 Err(s) => s,

@@ -273,7 +273,8 @@ mod tests {
 
         /// The reactor's side: shard `i`'s completion arrives with `result`.
         fn complete(&mut self, i: usize, result: Result<(), Error>) -> Vec<Submission> {
-            self.shards[i].take().expect("each shard completes once").complete(result)
+            let next = self.shards[i].take().expect("each shard completes once").complete(result);
+            next.into_iter().map(Submission::from).collect()
         }
     }
 

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use self::core::{Core, EVENT_NO_FD_SPIN};
 use crate::error::{Error, Result};
 use crate::provider::Domain;
-use crate::shared::queue::Submission;
+use crate::shared::queue::{Submission, SubmitHere};
 use crate::shared::stats::bump;
 use crate::shared::Shared;
 use crate::sync::{lock, DirectPost, Driver, Progress};
@@ -180,7 +180,9 @@ impl<D: Domain> Progress for Inline<D> {
     fn spin_budget(&self) -> Duration {
         self.spin
     }
+}
 
+impl<D: Domain> SubmitHere for Inline<D> {
     fn submit_here(&self, s: Submission) -> std::result::Result<(), Submission> {
         if !self.direct || self.shared.closing() || !matches!(s, Submission::Op { .. }) {
             return Err(s);
@@ -354,16 +356,21 @@ impl<D: Domain> DirectPost for Direct<D> {
 pub(crate) struct Started {
     pub(crate) thread: JoinHandle<()>,
     pub(crate) driver: Option<Driver>,
+    /// `Inline`: operations posted on the submitting thread (`EngineBuilder::direct_post`).
+    pub(crate) submitter: Option<Arc<dyn SubmitHere>>,
     pub(crate) direct: Option<Arc<dyn DirectPost>>,
 }
 
 /// Opens the message pools, then moves the domains to a new reactor thread.
 pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: ReactorConfig) -> Result<Started> {
     let core = Arc::new(Mutex::new(Core::open(domains, shared.clone(), cfg.clone())?));
+    let mut submitter: Option<Arc<dyn SubmitHere>> = None;
     let driver = if cfg.mode == ReactorMode::Inline {
         let direct = cfg.direct_post;
-        Some(Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin, direct })
-            as Driver)
+        let inline =
+            Arc::new(Inline { core: core.clone(), shared: shared.clone(), spin: cfg.inline_spin, direct });
+        submitter = Some(inline.clone());
+        Some(inline as Driver)
     } else if !cfg.await_spin.is_zero() {
         Some(Arc::new(AwaitSpin { core: core.clone(), shared: shared.clone(), spin: cfg.await_spin })
             as Driver)
@@ -389,7 +396,7 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
             errno: e.raw_os_error().unwrap_or(0),
             message: e.to_string(),
         })?;
-    Ok(Started { thread, driver, direct })
+    Ok(Started { thread, driver, submitter, direct })
 }
 
 /// What the reactor thread does after a pass that found nothing to do.

@@ -22,6 +22,7 @@ pub(crate) mod gpu;
 pub(crate) mod memory;
 pub(crate) mod notify;
 pub(crate) mod queue;
+pub(crate) mod request;
 pub(crate) mod revoked;
 pub(crate) mod stats;
 

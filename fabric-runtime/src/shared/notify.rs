@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, Waker};
 
-use super::queue::{OpReq, Submission};
+use super::request::OpReq;
 use crate::error::Error;
 use crate::sync::{lock, Driver};
 
@@ -28,6 +28,13 @@ pub(crate) enum Notify {
     Internal(u64, Arc<InternalFailures>),
 }
 
+/// An operation to post once a sharded transfer's shards are done (the imm-only writes of
+/// `Arrivals::One`), with its waiter: a `Submission::Op` without memory to keep.
+pub(crate) struct FollowUp {
+    pub(crate) req: OpReq,
+    pub(crate) notify: Notify,
+}
+
 /// Failures of [`Notify::Internal`] operations that did not pass through the reactor's
 /// completion path.
 #[cfg(feature = "cuda")]
@@ -38,7 +45,7 @@ impl Notify {
     /// shard of a group that ends with follow-ups (the imm-only writes of
     /// `Arrivals::One`); only a success can return some.
     #[must_use = "follow-up operations must be posted"]
-    pub(crate) fn complete(self, result: Result<(), Error>) -> Vec<Submission> {
+    pub(crate) fn complete(self, result: Result<(), Error>) -> Vec<FollowUp> {
         match self {
             Notify::Future(s) => s.complete(result),
             Notify::Batch(b) => b.complete(result),
@@ -82,7 +89,7 @@ impl GroupState {
         })
     }
 
-    fn complete(&self, result: Result<(), Error>) -> Vec<Submission> {
+    fn complete(&self, result: Result<(), Error>) -> Vec<FollowUp> {
         let (done, error, mut then) = {
             let mut g = lock(&self.inner);
             if let Err(e) = result {
@@ -101,13 +108,11 @@ impl GroupState {
         }
         match then.len() {
             0 => done.complete(Ok(())),
-            1 => vec![Submission::Op { req: then.remove(0), keep: None, notify: done }],
+            1 => vec![FollowUp { req: then.remove(0), notify: done }],
             n => {
                 // The follow-ups form a group of their own, with the same waiter.
                 let g = GroupState::new(n, done, Vec::new());
-                then.into_iter()
-                    .map(|req| Submission::Op { req, keep: None, notify: Notify::Group(g.clone()) })
-                    .collect()
+                then.into_iter().map(|req| FollowUp { req, notify: Notify::Group(g.clone()) }).collect()
             }
         }
     }

@@ -5,38 +5,26 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::memory::{Backing, RegionShared};
-use super::notify::{Notify, Reply};
+use super::notify::{FollowUp, Notify, Reply};
+pub(crate) use super::request::{OpKind, OpReq};
 use super::PeerId;
 use crate::error::Error;
-use crate::provider::{MemoryLocation, Registration, RemoteSlice};
+use crate::provider::{MemoryLocation, Registration};
 use crate::pure::descriptor::EngineAddress;
 
-/// One operation as the reactor will post it.
-pub(crate) struct OpReq {
-    pub(crate) domain: usize,
-    pub(crate) peer: PeerId,
-    pub(crate) kind: OpKind,
-    /// Local address and length (`0, 0` for an imm-only write).
-    pub(crate) local_addr: u64,
-    pub(crate) len: usize,
-    pub(crate) remote: RemoteSlice,
-    pub(crate) imm: Option<u32>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OpKind {
-    Write,
-    Read,
-}
-
-impl OpKind {
-    pub(crate) fn name(self, imm: Option<u32>) -> &'static str {
-        match (self, imm) {
-            (OpKind::Write, Some(_)) => "write_imm",
-            (OpKind::Write, None) => "write",
-            (OpKind::Read, _) => "read",
-        }
+impl From<FollowUp> for Submission {
+    fn from(f: FollowUp) -> Submission {
+        Submission::Op { req: f.req, keep: None, notify: f.notify }
     }
+}
+
+/// A submission posted on the caller's thread at once (`ReactorMode::Inline` with
+/// `EngineBuilder::direct_post`), instead of queued for the reactor's next pass.
+pub(crate) trait SubmitHere: Send + Sync {
+    /// Posts an operation's submission here: one lock (the core's) instead of the queue's
+    /// twice. Gives it back when another thread is in a pass, the engine is shutting down,
+    /// or the submission is not an operation; the caller then queues it.
+    fn submit_here(&self, s: Submission) -> Result<(), Submission>;
 }
 
 /// What callers hand the reactor.

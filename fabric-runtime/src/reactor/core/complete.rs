@@ -273,7 +273,7 @@ impl<D: Domain> Core<D> {
         drop(op.keep);
         for s in next {
             // The imm-only writes of an `Arrivals::One` transfer: its shards are all done.
-            self.handle(s);
+            self.handle(s.into());
         }
     }
 }

@@ -286,7 +286,7 @@ impl<D: Domain> Core<D> {
 }
 
 impl<D: Domain> Core<D> {
-    /// An `Inline` caller's operation, posted now on its thread (`Progress::submit_here`),
+    /// An `Inline` caller's operation, posted now on its thread (`SubmitHere::submit_here`),
     /// after whatever was queued before it. `Ok(true)`: the reactor thread sleeps and its
     /// sleep does not cover the new operation (it needs a timed pass sooner), so the caller
     /// wakes it. Gives `s` back if shutdown was requested (the queue then refuses it too).

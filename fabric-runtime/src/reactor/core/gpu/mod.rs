@@ -156,7 +156,7 @@ impl<D: Domain> Core<D> {
                 }
                 if let Some(n) = done {
                     for s in n.complete(Ok(())) {
-                        self.handle(s);
+                        self.handle(s.into());
                     }
                 }
             }

@@ -234,7 +234,7 @@ impl<D: Domain> Core<D> {
                     }),
                 };
                 for s in n.complete(r) {
-                    self.handle(s);
+                    self.handle(s.into());
                 }
             }
         }

@@ -390,7 +390,7 @@ impl<D: Domain> Core<D> {
         let notifies: Vec<Notify> = match then.len() {
             0 => {
                 for s in job.notify.complete(Ok(())) {
-                    self.handle(s);
+                    self.handle(s.into());
                 }
                 return;
             }
@@ -450,7 +450,7 @@ impl<D: Domain> Core<D> {
             Waiter::Chunk { job, idx } => self.chunk_done(job, idx, result),
             Waiter::Done(n) => {
                 for s in n.complete(result) {
-                    self.handle(s);
+                    self.handle(s.into());
                 }
             }
         }
