@@ -12,19 +12,19 @@
 //!
 //! This process is the leader. It starts a second copy of itself as the peer; the two meet
 //! through a `TcpStore` on 127.0.0.1 and then run the same sequence of phases, each side
-//! playing its role (`session.rs`). Every engine figure is printed beside a baseline measured
-//! in the same run: the raw provider loop (`raw.rs`: the provider's domain driven through the
-//! `Domain` trait by a plain thread), libfabric's own fabtests when `--fabtests DIR` is given
-//! (`fabtests.rs`: `fi_rma_bw`, `fi_rdm_pingpong`), iperf3 for tcp bandwidth when it is
-//! installed, and perftest's `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests
-//! move less data ([`on_verbs`]): the only verbs device here is Soft-RoCE in an emulated VM,
-//! ~20-45 MB/s.
+//! playing its role (`run.rs`: the tests in order, then the report). Every engine figure is
+//! printed beside a baseline measured in the same run: the raw provider loop (`raw.rs`: the
+//! provider's domain driven through the `Domain` trait by a plain thread), libfabric's own
+//! fabtests when `--fabtests DIR` is given (`fabtests.rs`: `fi_rma_bw`, `fi_rdm_pingpong`),
+//! iperf3 for tcp bandwidth when it is installed, and perftest's `ib_write_bw` /
+//! `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests move less data ([`on_verbs`]):
+//! the only verbs device here is Soft-RoCE in an emulated VM, ~20-45 MB/s.
 //!
-//! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`. Shared:
-//! `session.rs` (the two processes, their meeting point, engine and raw sides),
-//! `pattern.rs` (bw's `--buffer hot|cold` offsets),
-//! `measure.rs` (CPU, RSS, percentiles, units), `report.rs` (table, JSON, plot),
-//! `progress.rs` (the progress display). This file parses the command line and dispatches.
+//! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`, `rtt.rs`.
+//! Shared: `session.rs` (the two processes, their meeting point, engine and raw sides; it
+//! imports no test), `pattern.rs` (bw's `--buffer hot|cold` offsets), `measure.rs` (CPU, RSS,
+//! percentiles, units), `report.rs` (table, JSON, plot), `progress.rs` (the progress
+//! display). This file parses the command line and dispatches to `run.rs`.
 
 mod account;
 mod bw;
@@ -40,6 +40,7 @@ mod rate;
 mod raw;
 mod report;
 mod rtt;
+mod run;
 mod scale;
 mod session;
 mod soak;
@@ -536,8 +537,8 @@ fn main() {
         .expect("tokio runtime");
     let result = rt.block_on(async {
         match o.peer_of.clone() {
-            Some(addr) => session::peer_main(o, addr).await,
-            None => session::leader_main(o).await,
+            Some(addr) => run::peer_main(o, addr).await,
+            None => run::leader_main(o).await,
         }
     });
     if let Err(e) = result {
