@@ -11,7 +11,7 @@ use std::time::Instant;
 use crate::fabtests::{self, Fabtests};
 use crate::report::Report;
 use crate::session::{builder, mode_name, Ctx, Res};
-use crate::{bw, lat, rate, rtt, scale, wake, Opts, Test};
+use crate::{bw, lat, peers, rate, rtt, scale, wake, Opts, Test};
 
 pub async fn leader_main(o: Opts) -> Res<()> {
     // A `--fabtests DIR` without the binaries the run needs fails here, before any test.
@@ -66,6 +66,10 @@ pub async fn leader_main(o: Opts) -> Res<()> {
     result?;
     if !status.success() {
         return Err(format!("the peer process exited with {status}").into());
+    }
+    // `--peer`: the other libraries, with nothing else running (their rows go beside bw's).
+    if o.runs(Test::Bw) {
+        peers::run(&o, &mut rep).await;
     }
     rep.print();
     if let Some(p) = &o.json {
