@@ -240,6 +240,9 @@ def nixl_initiator(a):
 
 
 def nccl(a):
+    # NVLink multicast (NVLS) stays off: on shared hosts a program using it can take the GPUs
+    # out of service (the GPU machines set this; a bare environment may not).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch
     import torch.distributed as dist
 
