@@ -32,7 +32,7 @@ use crate::session::{
 };
 use crate::{on_verbs, Opts};
 
-fn bw_sizes(o: &Opts) -> Vec<usize> {
+pub fn bw_sizes(o: &Opts) -> Vec<usize> {
     if let Some(s) = &o.sizes {
         return s.clone();
     }
@@ -49,7 +49,7 @@ fn bw_sizes(o: &Opts) -> Vec<usize> {
 
 /// Writes per measured burst: about 1 GiB (quick: 16 MiB; verbs: 32 MiB, quick 8 MiB), at
 /// least two windows (verbs: 32 writes), bounded.
-fn bw_ops(o: &Opts, size: usize) -> u64 {
+pub fn bw_ops(o: &Opts, size: usize) -> u64 {
     if let Some(n) = o.iters {
         return n as u64;
     }
@@ -70,7 +70,7 @@ fn bw_ops(o: &Opts, size: usize) -> u64 {
 
 /// Bytes registered per side: the largest size for `--buffer hot`; with `cold`, a region
 /// several times the last-level cache ([`pattern::region_len`]).
-fn region_len(o: &Opts, sizes: &[usize]) -> usize {
+pub fn region_len(o: &Opts, sizes: &[usize]) -> usize {
     let max = sizes.iter().copied().max().unwrap_or(1 << 20);
     let llc = pattern::llc_bytes();
     pattern::region_len(&o.buffers, llc, o.window, max, pattern::region_cap(llc, on_verbs(o)))
@@ -113,7 +113,7 @@ fn external_pattern(patterns: &[Pattern]) -> Pattern {
 }
 
 /// Bursts per size and pattern: `--rounds`, else 3 (quick: 1).
-fn rounds(o: &Opts) -> usize {
+pub fn rounds(o: &Opts) -> usize {
     o.rounds.unwrap_or(if o.quick { 1 } else { 3 })
 }
 

@@ -53,6 +53,27 @@ pub fn parse_location(s: &str) -> Result<Location, String> {
     }
 }
 
+/// Bursts per size of the GPU rows: 3 (quick: 1).
+pub fn reps(quick: bool) -> usize {
+    if quick {
+        1
+    } else {
+        3
+    }
+}
+
+/// Bytes of each side's GPU region: a window of the largest size, at most 256 MiB (at least
+/// the largest size); the writes sweep it (`Pattern::Cold`).
+pub fn region_len(sizes: &[usize], window: usize) -> usize {
+    let max = sizes.iter().copied().max().unwrap_or(1 << 20);
+    (max * window).min(256 << 20).max(max)
+}
+
+/// The case of the CUDA IPC row at `size` (`bw --peer` puts its GPU rows beside it).
+pub fn ipc_case(size: usize, send: usize, recv: usize) -> String {
+    format!("GPU->GPU CUDA IPC {} cuda:{send}->cuda:{recv}", human(size))
+}
+
 /// Default GPU sweep: 1 MiB .. 256 MiB (quick: 4 MiB, 64 MiB, 256 MiB).
 pub fn sizes(quick: bool) -> Vec<usize> {
     if quick {
@@ -63,7 +84,7 @@ pub fn sizes(quick: bool) -> Vec<usize> {
 }
 
 /// Why no GPU row can run here (no driver, no device, too few devices), or the ordinals.
-fn resolve(loc: Option<(usize, usize)>) -> Result<(usize, usize), String> {
+pub fn resolve(loc: Option<(usize, usize)>) -> Result<(usize, usize), String> {
     let n = match cuda::available() {
         Ok(0) => return Err("no CUDA device (the driver sees none)".into()),
         Ok(n) => n,
@@ -206,10 +227,9 @@ pub async fn run(
         }
     };
     let dir = format!("cuda:{send}->cuda:{recv}");
-    let reps = if ctx.o.quick { 1 } else { 3 };
+    let reps = reps(ctx.o.quick);
     let window = ctx.o.window;
-    let max = sizes.iter().copied().max().unwrap_or(1 << 20);
-    let len = (max * window).min(256 << 20).max(max);
+    let len = region_len(sizes, window);
     let my_ord = if ctx.lead { send } else { recv };
 
     // Ceilings first, on the leader, while no engine runs.
@@ -289,7 +309,11 @@ pub async fn run(
         for (k, &size) in sizes.iter().enumerate() {
             let c = &ceil[k];
             let bw = median(e[k].clone());
-            let case = format!("GPU->GPU {name} {} {dir}", human(size));
+            let case = if ipc {
+                ipc_case(size, send, recv)
+            } else {
+                format!("GPU->GPU {name} {} {dir}", human(size))
+            };
             let row = Row::new("bw", &case, "gbps", bw).size(size);
             let row = if ipc {
                 let base = if send == recv { "cuMemcpyDtoD" } else { "peer copy" };

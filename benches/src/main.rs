@@ -4,7 +4,7 @@
 //! cargo run --release -p fabric-bench -- <bw|lat|rate|wake|scale|all> [--provider tcp|shm|verbs[:DEV]]
 //!     [--domains N|1,2,4] [--sizes 4K,1M,..] [--iters N] [--window N] [--json PATH] [--plot PATH] [--quick]
 //!     [--mode event|adaptive|busypoll|inline] [--location host|cuda|cuda:N,M] [--buffer hot,cold]
-//!     [--fabtests DIR]
+//!     [--fabtests DIR] [--peer nixl,nccl]
 //! ```
 //!
 //! `--help` (and `fabric-bench TEST --help`) explains every option; the options go before or
@@ -12,19 +12,20 @@
 //!
 //! This process is the leader. It starts a second copy of itself as the peer; the two meet
 //! through a `TcpStore` on 127.0.0.1 and then run the same sequence of phases, each side
-//! playing its role (`session.rs`). Every engine figure is printed beside a baseline measured
-//! in the same run: the raw provider loop (`raw.rs`: the provider's domain driven through the
-//! `Domain` trait by a plain thread), libfabric's own fabtests when `--fabtests DIR` is given
-//! (`fabtests.rs`: `fi_rma_bw`, `fi_rdm_pingpong`), iperf3 for tcp bandwidth when it is
-//! installed, and perftest's `ib_write_bw` / `ib_write_lat` for verbs (`perftest.rs`). On verbs the tests
-//! move less data ([`on_verbs`]): the only verbs device here is Soft-RoCE in an emulated VM,
-//! ~20-45 MB/s.
+//! playing its role (`run.rs`: the tests in order, then the report). Every engine figure is
+//! printed beside a baseline measured in the same run: the raw provider loop (`raw.rs`: the
+//! provider's domain driven through the `Domain` trait by a plain thread), libfabric's own
+//! fabtests when `--fabtests DIR` is given (`fabtests.rs`: `fi_rma_bw`, `fi_rdm_pingpong`),
+//! iperf3 for tcp bandwidth when it is installed, and perftest's `ib_write_bw` /
+//! `ib_write_lat` for verbs (`perftest.rs`), and with `--peer` NIXL and NCCL beside bw's rows
+//! (`peers/`). On verbs the tests move less data ([`on_verbs`]):
+//! the only verbs device here is Soft-RoCE in an emulated VM, ~20-45 MB/s.
 //!
-//! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`. Shared:
-//! `session.rs` (the two processes, their meeting point, engine and raw sides),
-//! `pattern.rs` (bw's `--buffer hot|cold` offsets),
-//! `measure.rs` (CPU, RSS, percentiles, units), `report.rs` (table, JSON, plot),
-//! `progress.rs` (the progress display). This file parses the command line and dispatches.
+//! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`, `rtt.rs`.
+//! Shared: `session.rs` (the two processes, their meeting point, engine and raw sides; it
+//! imports no test), `pattern.rs` (bw's `--buffer hot|cold` offsets), `measure.rs` (CPU, RSS,
+//! percentiles, units), `report.rs` (table, JSON, plot), `progress.rs` (the progress
+//! display). This file parses the command line and dispatches to `run.rs`.
 
 mod account;
 mod bw;
@@ -33,6 +34,7 @@ mod gpu;
 mod lat;
 mod measure;
 mod pattern;
+mod peers;
 mod perftest;
 mod pin;
 mod progress;
@@ -40,6 +42,7 @@ mod rate;
 mod raw;
 mod report;
 mod rtt;
+mod run;
 mod scale;
 mod session;
 mod soak;
@@ -64,7 +67,8 @@ use fabric_async::ReactorMode;
     args_override_self = true,
     after_help = "Baselines: the raw provider loop (the provider's domain driven by a plain thread), \
                   fabtests 1.17 with --fabtests DIR (fi_rma_bw, fi_rdm_pingpong; tcp and shm), \
-                  iperf3 on tcp, ib_write_bw / ib_write_lat (perftest) on verbs.\n\
+                  iperf3 on tcp, ib_write_bw / ib_write_lat (perftest) on verbs, NIXL and NCCL with \
+                  --peer (bw).\n\
                   The options go before or after the test's name. Progress goes to stderr, the \
                   table to stdout.\n\
                   `fabric-bench soak --help`: the soak (peers killed and restarted, every byte and \
@@ -213,6 +217,19 @@ struct Cli {
     /// (e.g. `rate --tracing on`) to see that cost (docs/operations.md).
     #[arg(long, global = true, value_name = "off|on", value_enum, default_value_t = Tracing::Off)]
     tracing: Tracing,
+    /// bw: other libraries as baselines in the same run: nixl, nccl (a comma list, or the
+    /// option repeated; none by default).
+    ///
+    /// After the bw sweep, each peer moves the same sizes with --window blocks per request,
+    /// two processes on this host, and its row (median of --rounds bursts) goes beside the
+    /// engine's, ratio engine / peer. nixl: NIXL's UCX backend (the nixl-cu13 wheel, found
+    /// through PYTHONPATH), host memory at bw's sizes and --buffer patterns, and with
+    /// --location cuda GPU S -> GPU R beside the CUDA IPC rows. nccl: torch.distributed NCCL
+    /// send/recv, GPU rows only. Run by FABRIC_PYTHON or python3; a peer that cannot run
+    /// here gets a row "skipped: <why>" (docs/gpu.md).
+    #[arg(long, global = true, value_name = "nixl,nccl", num_args = 0..=1, default_missing_value = "",
+          action = clap::ArgAction::Append, value_parser = peer_list)]
+    peer: Vec<PeerList>,
     /// Internal: run as the peer of the leader whose TcpStore is at ADDR.
     #[arg(long, global = true, hide = true, value_name = "ADDR")]
     peer_of: Option<String>,
@@ -330,6 +347,10 @@ struct DomainList(Vec<usize>);
 #[derive(Clone, Debug)]
 struct Buffers(Vec<pattern::Pattern>);
 
+/// One `--peer` value.
+#[derive(Clone, Debug)]
+struct PeerList(Vec<peers::Peer>);
+
 /// The run, as the tests see it.
 #[derive(Clone, Debug)]
 pub struct Opts {
@@ -373,6 +394,8 @@ pub struct Opts {
     /// `--huge-pages`: engines' `EngineBuilder::huge_pages`, the raw loop's memory, and
     /// fi_rma_bw's malloc tunable.
     pub huge_pages: bool,
+    /// `--peer`: the libraries bw measures beside the engine (none: no peer runs).
+    pub peers: Vec<peers::Peer>,
 }
 
 impl Opts {
@@ -393,6 +416,12 @@ impl Opts {
         }
         if self.fabtests.is_some() {
             fabtests::provider_arg(&self.provider)?;
+        }
+        if !self.peers.is_empty() && !self.runs(Test::Bw) {
+            return Err(format!(
+                "--peer: the peers are baselines of bw; {} does not run it",
+                self.test.name()
+            ));
         }
         Ok(())
     }
@@ -434,6 +463,15 @@ impl From<Cli> for Opts {
             await_spin: c.await_spin.map(Duration::from_micros),
             await_linger: c.await_linger.map(Duration::from_micros),
             poll_window: c.poll_window.map(Duration::from_micros),
+            peers: {
+                let mut v: Vec<peers::Peer> = Vec::new();
+                for p in c.peer.into_iter().flat_map(|l| l.0) {
+                    if !v.contains(&p) {
+                        v.push(p);
+                    }
+                }
+                v
+            },
         }
     }
 }
@@ -474,6 +512,10 @@ fn domain_list(s: &str) -> Result<DomainList, String> {
         }
     });
     Ok(DomainList(v))
+}
+
+fn peer_list(s: &str) -> Result<PeerList, String> {
+    peers::parse_list(s).map(PeerList)
 }
 
 fn buffer_list(s: &str) -> Result<Buffers, String> {
@@ -536,8 +578,8 @@ fn main() {
         .expect("tokio runtime");
     let result = rt.block_on(async {
         match o.peer_of.clone() {
-            Some(addr) => session::peer_main(o, addr).await,
-            None => session::leader_main(o).await,
+            Some(addr) => run::peer_main(o, addr).await,
+            None => run::leader_main(o).await,
         }
     });
     if let Err(e) = result {
@@ -599,6 +641,29 @@ mod tests {
             assert!(e.contains(why), "{args:?}: {e}");
         }
         assert!(opts(&["lat", "--domains", "2"]).unwrap().check().is_ok());
+    }
+
+    #[test]
+    fn peers() {
+        use peers::Peer::{Nccl, Nixl};
+        assert!(opts(&["bw"]).unwrap().peers.is_empty(), "no peer unless asked");
+        assert_eq!(opts(&["bw", "--peer", "nixl"]).unwrap().peers, [Nixl]);
+        assert_eq!(opts(&["bw", "--peer", "nixl,nccl"]).unwrap().peers, [Nixl, Nccl]);
+        // Repeated: the lists add up (duplicates dropped); as with every global option, the
+        // values after the test's name replace those before it.
+        assert_eq!(opts(&["bw", "--peer", "nccl", "--peer", "nixl,nccl"]).unwrap().peers, [Nccl, Nixl]);
+        assert_eq!(opts(&["--peer", "nccl", "--peer", "nixl", "bw"]).unwrap().peers, [Nccl, Nixl]);
+        assert_eq!(opts(&["--peer", "nccl", "bw", "--peer", "nixl"]).unwrap().peers, [Nixl]);
+        // `--peer` alone, or `none`: today's run.
+        assert!(opts(&["bw", "--peer"]).unwrap().peers.is_empty());
+        assert!(opts(&["bw", "--peer", "none", "--quick"]).unwrap().peers.is_empty());
+        assert!(opts(&["bw", "--peer", "ucx"]).is_err());
+        assert!(opts(&["all", "--peer", "nixl"]).unwrap().check().is_ok());
+        let e = opts(&["lat", "--peer", "nixl"]).unwrap().check().unwrap_err();
+        assert!(e.contains("baselines of bw"), "{e}");
+        // The peer process gets the leader's arguments too.
+        let o = opts(&["bw", "--peer", "nixl", "--peer-of", "127.0.0.1:1"]).unwrap();
+        assert_eq!((o.peers.as_slice(), o.peer_of.as_deref()), (&[Nixl][..], Some("127.0.0.1:1")));
     }
 
     #[test]

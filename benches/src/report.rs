@@ -232,6 +232,25 @@ impl Report {
         hot.or_else(|| rows().min_by_key(|r| r.size)).map(|r| r.engine)
     }
 
+    /// The engine's bandwidth of the sweep's row at exactly `size`, `pattern` and `domains`
+    /// (a row beside the raw loop): what `bw --peer` compares its host rows with.
+    pub fn bw_engine(&self, size: usize, pattern: Pattern, domains: usize) -> Option<f64> {
+        self.bw_rows()
+            .find(|r| r.size == Some(size) && r.pattern == Some(pattern) && r.domains.unwrap_or(1) == domains)
+            .map(|r| r.engine)
+    }
+
+    /// Puts `rows` after the last row of one of `tests` (at the end if there is none): the
+    /// baselines run after the tests stay beside the rows they compare with.
+    pub fn insert_after(&mut self, tests: &[&str], rows: Vec<Row>) {
+        let at = self
+            .rows
+            .iter()
+            .rposition(|r| tests.contains(&r.test.as_str()))
+            .map_or(self.rows.len(), |i| i + 1);
+        self.rows.splice(at..at, rows);
+    }
+
     /// The rows the plot draws: the sweep of the first row's pattern and domain count.
     fn plot_rows(&self) -> Vec<&Row> {
         let first = self.bw_rows().next().map(|r| (r.pattern, r.domains));

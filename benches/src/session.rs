@@ -1,8 +1,9 @@
 //! Process plumbing and what every test shares.
 //!
-//! The leader starts a second copy of this binary as the peer (`--peer-of ADDR`); both
-//! processes then run the same sequence of phases ([`run_tests`]), each side playing its
-//! role, and meet at [`Ctx::swap`] / [`Ctx::barrier`] (keys in a `TcpStore` on 127.0.0.1).
+//! The leader starts a second copy of this binary as the peer (`--peer-of ADDR`,
+//! [`Ctx::leader`]); both processes then run the same sequence of phases (`run.rs`), each
+//! side playing its role, and meet at [`Ctx::swap`] / [`Ctx::barrier`] (keys in a `TcpStore`
+//! on 127.0.0.1). The tests use this module; it uses none of them.
 //!
 //! ```text
 //!  leader (this process)                         peer (current_exe --peer-of ADDR)
@@ -12,19 +13,17 @@
 //! ```
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::{Engine, EngineBuilder, MemoryRegion, ReactorMode, RemoteRegion};
 
-use crate::fabtests::{self, Fabtests};
 use crate::pattern::Pattern;
+use crate::perftest;
 use crate::progress::Progress;
 use crate::raw::Raw;
-use crate::report::Report;
-use crate::{bw, lat, perftest, rate, rtt, scale, wake, Opts, Test};
+use crate::Opts;
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Res<T> = std::result::Result<T, BoxError>;
@@ -43,11 +42,37 @@ pub struct Ctx {
     /// This process is the leader (it reports); the peer only plays its part.
     pub lead: bool,
     store: TcpStore,
+    /// The leader's: the store's server, alive as long as the context.
+    _server: Option<TcpStoreServer>,
     phase: u64,
     progress: Progress,
 }
 
 impl Ctx {
+    /// The leader's side: a store on 127.0.0.1:0, and the peer, this binary started with our
+    /// arguments and `--peer-of ADDR`. The caller waits for the child (or kills it).
+    pub async fn leader(o: Opts) -> Res<(Ctx, Child)> {
+        let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
+        let store = TcpStore::connect(server.local_addr()).await?.with_timeout(Duration::from_secs(300));
+        let mut args: Vec<String> = std::env::args().skip(1).collect();
+        args.extend(["--peer-of".to_string(), server.local_addr().to_string()]);
+        let child = Command::new(std::env::current_exe()?).args(&args).stdin(Stdio::null()).spawn()?;
+        let ctx =
+            Ctx { o, lead: true, store, _server: Some(server), phase: 0, progress: Progress::new(true) };
+        Ok((ctx, child))
+    }
+
+    /// The peer's side: connected to the leader's store at `addr`.
+    pub async fn peer(o: Opts, addr: &str) -> Res<Ctx> {
+        let store = TcpStore::connect(addr.parse()?).await?.with_timeout(Duration::from_secs(300));
+        Ok(Ctx { o, lead: false, store, _server: None, phase: 0, progress: Progress::new(false) })
+    }
+
+    /// Clears the progress bar (the leader, once the tests are done).
+    pub fn finish_progress(&mut self) {
+        self.progress.finish();
+    }
+
     /// Gives our bytes for this phase to the other side and returns theirs.
     pub async fn swap(&mut self, tag: &str, mine: Vec<u8>) -> Res<Vec<u8>> {
         self.phase += 1;
@@ -69,127 +94,6 @@ impl Ctx {
     pub fn note(&mut self, msg: &str) {
         self.progress.println(msg);
     }
-}
-
-pub async fn leader_main(o: Opts) -> Res<()> {
-    // A `--fabtests DIR` without the binaries the run needs fails here, before any test.
-    if let Some(dir) = &o.fabtests {
-        let mut tools = Vec::new();
-        if o.runs(Test::Bw) {
-            tools.push(fabtests::RMA_BW);
-        }
-        if o.runs(Test::Lat) || o.runs(Test::Wake) || o.runs(Test::Rtt) {
-            tools.push(fabtests::PINGPONG);
-        }
-        Fabtests::new(dir, &o.provider, &tools)?;
-    }
-    let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
-    let store = TcpStore::connect(server.local_addr()).await?.with_timeout(Duration::from_secs(300));
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    args.extend(["--peer-of".to_string(), server.local_addr().to_string()]);
-    let mut child = Command::new(std::env::current_exe()?).args(&args).stdin(Stdio::null()).spawn()?;
-    let mut ctx = Ctx { o: o.clone(), lead: true, store, phase: 0, progress: Progress::new(true) };
-    let linger = builder(&o).mode(o.mode).linger_budget();
-    let window = builder(&o).mode(o.mode).reactor_poll_window();
-    let mut rep = Report::new(&o.provider);
-    rep.set_linger(linger);
-    rep.set_poll_window(window);
-    eprintln!(
-        "fabric-bench {} on {} ({} cores{}{}){}{}",
-        o.test.name(),
-        o.provider,
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
-        if linger.is_zero() {
-            ", futures park at once".to_string()
-        } else {
-            format!(", futures linger {} us", linger.as_micros())
-        },
-        if window.is_zero() {
-            ", reactors sleep at once when idle".to_string()
-        } else {
-            format!(", reactors poll {} us after activity", window.as_micros())
-        },
-        if o.quick { ", quick" } else { "" },
-        if o.domain_counts.len() > 1 || o.domains > 1 {
-            let n: Vec<String> = o.domain_counts.iter().map(|n| n.to_string()).collect();
-            format!(", engines with {} domains (raw baselines: 1)", n.join(","))
-        } else {
-            String::new()
-        }
-    );
-    let t0 = Instant::now();
-    let result = run_tests(&mut ctx, &mut rep).await;
-    ctx.progress.finish();
-    eprintln!("done in {:.1} s", t0.elapsed().as_secs_f64());
-    if result.is_err() {
-        // The peer may be waiting for this side at the store (up to its 300 s timeout).
-        let _ = child.kill();
-    }
-    let status = tokio::task::spawn_blocking(move || child.wait()).await??;
-    result?;
-    if !status.success() {
-        return Err(format!("the peer process exited with {status}").into());
-    }
-    rep.print();
-    if let Some(p) = &o.json {
-        rep.write_json(p)?;
-        println!("json: {}", p.display());
-    }
-    if rep.has_bw() {
-        let path = o.plot.clone().unwrap_or_else(|| {
-            let dir = PathBuf::from("target/fabric-bench");
-            let _ = std::fs::create_dir_all(&dir);
-            dir.join(format!("bw-{}.png", o.provider))
-        });
-        // The plot draws the first pattern and domain count (`Report::plot_bw`).
-        let engine = match o.domains {
-            1 => format!("futures, {}", mode_name(o.mode)),
-            n => format!("futures, {}, {n} domains", mode_name(o.mode)),
-        };
-        match rep.plot_bw(&path, &engine) {
-            Ok(()) => println!("plot: {}", path.display()),
-            Err(e) => println!("plot: not written: {e}"),
-        }
-    }
-    Ok(())
-}
-
-pub async fn peer_main(o: Opts, addr: String) -> Res<()> {
-    let store = TcpStore::connect(addr.parse()?).await?.with_timeout(Duration::from_secs(300));
-    let mut ctx = Ctx { o, lead: false, store, phase: 0, progress: Progress::new(false) };
-    let mut rep = Report::new("");
-    run_tests(&mut ctx, &mut rep).await
-}
-
-pub async fn run_tests(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {
-    let o = &ctx.o;
-    let (bw, lat, rate, wake, scale) =
-        (o.runs(Test::Bw), o.runs(Test::Lat), o.runs(Test::Rate), o.runs(Test::Wake), o.runs(Test::Scale));
-    if bw {
-        bw::run(ctx, rep).await?;
-        if ctx.lead {
-            bw::iperf3(ctx, rep).await;
-        }
-    }
-    if lat {
-        lat::run(ctx, rep).await?;
-        if ctx.lead {
-            lat::perftest_lat(ctx, rep).await?;
-        }
-    }
-    if rate {
-        rate::run(ctx, rep).await?;
-    }
-    if wake {
-        wake::run(ctx, rep).await?;
-    }
-    if scale {
-        scale::run(ctx, rep).await?;
-    }
-    if ctx.o.runs(Test::Rtt) {
-        rtt::run(ctx, rep).await?;
-    }
-    Ok(())
 }
 
 /// An engine builder for the run's provider and NIC count. `--domains N` shards every
