@@ -151,6 +151,9 @@ pub(crate) struct GpuMemory {
     /// Tests without a GPU (feature `gpu-emulation`): the host memory standing in for the
     /// device memory at `ptr`.
     pub(crate) _host: Option<Backing>,
+    /// The stream of the blocking copies (`read_at`, `write_at`), created at the first: one
+    /// per call cost more than a small copy itself.
+    pub(crate) blocking: std::sync::OnceLock<crate::cuda::Stream>,
 }
 
 #[cfg(feature = "cuda")]
@@ -183,7 +186,13 @@ impl GpuMemory {
             unsafe { cuda::emulated_copy(dst, src, len) };
             return Ok(());
         };
-        let stream = cuda::Stream::new(ctx)?;
+        let stream = match self.blocking.get() {
+            Some(s) => s,
+            None => {
+                let s = cuda::Stream::new(ctx)?;
+                self.blocking.get_or_init(|| s)
+            }
+        };
         // SAFETY: both ranges are valid for `len` bytes (this function's contract); the
         // stream is synchronized before the call returns, so neither is used after it.
         unsafe {

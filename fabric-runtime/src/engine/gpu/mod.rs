@@ -141,7 +141,17 @@ impl Engine {
         .map_err(|e| tracing::debug!(error = %e, "no CUDA IPC export for a GPU region"))
         .ok();
         let key = regs.first().map(|r| r.remote_key);
-        let gpu = GpuMemory { ordinal, ptr, len, ctx, path, _owned: owned, ipc, _host: host };
+        let gpu = GpuMemory {
+            ordinal,
+            ptr,
+            len,
+            ctx,
+            path,
+            _owned: owned,
+            ipc,
+            _host: host,
+            blocking: Default::default(),
+        };
         let inner = Arc::new(RegionShared::new_gpu(backing, regs, location, self.shared().clone(), gpu));
         if let (GpuPath::Staged, Some(key)) = (path, key) {
             self.shared().gpu.track_staged(key, &inner);
