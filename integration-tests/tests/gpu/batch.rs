@@ -73,11 +73,21 @@ async fn gpu_rounds_child() {
             let n: u64 = n.parse().unwrap();
             let mut times = Vec::new();
             let deadline = Duration::from_secs(120);
-            if mode == "times" {
+            if mode == "times" || mode == "spin" {
                 for _ in 0..n {
-                    tokio::time::timeout(deadline, counter.wait_for(1))
-                        .await
-                        .map_err(|_| Error::Config("no arrival in 120 s".into()))??;
+                    if mode == "spin" {
+                        // The synchronous spin path: this thread drives the NICs until the
+                        // arrival is counted (a `BusyPoll` engine), no wake-up on the path.
+                        let c = counter.clone();
+                        let ok = tokio::task::block_in_place(move || c.spin_wait(1, deadline));
+                        if !ok {
+                            return Err(Error::Config("no arrival in 120 s".into()));
+                        }
+                    } else {
+                        tokio::time::timeout(deadline, counter.wait_for(1))
+                            .await
+                            .map_err(|_| Error::Config("no arrival in 120 s".into()))??;
+                    }
                     times.push(mono_ns().to_string());
                 }
                 store.put(&format!("r{round}/times"), times.join(",").into_bytes()).await.unwrap();
@@ -340,10 +350,12 @@ async fn gpu_ipc_breakdown() {
         }
         pct(&mut v, 0.5)
     };
-    for provider in ["shm", "shm!busy"] {
+    // Event engines; BusyPoll engines whose receiver awaits; and a receiver that spins on its
+    // counter (`spin_wait`), the engine's floor without a wake-up on the receiving side.
+    for (provider, mode) in [("shm", "times"), ("shm!busy", "times"), ("shm!busy", "spin")] {
         let engine = builder(provider).build().expect("engine");
         let src = source(&engine, GPU, &pattern(size, 3)).await;
-        let (mut child, desc) = Rounds::start(provider, dst_loc, size, imm, "times").await;
+        let (mut child, desc) = Rounds::start(provider, dst_loc, size, imm, mode).await;
         let dst = engine.remote_region(&desc).await.unwrap();
         assert_eq!(dst.gpu_path(), Some(GpuPath::Ipc));
         // Warm-up (mapping opened, streams created), then the timed run.
@@ -380,7 +392,7 @@ async fn gpu_ipc_breakdown() {
         let p50 = pct(&mut one_way, 0.5);
         let p90 = pct(&mut one_way, 0.9);
         println!(
-            "gpu_ipc_breakdown {provider} cuda:0->{}: 64 KiB write_imm, call -> receiver's counter p50 {p50:.1} us \
+            "gpu_ipc_breakdown {provider} (receiver: {mode}) cuda:0->{}: 64 KiB write_imm, call -> receiver's counter p50 {p50:.1} us \
              (p90 {p90:.1}); the copy alone {copy_us:.1} us; over the copy {:.1} us. Stages (means): hand-off \
              {handoff:.1} us, enqueue {enqueue:.1} us, enqueue -> copy seen done {copy:.1} us, then the imm-only \
              write and the receiver ~{:.1} us; call -> sender's future p50 {fut_p50:.1} us",
