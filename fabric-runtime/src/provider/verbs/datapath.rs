@@ -110,8 +110,8 @@ impl VerbsDomain {
                     self.deliver_held();
                 }
             }
-            WR_UD_RECV => self.ud_recv_done(index, &wc, ok),
-            WR_UD_SEND => self.ud_send_done(index, &wc, ok),
+            WR_UD_RECV => self.ud_recv_done(index, wc.byte_len, ok),
+            WR_UD_SEND => self.ud_send_done(index, wc.status),
             _ => tracing::warn!(wr_id = wc.wr_id, "completion with a foreign wr_id; skipped"),
         }
     }
