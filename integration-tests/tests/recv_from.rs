@@ -5,9 +5,10 @@
 //! reactor mode and with spinning and lingering awaits: another peer's message is neither
 //! taken nor lost, a pending `recv_from` is not the one woken for another peer's message,
 //! `remove_peer` fails the waits on that peer, and an id never given is `UnknownPeer`. A
-//! `fabric-peer` process killed with SIGKILL fails a pending `recv_from` with
-//! `PeerUnreachable` (the time is printed, `--nocapture`). Provider-generic: on the suite's
-//! providers (`FABRIC_TEST_PROVIDERS`; verbs in the rxe VM).
+//! `fabric-peer` process left idle for seconds stays up (its pending `recv_from` waits on),
+//! and killed with SIGKILL, with nothing posted to it, fails that `recv_from` with
+//! `PeerUnreachable` within a bound (the time is printed, `--nocapture`). Provider-generic:
+//! on the suite's providers (`FABRIC_TEST_PROVIDERS`; verbs in the rxe VM).
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,11 @@ use integration_tests::{get, get_str, primary, providers, store, Peer};
 const PEER: &str = env!("CARGO_BIN_EXE_fabric-peer");
 /// Any one wait of these tests.
 const BOUND: Duration = Duration::from_secs(20);
+/// How long a live peer stays idle, and up, before it is killed.
+const IDLE: Duration = Duration::from_secs(3);
+/// An idle peer killed with SIGKILL is found dead within this (a correctness bound: tcp and
+/// shm take milliseconds, verbs about half a second, docs/faults.md).
+const DETECT_BOUND: Duration = Duration::from_secs(5);
 
 async fn bounded<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(BOUND, f).await.unwrap_or_else(|_| panic!("{what}: nothing within {BOUND:?}"))
@@ -140,17 +146,19 @@ async fn recv_from_a_killed_peer_fails() {
         assert_eq!(&m[..], b"ping", "{p}");
 
         let waiting = tokio::spawn(bounded("recv_from the killed peer", engine.recv_from(id)));
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Nothing goes either way now: a healthy idle peer stays up (on verbs its keep-alive
+        // probes are answered), so the wait stays pending.
+        tokio::time::sleep(IDLE).await;
+        assert!(!waiting.is_finished(), "{p}: recv_from of a live idle peer ended: {:?}", waiting.await);
         let killed = Instant::now();
         peer.kill();
-        if p.starts_with("verbs") {
-            // verbs finds an idle dead peer by the next operation to it (docs/faults.md).
-            let _ = engine.send(id, b"probe").await;
-        }
+        // Nothing is posted to the dead peer: its transport's liveness watch finds it (verbs:
+        // a keep-alive probe, docs/faults.md).
         let e = bounded("join", waiting).await.unwrap().unwrap_err();
         let took = killed.elapsed();
         println!("{p}: recv_from of a peer killed with SIGKILL failed {took:?} after the kill: {e}");
         assert!(matches!(&e, Error::PeerUnreachable { peer, .. } if *peer == id.0), "{p}: {e}");
+        assert!(took < DETECT_BOUND, "{p}: the idle dead peer was found after {took:?}");
         let e = bounded("recv_from after", engine.recv_from(id)).await.unwrap_err();
         assert!(matches!(e, Error::PeerUnreachable { .. }), "{p}: {e}");
     }

@@ -39,6 +39,8 @@ pub struct EngineBuilder {
     pub(crate) transfer: TransferOpts,
     pub(crate) verbs_port: Option<u8>,
     pub(crate) verbs_gid_index: Option<u32>,
+    /// verbs keep-alive period (`Some(None)`: off); `None`: the backend's default.
+    pub(crate) verbs_keepalive: Option<Option<Duration>>,
     /// Chunk size of staged GPU pulls.
     pub(crate) staging_chunk: u64,
     pub(crate) staging_pool: u64,
@@ -79,6 +81,7 @@ impl Default for EngineBuilder {
             transfer: TransferOpts::default(),
             verbs_port: None,
             verbs_gid_index: None,
+            verbs_keepalive: None,
             staging_chunk: 4 << 20,
             staging_pool: 64 << 20,
             cuda_ipc: true,
@@ -379,6 +382,17 @@ impl EngineBuilder {
         self
     }
 
+    /// verbs: how long a connected peer with nothing in flight may go without a completion
+    /// before it gets a keep-alive probe (a zero-length RDMA write its NIC answers alone), so
+    /// that a dead peer is found within about a second even when nothing is posted to it
+    /// (`docs/faults.md`). Default 100 ms; `None` turns the probes off (a dead peer is then
+    /// found by the next operation to it). `FABRIC_VERBS_KEEPALIVE_MS` sets it from the
+    /// environment (0: off; the builder method wins). Ignored by other providers.
+    pub fn verbs_keepalive(mut self, period: Option<Duration>) -> Self {
+        self.verbs_keepalive = Some(period);
+        self
+    }
+
     /// How long an operation may go without a completion before it fails with
     /// [`Error::PeerUnreachable`] and its peer is marked failed (default 30 s; `None`: wait
     /// forever). This is what turns a dead peer into an error instead of a hang on
@@ -636,6 +650,19 @@ impl EngineBuilder {
                     })?),
                     (None, Err(_)) => None,
                 };
+                let keepalive = match (self.verbs_keepalive, std::env::var("FABRIC_VERBS_KEEPALIVE_MS")) {
+                    (Some(k), _) => k,
+                    (None, Ok(v)) => match v.trim().parse::<u64>() {
+                        Ok(0) => None,
+                        Ok(ms) => Some(Duration::from_millis(ms)),
+                        Err(_) => {
+                            return Err(Error::Config(format!(
+                                "FABRIC_VERBS_KEEPALIVE_MS={v:?} is not a whole number of milliseconds"
+                            )))
+                        }
+                    },
+                    (None, Err(_)) => Some(crate::provider::verbs::DEFAULT_KEEPALIVE),
+                };
                 let names: Vec<String> = match self.provider.strip_prefix("verbs:") {
                     Some(_) if !self.nics.is_empty() => {
                         return Err(Error::Config(format!(
@@ -656,6 +683,7 @@ impl EngineBuilder {
                         port: self.verbs_port,
                         gid_index,
                         max_msg_size: self.max_msg_size,
+                        keepalive,
                         ..Default::default()
                     };
                     domains.push(crate::provider::verbs::VerbsDomain::open(&cfg)?);

@@ -285,7 +285,8 @@ pub trait Domain: Send + 'static {
 
     /// The longest a sleeping caller may wait before calling [`Domain::poll`] again even if
     /// `wait_fd` stays quiet: the backend's own timers (verbs: re-sending a connection
-    /// handshake that may have been lost, and its timeout). `None` (the default): no timer.
+    /// handshake that may have been lost, and its timeout; the next keep-alive probe of an
+    /// idle peer). `None` (the default): no timer.
     fn timer(&self) -> Option<std::time::Duration> {
         None
     }

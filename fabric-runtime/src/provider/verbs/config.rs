@@ -5,6 +5,10 @@ use std::time::Duration;
 /// Default largest two-sided message, in bytes (the engine's default too).
 pub const DEFAULT_MAX_MSG_SIZE: usize = 8192;
 
+/// Default [`VerbsConfig::keepalive`]: a connected peer that completed nothing for this long
+/// gets a keep-alive probe (see "Faults" in the module docs).
+pub const DEFAULT_KEEPALIVE: Duration = Duration::from_millis(100);
+
 /// How to open a [`VerbsDomain`](super::VerbsDomain).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerbsConfig {
@@ -36,6 +40,15 @@ pub struct VerbsConfig {
     pub cq_depth: u32,
     /// How long a peer may take to answer the connection handshake.
     pub connect_timeout: Duration,
+    /// Keep-alive: a connected peer with nothing in flight that has completed nothing for
+    /// this long gets a probe, a zero-length RDMA write on its data QP (at most one in flight
+    /// per peer; internal, never an engine operation). A dead peer's QP no longer answers, so
+    /// the probe fails after the transport's retries (`IBV_WC_RETRY_EXC_ERR`, ~0.5 s) and the
+    /// peer is reported down ([`Completion::PeerDown`](crate::provider::Completion::PeerDown))
+    /// even when nothing is posted to it. A live peer's NIC acknowledges the probe without
+    /// its process. `None` (or zero): no probes (a dead peer is found by the next operation to it).
+    /// Default [`DEFAULT_KEEPALIVE`] (100 ms).
+    pub keepalive: Option<Duration>,
 }
 
 impl Default for VerbsConfig {
@@ -50,6 +63,7 @@ impl Default for VerbsConfig {
             sq_depth: 512,
             cq_depth: 16384,
             connect_timeout: Duration::from_secs(30),
+            keepalive: Some(DEFAULT_KEEPALIVE),
         }
     }
 }

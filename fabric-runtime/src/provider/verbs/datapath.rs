@@ -12,7 +12,9 @@ use rdma_sys as sys;
 use super::error::{check, os_error, status_class, status_errno, status_str, StatusClass};
 use super::handshake::HANDSHAKE_RETRY;
 use super::qp::{ChainedWr, Lane, PeerState};
-use super::{VerbsDomain, TRANSPORT, WR_IMM_RECV, WR_KIND_MASK, WR_MSG_RECV, WR_OP, WR_UD_RECV, WR_UD_SEND};
+use super::{
+    VerbsDomain, TRANSPORT, WR_IMM_RECV, WR_KIND_MASK, WR_MSG_RECV, WR_OP, WR_PROBE, WR_UD_RECV, WR_UD_SEND,
+};
 use crate::error::Error;
 use crate::provider::{
     Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration,
@@ -79,6 +81,7 @@ impl VerbsDomain {
                 self.outstanding -= 1;
                 let retired = self.op_completed(peer, wc.qp_num);
                 if ok {
+                    self.peers[peer].heard = true;
                     self.ready.push_back(Completion::Done { token });
                     return;
                 }
@@ -110,8 +113,9 @@ impl VerbsDomain {
                     self.deliver_held();
                 }
             }
-            WR_UD_RECV => self.ud_recv_done(index, &wc, ok),
-            WR_UD_SEND => self.ud_send_done(index, &wc, ok),
+            WR_UD_RECV => self.ud_recv_done(index, wc.byte_len, ok),
+            WR_UD_SEND => self.ud_send_done(index, wc.status),
+            WR_PROBE => self.probe_done(index, wc.qp_num, wc.status, wc.vendor_err),
             _ => tracing::warn!(wr_id = wc.wr_id, "completion with a foreign wr_id; skipped"),
         }
     }
@@ -448,7 +452,9 @@ impl Domain for VerbsDomain {
                 break;
             }
         }
-        self.drive_handshakes(Instant::now());
+        let now = Instant::now();
+        self.drive_handshakes(now);
+        self.drive_keepalive(now);
         self.deliver_held();
         self.replenish_srqs();
         let n = self.ready.len().min(max);
@@ -463,7 +469,16 @@ impl Domain for VerbsDomain {
     fn timer(&self) -> Option<Duration> {
         // A REQ or REP travels over UD and may be lost: while a peer is connecting, `poll`
         // must run every HANDSHAKE_RETRY to re-send it (and to enforce the connect timeout).
-        self.peers.iter().any(|p| matches!(p.state, PeerState::Connecting { .. })).then_some(HANDSHAKE_RETRY)
+        let handshake = self
+            .peers
+            .iter()
+            .any(|p| matches!(p.state, PeerState::Connecting { .. }))
+            .then_some(HANDSHAKE_RETRY);
+        // And when the next keep-alive probe is due (`keepalive.rs`).
+        match (handshake, self.keepalive_timer()) {
+            (Some(h), Some(k)) => Some(h.min(k)),
+            (h, k) => h.or(k),
+        }
     }
 
     fn arm(&mut self) -> bool {

@@ -7,6 +7,7 @@ use std::fmt;
 use std::os::fd::RawFd;
 use std::ptr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdma_sys as sys;
 
@@ -81,6 +82,8 @@ pub struct VerbsDomain {
     pub(super) ready: VecDeque<Completion>,
     /// Peers whose `chain` is not empty.
     pub(super) chained: Vec<usize>,
+    /// When the next keep-alive pass is due (`keepalive.rs`).
+    pub(super) keepalive_next: Instant,
 }
 
 // SAFETY: every verbs object is owned (see `owned!`); the domain is used by one thread at a
@@ -230,7 +233,8 @@ impl VerbsDomain {
             gid_index,
             address: me.encode(),
             me,
-            cfg: cfg.clone(),
+            // A zero period would probe without pause: it means off, as `None` does.
+            cfg: VerbsConfig { keepalive: cfg.keepalive.filter(|k| !k.is_zero()), ..cfg.clone() },
             sq_depth,
             max_rd_atomic: attr.max_qp_init_rd_atom.clamp(1, 16) as u8,
             max_dest_rd_atomic: attr.max_qp_rd_atom.clamp(1, 16) as u8,
@@ -252,6 +256,7 @@ impl VerbsDomain {
             lookahead: VecDeque::new(),
             ready: VecDeque::new(),
             chained: Vec::new(),
+            keepalive_next: Instant::now(),
         };
         d.replenish_srqs();
         if d.imm_missing > 0 || !d.free_slots.is_empty() {
@@ -300,6 +305,12 @@ impl VerbsDomain {
     /// (for tests and diagnostics; see "Faults" in the module docs).
     pub fn connection_epoch(&self, peer: PeerHandle) -> Option<u32> {
         self.peers.get(peer as usize).map(|p| p.epoch)
+    }
+
+    /// How many keep-alive probes to `peer` its NIC has acknowledged (for tests and
+    /// diagnostics; see `VerbsConfig::keepalive`).
+    pub fn keepalive_probes(&self, peer: PeerHandle) -> Option<u64> {
+        self.peers.get(peer as usize).map(|p| p.probes_acked)
     }
 }
 

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use rdma_sys as sys;
 
-use super::datapath::Wc;
 use super::error::{check, status_str};
 use super::qp::PeerState;
 use super::{VerbsDomain, WR_UD_RECV, WR_UD_SEND};
@@ -199,11 +198,11 @@ impl VerbsDomain {
         }
     }
 
-    /// A UD receive completed (`index`: its slot): hands a handshake to `on_handshake`, then
-    /// re-posts the slot.
-    pub(super) fn ud_recv_done(&mut self, index: usize, wc: &Wc, ok: bool) {
+    /// A UD receive of `byte_len` bytes completed (`index`: its slot; `ok`: successfully):
+    /// hands a handshake to `on_handshake`, then re-posts the slot.
+    pub(super) fn ud_recv_done(&mut self, index: usize, byte_len: u32, ok: bool) {
         if ok {
-            let len = (wc.byte_len as usize).min(UD_SLOT_SIZE);
+            let len = (byte_len as usize).min(UD_SLOT_SIZE);
             // SAFETY: the UD receive completed, so the HCA is done with the slot until
             // it is re-posted below.
             let msg = unsafe { self.ud_pool.bytes(index, len) }
@@ -223,10 +222,10 @@ impl VerbsDomain {
         }
     }
 
-    /// A UD send completed (`index`: its slot): the slot is free again.
-    pub(super) fn ud_send_done(&mut self, index: usize, wc: &Wc, ok: bool) {
-        if !ok {
-            tracing::debug!(status = %status_str(wc.status), "a handshake send failed");
+    /// A UD send completed with `status` (`index`: its slot): the slot is free again.
+    pub(super) fn ud_send_done(&mut self, index: usize, status: u32) {
+        if status != sys::ibv_wc_status::IBV_WC_SUCCESS {
+            tracing::debug!(status = %status_str(status), "a handshake send failed");
         }
         self.ud_send_free.push(index as u32);
     }

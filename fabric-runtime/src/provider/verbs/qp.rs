@@ -73,6 +73,16 @@ pub(super) struct Peer {
     pub(super) epoch: u32,
     /// QPs replaced by reconnections whose work requests have not all completed yet.
     pub(super) retired: Vec<RetiredQp>,
+    /// Keep-alive (`keepalive.rs`): an operation to the peer (or a probe) completed since the
+    /// last keep-alive pass. Set per completion (a store, no clock read); the pass moves it
+    /// into `last_heard`.
+    pub(super) heard: bool,
+    /// When a keep-alive pass last found `heard` set, or the peer last became Connected.
+    pub(super) last_heard: Instant,
+    /// A keep-alive probe is in flight on the data QP (at most one per peer).
+    pub(super) probing: bool,
+    /// Keep-alive probes the peer's NIC acknowledged (for tests and diagnostics).
+    pub(super) probes_acked: u64,
 }
 
 impl Peer {
@@ -207,7 +217,18 @@ impl VerbsDomain {
         self.peer_by_addr.insert(remote, idx);
         self.peer_by_qpn.insert(data.qpn, idx);
         self.peer_by_qpn.insert(msg.qpn, idx);
-        self.peers.push(Peer { qps: [data, msg], remote, state, ah: None, epoch: 0, retired: Vec::new() });
+        self.peers.push(Peer {
+            qps: [data, msg],
+            remote,
+            state,
+            ah: None,
+            epoch: 0,
+            retired: Vec::new(),
+            heard: false,
+            last_heard: Instant::now(),
+            probing: false,
+            probes_acked: 0,
+        });
         Ok(idx)
     }
 
@@ -348,6 +369,7 @@ impl VerbsDomain {
             return Ok(());
         }
         p.state = PeerState::Connected;
+        p.last_heard = Instant::now();
         tracing::debug!(
             peer,
             epoch = p.epoch,
