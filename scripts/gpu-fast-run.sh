@@ -22,6 +22,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 240 ./gpu --test-threads 1 --skip gpu_throughput_report --skip gpu_ipc_breakdown 2>&1 \
     | grep -E "^test |panicked|GB/s|writes in|x .* B in|test result|Error|error|left:|right:" \
     | grep -v "_child" | grep -Ev "; [1-9][0-9] filtered out" | head -80
+  if [ "$n" -ge 2 ]; then
+    echo "== gpu tests on one GPU (CUDA_VISIBLE_DEVICES=0) ($(since))"
+    CUDA_VISIBLE_DEVICES=0 FABRIC_REQUIRE_GPUS=1 timeout 200 ./gpu --test-threads 1 --skip gpu_throughput_report \
+      --skip gpu_ipc_breakdown 2>&1 | grep -E "test result|panicked|FAILED" | head -10
+  fi
   echo "== gpu_signal ($(since))"
   timeout 30 ./gpu_signal --test-threads 1 2>&1 | grep -E "^test |panicked|test result" | head -10
 fi
@@ -30,7 +35,7 @@ timeout 60 ./gpu --exact batch::gpu_ipc_breakdown --nocapture 2>&1 | grep -E "br
 peers=${PEERS:+--peer $PEERS}
 echo "== bench shm, window 16 ($(since))"
 timeout 200 ./fabric-bench bw --location cuda --provider shm --sizes 64K,1M,4M,16M,64M --window 16 $peers 2>&1 \
-  | grep -Eiv "^\s*$|progress" | tail -60
+  | grep -Eiv "^\s*$|progress|^\[bw\]" | tail -90
 echo "== kv_transfer host / cuda ($(since))"
 for loc in host cuda; do
   timeout 60 ./kv_transfer --provider shm --location $loc 2>&1 | grep -Ei "p50|GB/s|verified|error|fail" | head -6
