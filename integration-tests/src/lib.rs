@@ -145,10 +145,20 @@ impl Peer {
 
     /// Sends `signal` (a name such as `STOP` or `CONT`) with kill(1): a stopped peer keeps
     /// its connections open and answers nothing, like a hung process.
+    /// `STOP` returns once every thread of the process has stopped (up to 5 s): `kill`
+    /// only queues the signal, and a thread still running on another CPU could answer one
+    /// more operation (seen on the 2-core CI machine under load: a write to a "stopped" tcp
+    /// peer completed).
     pub fn signal(&self, signal: &str) {
         if let Some(c) = self.child.as_ref() {
             let ok = Command::new("kill").arg(format!("-{signal}")).arg(c.id().to_string()).status();
             assert!(ok.is_ok_and(|s| s.success()), "kill -{signal} {}", c.id());
+            if signal == "STOP" {
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                while !all_threads_stopped(c.id()) && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
         }
     }
 
@@ -257,4 +267,16 @@ pub fn process_cpu_time() -> Duration {
     assert_eq!(rc, 0, "getrusage failed");
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            // The state follows the command name, which is in parentheses and may hold spaces.
+            .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+            .unwrap_or(false)
+    })
 }
