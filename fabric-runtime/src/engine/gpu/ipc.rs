@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::pure::route::PageLayout;
 use crate::pure::staging::GpuPath;
 use crate::shared::notify::{GroupState, Notify, OpState};
-use crate::shared::queue::{CopyDir, CudaCopy, GatedCopies, OpKind, OpReq, Submission};
+use crate::shared::queue::{CopyDir, CudaCopy, GatedCopies, OpKind, Submission};
 
 type Keep = Vec<Arc<dyn Any + Send + Sync>>;
 
@@ -80,18 +80,7 @@ impl Transfers<'_> {
             keep.push(mapping);
             if let Some(imm) = imm {
                 let nic = self.opts.nic_of(0, nics, self.shared().next_start());
-                signals.push(OpReq {
-                    domain: nic,
-                    peer: dst.peer,
-                    kind: OpKind::Write,
-                    local_addr: 0,
-                    len: 0,
-                    remote: crate::provider::RemoteSlice {
-                        addr: dst.desc.domains[nic].base,
-                        key: dst.desc.domains[nic].key,
-                    },
-                    imm: Some(imm),
-                });
+                signals.push(Self::req(nic, OpKind::Write, 0, 0, dst, 0, Some(imm)));
             }
         }
         let state = Arc::new(OpState::default());
