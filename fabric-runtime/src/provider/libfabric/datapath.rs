@@ -13,7 +13,7 @@ use libfabric_sys as sys;
 
 use super::address::validate_peer_address;
 use super::error::{check, strerror, EAGAIN, EAVAIL};
-use super::liveness::{sockaddr_in, TRAILER};
+use super::liveness::{sockaddr_in, Suspect, TRAILER};
 use super::LibfabricDomain;
 use crate::error::Error;
 use crate::provider::{
@@ -229,8 +229,7 @@ impl LibfabricDomain {
                 // the cause (ENOTCONN, ECONNRESET) being the provider's own code: pass on
                 // the cause, so that the engine knows the peer is gone.
                 let errno = if is_peer_errno(err.prov_errno) { err.prov_errno } else { err.err };
-                let mut cause = FailCause::of_errno(errno);
-                let mut message = message;
+                let cause = FailCause::of_errno(errno);
                 // The tcp provider closes a connection over which a peer sent an unknown
                 // key (a stale or forged descriptor), and rxm then fails everything in
                 // flight on it (ECANCELED, or the cause ENOTCONN/ECONNRESET): if the peer's
@@ -241,16 +240,15 @@ impl LibfabricDomain {
                     Op::Write { peer, .. } | Op::Read { peer, .. } | Op::Send { peer, .. } => Some(peer),
                     Op::Recv { .. } => None,
                 };
+                // A killed peer's liveness connection may close a moment after rxm failed
+                // this: the operation waits (`liveness.rs`, `SUSPECT_WAIT`) to be told apart.
                 let lost = cause == FailCause::PeerLost || errno == libc::ECANCELED;
                 if let (true, Some(live), Some(peer)) = (lost, self.tcp_live.as_mut(), peer) {
                     if live.alive(peer) == Some(true) {
                         live.hold(peer, RECONNECT_HOLD);
-                        cause = FailCause::ConnectionLost;
-                        message = format!(
-                            "{message}: the provider closed its connection to the live peer (a remote \
-                             access with a key the peer does not know, from a stale or forged \
-                             descriptor, closes it); the next operation connects again"
-                        );
+                        let since = std::time::Instant::now();
+                        self.tcp_suspects.push(Suspect { since, peer, token, errno, message });
+                        return Ok(true);
                     }
                 }
                 out.push_back(Completion::Failed { token, errno, message, cause })
@@ -448,6 +446,9 @@ impl Domain for LibfabricDomain {
             }
             Ok(())
         })();
+        if !self.tcp_suspects.is_empty() {
+            self.tcp_settle(&mut pending);
+        }
         // A peer's death, retired endpoints, re-posts: after the CQ was read, so that a
         // completion already there is not reported as a failure.
         if (self.shm.is_some() || self.tcp_live.is_some()) && self.tick.due() {
@@ -487,6 +488,10 @@ impl Domain for LibfabricDomain {
     /// tcp with watched peers: their liveness connections are not wait fds, so a sleep
     /// ends within [`SLEEP_CHECK`](super::liveness::SLEEP_CHECK) to look at them.
     fn timer(&self) -> Option<std::time::Duration> {
+        if !self.tcp_suspects.is_empty() {
+            // A failed operation waits to be told apart (`SUSPECT_WAIT`): look again soon.
+            return Some(super::liveness::SUSPECT_WAIT / 4);
+        }
         self.tcp_live.as_ref().filter(|l| l.watching()).map(|_| super::liveness::SLEEP_CHECK)
     }
 

@@ -32,6 +32,9 @@ pub struct LibfabricDomain {
     pub(super) shm: Option<ShmState>,
     /// tcp only: the liveness listener and connections (`liveness.rs`).
     pub(super) tcp_live: Option<TcpLiveness>,
+    /// tcp only: failed operations whose peer's liveness connection was still open when
+    /// rxm failed them, until that tells whether the peer died (`liveness.rs`, `Suspect`).
+    pub(super) tcp_suspects: Vec<super::liveness::Suspect>,
     /// Paces the liveness work of `poll`.
     pub(super) tick: Tick,
     pub(super) cq: Fid<sys::fid_cq>,
@@ -219,6 +222,7 @@ impl LibfabricDomain {
             ep,
             shm,
             tcp_live,
+            tcp_suspects: Vec::new(),
             tick: Tick::new(),
             cq,
             av,

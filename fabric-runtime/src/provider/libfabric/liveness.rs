@@ -223,7 +223,58 @@ impl TcpLiveness {
     }
 }
 
+/// How long a failed operation whose peer's liveness connection was still open waits for
+/// that connection to say whether the peer died. A killed process's sockets close one after
+/// the other: rxm may fail the operation (its data connection reset) a moment before the
+/// liveness connection's end arrives, and under load that moment was long enough for a
+/// dead peer's operation to be reported as a torn connection to a live one.
+pub(super) const SUSPECT_WAIT: Duration = Duration::from_millis(20);
+
+/// A failed operation waiting for [`SUSPECT_WAIT`] to be told apart: its peer died
+/// ([`FailCause::PeerLost`](crate::provider::FailCause)) or only the connection was lost.
+pub(super) struct Suspect {
+    pub(super) since: std::time::Instant,
+    pub(super) peer: PeerHandle,
+    pub(super) token: u64,
+    pub(super) errno: i32,
+    /// The provider's message.
+    pub(super) message: String,
+}
+
 impl super::LibfabricDomain {
+    /// Settles the suspects (every poll while there are some): a peer whose liveness
+    /// connection closed (or is no longer watched) died, its operation fails with
+    /// `PeerLost`; one still connected after [`SUSPECT_WAIT`] lives, the operation lost its
+    /// connection only (`ConnectionLost`).
+    pub(super) fn tcp_settle(&mut self, out: &mut std::collections::VecDeque<crate::provider::Completion>) {
+        use crate::provider::{Completion, FailCause};
+        let Some(live) = self.tcp_live.as_mut() else { return };
+        let mut i = 0;
+        while i < self.tcp_suspects.len() {
+            let s = &self.tcp_suspects[i];
+            let (cause, message) = match live.alive(s.peer) {
+                Some(true) if s.since.elapsed() < SUSPECT_WAIT => {
+                    i += 1;
+                    continue;
+                }
+                Some(true) => (
+                    FailCause::ConnectionLost,
+                    format!(
+                        "{}: the provider closed its connection to the live peer (a remote access with a \
+                         key the peer does not know, from a stale or forged descriptor, closes it); the \
+                         next operation connects again",
+                        s.message
+                    ),
+                ),
+                _ => {
+                    (FailCause::PeerLost, format!("{}: the peer's liveness connection closed too", s.message))
+                }
+            };
+            let s = self.tcp_suspects.swap_remove(i);
+            out.push_back(Completion::Failed { token: s.token, errno: s.errno, message, cause });
+        }
+    }
+
     /// The periodic tcp work of a poll: peers whose liveness connection closed go down.
     pub(super) fn tcp_maintenance(
         &mut self,
