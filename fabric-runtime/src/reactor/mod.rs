@@ -524,8 +524,7 @@ fn run<D: Domain>(core: Arc<Mutex<Core<D>>>, shared: Arc<Shared>, cfg: ReactorCo
         let since = if spins { last_activity.elapsed() } else { Duration::MAX };
         // CUDA copies wake nobody: while they are in flight (and one started or ended
         // lately) the reactor polls, as it does for a lingering future.
-        let copies = c.copies_fresh();
-        match windows.idle(since, || copies || shared.stats.reactor.lingering()) {
+        match windows.idle(since, || c.copies_fresh() || shared.stats.reactor.lingering()) {
             Idle::Spin => {
                 drop(c);
                 std::hint::spin_loop();

@@ -214,7 +214,7 @@ impl<D: Domain> Core<D> {
     /// reactor then polls instead of sleeping (`gpu::GATE_POLL_WINDOW`).
     pub(crate) fn copies_fresh(&self) -> bool {
         #[cfg(feature = "cuda")]
-        return self.staging.copies_fresh(std::time::Instant::now());
+        return self.staging.copies_fresh();
         #[cfg(not(feature = "cuda"))]
         false
     }

@@ -92,9 +92,9 @@ impl Staging {
 
     /// Whether an idle reactor should poll rather than sleep: copies are in flight and a
     /// gate started or finished within [`GATE_POLL_WINDOW`].
-    pub(super) fn copies_fresh(&self, now: Instant) -> bool {
-        self.gates.len() > 0
-            && self.gates.last_change.is_some_and(|t| now.saturating_duration_since(t) < GATE_POLL_WINDOW)
+    pub(super) fn copies_fresh(&self) -> bool {
+        // The clock is read only while copies are in flight (this runs on idle passes).
+        self.gates.len() > 0 && self.gates.last_change.is_some_and(|t| t.elapsed() < GATE_POLL_WINDOW)
     }
 
     pub(super) fn internal(&self, kind: u64, low: u64) -> Notify {
