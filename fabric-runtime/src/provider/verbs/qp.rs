@@ -437,7 +437,8 @@ impl VerbsDomain {
         if matches!(p.state, PeerState::Failed(_)) {
             return;
         }
-        tracing::warn!(peer, %message, "verbs peer failed");
+        // The engine says it at warn for the peers the application added (it knows which).
+        tracing::debug!(peer, %message, "verbs peer failed");
         for q in &p.qps {
             move_to_err(q);
         }

@@ -133,8 +133,15 @@ impl<D: Domain> Core<D> {
                 // rebuilds fails this operation alone (docs/faults.md).
                 let e = match cause {
                     FailCause::PeerLost => {
-                        if self.peers.get(peer.0 as usize).is_some_and(|p| p.failed.is_none()) {
-                            tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                        if let Some(p) = self.peers.get(peer.0 as usize).filter(|p| p.failed.is_none()) {
+                            // A peer known only through its Hello (a writer that already
+                            // left, found by a Revoke or a keep-alive): not the application's
+                            // concern, so not a warning, as for its `PeerDown` below.
+                            if p.passive {
+                                tracing::debug!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                            } else {
+                                tracing::warn!(peer = peer.0, errno, %message, "peer unreachable; marked failed");
+                            }
                         }
                         self.mark_down(peer, &message);
                         Error::PeerUnreachable { peer: peer.0, message }
