@@ -7,7 +7,8 @@
 #   kv_transfer  (cargo build --release -p fabric-examples --examples)
 # and, optional, site/ (the trimmed NIXL wheel, scripts/gpu-peers-fetch.sh) for --peer nixl.
 # Every GPU test on every GPU, the IPC breakdown, the bench's GPU rows at KV sizes, and
-# kv_transfer in host and GPU memory. PEERS=nixl,nccl adds the peers' rows to the bench.
+# kv_transfer in host and GPU memory. PEERS=nixl,nccl adds the peers' rows to the bench;
+# SKIP_TESTS=1 and SKIP_BENCH=1 leave those parts out.
 set -u
 cd "$(dirname "$0")"
 export FI_TCP_IFACE=lo FABRIC_REQUIRE_CUDA=1
@@ -33,9 +34,11 @@ fi
 echo "== IPC breakdown ($(since))"
 timeout 60 ./gpu --exact batch::gpu_ipc_breakdown --nocapture 2>&1 | grep -E "breakdown|panicked" | head -6
 peers=${PEERS:+--peer $PEERS}
-echo "== bench shm, window 16 ($(since))"
-timeout 200 ./fabric-bench bw --location cuda --provider shm --sizes 64K,1M,4M,16M,64M --window 16 $peers 2>&1 \
-  | grep -Eiv "^\s*$|progress|^\[bw\]" | tail -90
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  echo "== bench shm, window 16 ($(since))"
+  timeout 200 ./fabric-bench bw --location cuda --provider shm --sizes 64K,1M,4M,16M,64M --window 16 $peers 2>&1 \
+    | grep -Eiv "^\s*$|progress|^\[bw\]" | tail -90
+fi
 echo "== kv_transfer host / cuda ($(since))"
 for loc in host cuda; do
   timeout 60 ./kv_transfer --provider shm --location $loc 2>&1 | grep -Ei "p50|GB/s|verified|error|fail" | head -6

@@ -493,8 +493,9 @@ impl EngineBuilder {
 
     /// CUDA streams per device that the engine's copies (CUDA IPC writes, staging copies)
     /// are spread over (default 4; 1 to 64, clamped). Copies of concurrent operations go
-    /// to different streams round-robin, so they overlap on the copy engines instead of
-    /// queueing behind each other; the chunks of one staged transfer share a stream.
+    /// to different streams (the one with the fewest copies in flight), so they overlap on
+    /// the copy engines instead of queueing behind each other (and a lone copy finds an idle
+    /// stream); the chunks of one staged transfer share a stream.
     /// Streams are created at the first copy on a device.
     pub fn cuda_streams(mut self, streams: usize) -> Self {
         self.cuda_streams = streams.clamp(1, 64);

@@ -142,6 +142,9 @@ pub struct GpuStats {
     /// From the end of the enqueue to the reactor's pass that saw the copies done: the
     /// copies' own time plus how late the reactor looked.
     pub copy: Duration,
+    /// Posting what a CUDA IPC write's copies released (its imm-only write), once the
+    /// reactor saw them done: the sender's share of the arrival signal.
+    pub signal: Duration,
     /// Inside the passes' event queries (`cuEventQuery`), and how many were made: the
     /// reactor's own cost of watching copies.
     pub polling: Duration,
@@ -349,6 +352,7 @@ impl Engine {
             handoff: ns(&g.handoff_ns),
             enqueue: ns(&g.enqueue_ns),
             copy: ns(&g.copy_ns),
+            signal: ns(&g.signal_ns),
             polling: ns(&g.poll_ns),
             queries: g.queries.load(Ordering::Relaxed),
         };

@@ -188,6 +188,9 @@ pub(crate) struct GpuCounters {
     pub(crate) enqueue_ns: AtomicU64,
     /// From the end of the enqueue to the pass that saw the copies done.
     pub(crate) copy_ns: AtomicU64,
+    /// Handling what an IPC write's gate released (posting its imm-only write), from the
+    /// pass that saw the copies done.
+    pub(crate) signal_ns: AtomicU64,
     /// Inside the passes' event queries, and how many were made.
     pub(crate) poll_ns: AtomicU64,
     pub(crate) queries: AtomicU64,

@@ -331,8 +331,10 @@ async fn gpu_ipc_breakdown() {
         MemoryLocation::Cuda { ordinal } => ordinal as usize,
         _ => 0,
     };
-    // The copy's own time: a 64 KiB peer copy, event to event, one at a time.
-    let copy_us = {
+    // The copy's own time: a 64 KiB peer copy, enqueue to synchronize, one at a time: back
+    // to back (the device busy), and with the same 200 us idle between copies as the engine's
+    // operations below have (a lone copy on an idle device pays a cold submission).
+    let (copy_hot_us, copy_us, copy_enqueue_us) = {
         let c0 = cuda::context(0).unwrap();
         let c1 = cuda::context(ordinal).unwrap();
         if ordinal != 0 && c0.can_access_peer(&c1).unwrap() {
@@ -341,14 +343,36 @@ async fn gpu_ipc_breakdown() {
         let a = std::sync::Arc::new(cuda::DeviceBuffer::new(&c0, size).unwrap());
         let b = std::sync::Arc::new(cuda::DeviceBuffer::new(&c1, size).unwrap());
         let s = cuda::Stream::new(&c0).unwrap();
-        let mut v = Vec::new();
-        for _ in 0..N {
-            let t = Instant::now();
-            s.copy_d2d(&b, 0, &a, 0, size).unwrap();
-            s.synchronize().unwrap();
-            v.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-        pct(&mut v, 0.5)
+        // `unified`: `cuMemcpyDtoDAsync` of the two pointers (as the engine's copy into an IPC
+        // mapping), else `cuMemcpyPeerAsync` with both contexts.
+        let run = |idle: bool, unified: bool| {
+            let (mut total, mut enq) = (Vec::new(), Vec::new());
+            for _ in 0..N {
+                if idle {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                let t = Instant::now();
+                if unified {
+                    // SAFETY: both buffers are live device memory of `size` bytes, alive
+                    // until the synchronize below; peer access was enabled (or one device).
+                    unsafe { s.copy_d2d_raw(b.device_ptr(), a.device_ptr(), size).unwrap() };
+                } else {
+                    s.copy_d2d(&b, 0, &a, 0, size).unwrap();
+                }
+                enq.push(t.elapsed().as_secs_f64() * 1e6);
+                s.synchronize().unwrap();
+                total.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            (pct(&mut total, 0.5), pct(&mut enq, 0.5))
+        };
+        let (hot, _) = run(false, false);
+        let (idle, enqueue) = run(true, false);
+        let (uni, uni_enqueue) = run(true, true);
+        println!(
+            "gpu_ipc_breakdown: a lone 64 KiB copy after 200 us idle: cuMemcpyPeerAsync {idle:.1} us (enqueue \
+             {enqueue:.1}), cuMemcpyDtoDAsync {uni:.1} us (enqueue {uni_enqueue:.1}); back to back {hot:.1} us"
+        );
+        (hot, idle, enqueue)
     };
     // Event engines; BusyPoll engines whose receiver awaits; and a receiver that spins on its
     // counter (`spin_wait`), the engine's floor without a wake-up on the receiving side.
@@ -383,22 +407,24 @@ async fn gpu_ipc_breakdown() {
             recv.iter().zip(&calls).map(|(r, c)| r.saturating_sub(*c) as f64 / 1e3).collect();
         let after = engine.stats().gpu;
         let per = |a: Duration, b: Duration| (a - b).as_secs_f64() * 1e6 / N as f64;
-        let (handoff, enqueue, copy) = (
+        let (handoff, enqueue, copy, signal) = (
             per(after.handoff, before.handoff),
             per(after.enqueue, before.enqueue),
             per(after.copy, before.copy),
+            per(after.signal, before.signal),
         );
         let fut_p50 = pct(&mut fut_us, 0.5);
         let p50 = pct(&mut one_way, 0.5);
         let p90 = pct(&mut one_way, 0.9);
         println!(
             "gpu_ipc_breakdown {provider} (receiver: {mode}) cuda:0->{}: 64 KiB write_imm, call -> receiver's counter p50 {p50:.1} us \
-             (p90 {p90:.1}); the copy alone {copy_us:.1} us; over the copy {:.1} us. Stages (means): hand-off \
-             {handoff:.1} us, enqueue {enqueue:.1} us, enqueue -> copy seen done {copy:.1} us, then the imm-only \
-             write and the receiver ~{:.1} us; call -> sender's future p50 {fut_p50:.1} us",
+             (p90 {p90:.1}); the copy alone {copy_us:.1} us after the same idle (its enqueue {copy_enqueue_us:.1} us; \
+             back to back {copy_hot_us:.1} us); over the copy {:.1} us. Stages (means): hand-off \
+             {handoff:.1} us, enqueue {enqueue:.1} us, enqueue -> copy seen done {copy:.1} us, posting the imm-only write \
+             {signal:.1} us, then the transport and the receiver ~{:.1} us; call -> sender's future p50 {fut_p50:.1} us",
             loc_name(dst_loc),
             p50 - copy_us,
-            (p50 - handoff - enqueue - copy).max(0.0),
+            (p50 - handoff - enqueue - copy - signal).max(0.0),
         );
         assert_eq!(child.end().await, 0);
     }

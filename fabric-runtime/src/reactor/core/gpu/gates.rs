@@ -5,8 +5,8 @@
 //!  each pass: per stream, the oldest gates whose event is ready, in order ─► what follows
 //! ```
 //!
-//! Copies of concurrent operations go to different streams (`EngineBuilder::cuda_streams`,
-//! round-robin), so they overlap on the copy engines instead of queueing behind each other;
+//! Copies of concurrent operations go to different streams (`EngineBuilder::cuda_streams`;
+//! the one with the fewest gates in flight), so they overlap on the copy engines instead of queueing behind each other;
 //! the chunks of one staged job or pull share a stream (their lane), so they stay in order.
 //! A pass queries only the oldest gate of each stream: gates of one stream complete in
 //! order, so one `cuEventQuery` per stream tells everything a pass can act on. Events are
@@ -65,7 +65,7 @@ pub(crate) enum GateThen {
 /// Which stream of the device a gate's copies go to.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Lane {
-    /// The next stream, round-robin: an operation of its own (an IPC write).
+    /// The stream with the fewest gates in flight: an operation of its own (an IPC write).
     Next,
     /// The stream of this id: every gate of one staged job or pull, in order.
     Of(u64),
@@ -99,7 +99,6 @@ struct StreamQueue {
 struct Device {
     ordinal: usize,
     lanes: Vec<StreamQueue>,
-    next: usize,
     spare: Vec<Event>,
 }
 
@@ -143,7 +142,7 @@ impl Gates {
                 let lanes = (0..streams.max(1))
                     .map(|_| Stream::new(&ctx).map(|stream| StreamQueue { stream, gates: VecDeque::new() }))
                     .collect::<Result<Vec<_>>>()?;
-                self.devices.push(Device { ordinal, lanes, next: 0, spare: Vec::new() });
+                self.devices.push(Device { ordinal, lanes, spare: Vec::new() });
                 self.devices.len() - 1
             }
         };
@@ -183,10 +182,9 @@ impl Gates {
             Err(e) => return Err(Box::new((then, keep, e))),
         };
         let i = match lane {
-            Lane::Next => {
-                dev.next = (dev.next + 1) % dev.lanes.len();
-                dev.next
-            }
+            // The stream with the fewest gates, the first of those: concurrent operations
+            // spread out, and a lone one always finds the same idle (warm) stream.
+            Lane::Next => (0..dev.lanes.len()).min_by_key(|&i| dev.lanes[i].gates.len()).unwrap_or(0),
             Lane::Of(id) => (id % dev.lanes.len() as u64) as usize,
         };
         let spare = dev.spare.pop();

@@ -151,8 +151,15 @@ impl<D: Domain> Core<D> {
     fn gate_done(&mut self, then: GateThen, result: Result<()>) {
         match (then, result) {
             (GateThen::Submit(subs, done), Ok(())) => {
+                let t = (!subs.is_empty()).then(Instant::now);
                 for s in subs {
                     self.handle(s);
+                }
+                if let Some(t) = t {
+                    crate::shared::stats::bump(
+                        &self.shared.stats.gpu.signal_ns,
+                        t.elapsed().as_nanos() as u64,
+                    );
                 }
                 if let Some(n) = done {
                     for s in n.complete(Ok(())) {
