@@ -94,6 +94,18 @@ impl Stream {
         check("cuStreamWaitEvent", unsafe { cu::cuStreamWaitEvent(self.raw, event.raw, 0) })
     }
 
+    /// Whether everything queued on the stream so far has completed. Never blocks. An error
+    /// is a failed copy or kernel (the context is then unusable).
+    pub fn query(&self) -> Result<EventStatus> {
+        let _cur = self.ctx.enter()?;
+        // SAFETY: live stream.
+        match unsafe { cu::cuStreamQuery(self.raw) } {
+            CUresult::CUDA_SUCCESS => Ok(EventStatus::Ready),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(EventStatus::NotReady),
+            r => check("cuStreamQuery", r).map(|()| EventStatus::Ready),
+        }
+    }
+
     /// Blocks the calling thread until everything queued has completed, then releases every
     /// buffer held by the safe copies. Cold path: tests, teardown.
     pub fn synchronize(&self) -> Result<()> {

@@ -134,6 +134,9 @@ pub struct GpuStats {
     pub gates: u64,
     /// Copies enqueued in them.
     pub copies: u64,
+    /// On the calling thread, from a CUDA IPC write's call to its hand-over to the reactor:
+    /// bounds, the IPC mapping's lookup, the list of copies.
+    pub plan: Duration,
     /// From the engine handing an operation over to the reactor starting its copies
     /// (operations with copies of their own: CUDA IPC writes, `Engine::after`).
     pub handoff: Duration,
@@ -349,6 +352,7 @@ impl Engine {
         let gpu = GpuStats {
             gates: g.gates.load(Ordering::Relaxed),
             copies: g.copies.load(Ordering::Relaxed),
+            plan: ns(&g.plan_ns),
             handoff: ns(&g.handoff_ns),
             enqueue: ns(&g.enqueue_ns),
             copy: ns(&g.copy_ns),

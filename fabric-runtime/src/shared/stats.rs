@@ -182,6 +182,9 @@ impl ReactorCounters {
 pub(crate) struct GpuCounters {
     pub(crate) gates: AtomicU64,
     pub(crate) copies: AtomicU64,
+    /// The calling thread's planning of an IPC write (bounds, mapping, copies) until it hands
+    /// it over.
+    pub(crate) plan_ns: AtomicU64,
     /// From the engine handing an IPC write over to the reactor starting its copies.
     pub(crate) handoff_ns: AtomicU64,
     /// Inside the copy and event-record calls.

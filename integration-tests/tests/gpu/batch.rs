@@ -63,6 +63,17 @@ async fn gpu_rounds_child() {
         let size: usize = size.parse().unwrap();
         let region = engine.alloc_in(size, loc_parse(loc)).await?;
         region.write_at(0, &vec![0u8; size])?;
+        // A plain device buffer of the same size, exported for the breakdown's baseline: the
+        // writer's own copy into a CUDA IPC mapping, without the engine.
+        let _raw = match loc_parse(loc) {
+            MemoryLocation::Cuda { ordinal } => {
+                let b = cuda::DeviceBuffer::new(&cuda::context(ordinal as usize)?, size)?;
+                let export = b.ipc_export(0, size)?;
+                store.put("rawipc", export.to_bytes().to_vec()).await.unwrap();
+                Some(b)
+            }
+            _ => None,
+        };
         store.put("desc", region.descriptor().to_bytes()).await.unwrap();
         let counter = engine.imm_counter(imm.parse().unwrap());
         for round in 0.. {
@@ -376,12 +387,39 @@ async fn gpu_ipc_breakdown() {
     };
     // Event engines; BusyPoll engines whose receiver awaits; and a receiver that spins on its
     // counter (`spin_wait`), the engine's floor without a wake-up on the receiving side.
+    let mut ipc_copy: Option<f64> = None;
     for (provider, mode) in [("shm", "times"), ("shm!busy", "times"), ("shm!busy", "spin")] {
         let engine = builder(provider).build().expect("engine");
         let src = source(&engine, GPU, &pattern(size, 3)).await;
         let (mut child, desc) = Rounds::start(provider, dst_loc, size, imm, mode).await;
         let dst = engine.remote_region(&desc).await.unwrap();
         assert_eq!(dst.gpu_path(), Some(GpuPath::Ipc));
+        if ipc_copy.is_none() {
+            // The copy the engine makes, alone: GPU0 into another process's buffer through
+            // its CUDA IPC mapping (cuMemcpyDtoDAsync), after the same 200 us idle.
+            let export = cuda::IpcExport::from_bytes(&get(&child.store, "rawipc").await).unwrap();
+            let c0 = cuda::context(0).unwrap();
+            let mapping = cuda::IpcMapping::open(&c0, &export).unwrap();
+            let a = cuda::DeviceBuffer::new(&c0, size).unwrap();
+            let s = cuda::Stream::new(&c0).unwrap();
+            let (mut total, mut enq) = (Vec::new(), Vec::new());
+            for _ in 0..N {
+                std::thread::sleep(Duration::from_micros(200));
+                let t = Instant::now();
+                // SAFETY: `a` and the mapping are live device memory of `size` bytes until the
+                // synchronize below.
+                unsafe { s.copy_d2d_raw(mapping.base(), a.device_ptr(), size).unwrap() };
+                enq.push(t.elapsed().as_secs_f64() * 1e6);
+                s.synchronize().unwrap();
+                total.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            let (t50, e50) = (pct(&mut total, 0.5), pct(&mut enq, 0.5));
+            println!(
+                "gpu_ipc_breakdown: a lone 64 KiB copy into a CUDA IPC mapping (another process's buffer) after 200 us idle: \
+                 {t50:.1} us (enqueue {e50:.1})"
+            );
+            ipc_copy = Some(t50);
+        }
         // Warm-up (mapping opened, streams created), then the timed run.
         engine.write_imm(&src, 0, &dst, 0, size as u64, imm).await.unwrap();
         let warm = child.round(1, "times").await;
@@ -391,14 +429,29 @@ async fn gpu_ipc_breakdown() {
         child.store.put(&key, N.to_string().into_bytes()).await.unwrap();
         let mut calls = Vec::with_capacity(N);
         let mut fut_us = Vec::with_capacity(N);
+        // Per operation: plan, hand-off, enqueue, copy seen done, signal posted (us).
+        let mut stages: [Vec<f64>; 5] = Default::default();
         for _ in 0..N {
+            let b = engine.stats().gpu;
             let t = Instant::now();
             calls.push(mono_ns());
             engine.write_imm(&src, 0, &dst, 0, size as u64, imm).await.unwrap();
             fut_us.push(t.elapsed().as_secs_f64() * 1e6);
+            let a = engine.stats().gpu;
+            let us = |x: Duration, y: Duration| (x - y).as_secs_f64() * 1e6;
+            for (v, x) in stages.iter_mut().zip([
+                us(a.plan, b.plan),
+                us(a.handoff, b.handoff),
+                us(a.enqueue, b.enqueue),
+                us(a.copy, b.copy),
+                us(a.signal, b.signal),
+            ]) {
+                v.push(x);
+            }
             // One at a time, and the receiver idle in between as a lone request finds it.
             tokio::time::sleep(Duration::from_micros(200)).await;
         }
+        let [p50_plan, h50, e50, c50, s50] = stages.map(|mut v| pct(&mut v, 0.5));
         let times = get_str(&child.store, &format!("r{}/times", child.round)).await;
         child.round += 1;
         let recv: Vec<u64> = times.split(',').map(|t| t.parse().unwrap()).collect();
@@ -414,17 +467,22 @@ async fn gpu_ipc_breakdown() {
             per(after.signal, before.signal),
         );
         let fut_p50 = pct(&mut fut_us, 0.5);
+        let ipc = ipc_copy.unwrap_or(copy_us);
         let p50 = pct(&mut one_way, 0.5);
         let p90 = pct(&mut one_way, 0.9);
         println!(
             "gpu_ipc_breakdown {provider} (receiver: {mode}) cuda:0->{}: 64 KiB write_imm, call -> receiver's counter p50 {p50:.1} us \
-             (p90 {p90:.1}); the copy alone {copy_us:.1} us after the same idle (its enqueue {copy_enqueue_us:.1} us; \
-             back to back {copy_hot_us:.1} us); over the copy {:.1} us. Stages (means): hand-off \
+             (p90 {p90:.1}); the same copy alone (into an IPC mapping, same idle) {ipc:.1} us: over it {:.1} us; \
+             a peer copy alone {copy_us:.1} us after the same idle (its enqueue {copy_enqueue_us:.1} us; \
+             back to back {copy_hot_us:.1} us). Stages (means): hand-off \
              {handoff:.1} us, enqueue {enqueue:.1} us, enqueue -> copy seen done {copy:.1} us, posting the imm-only write \
-             {signal:.1} us, then the transport and the receiver ~{:.1} us; call -> sender's future p50 {fut_p50:.1} us",
+             {signal:.1} us, then the transport and the receiver ~{:.1} us; call -> sender's future p50 {fut_p50:.1} us. \
+             Stages (p50): plan {p50_plan:.1} us, hand-off {h50:.1} us, enqueue {e50:.1} us, seen done {c50:.1} us, posting {s50:.1} us, \
+             then ~{:.1} us",
             loc_name(dst_loc),
-            p50 - copy_us,
+            p50 - ipc,
             (p50 - handoff - enqueue - copy - signal).max(0.0),
+            (p50 - p50_plan - h50 - e50 - c50 - s50).max(0.0),
         );
         assert_eq!(child.end().await, 0);
     }

@@ -47,6 +47,7 @@ impl Transfers<'_> {
         parts: &[Part<'_>],
         imm: Option<u32>,
     ) -> Result<OpFuture> {
+        let t0 = std::time::Instant::now();
         let first_ordinal = parts.first().and_then(|(d, _)| d.desc.gpu.as_ref()).map_or(0, |g| g.ordinal);
         let ordinal = src.inner.gpu.as_ref().map_or(first_ordinal, |g| g.ordinal) as usize;
         let mut keep: Keep = vec![src.inner.clone()];
@@ -100,15 +101,10 @@ impl Transfers<'_> {
                 (subs, None)
             }
         };
-        let s = Submission::Gated(Box::new(GatedCopies {
-            ordinal,
-            copies,
-            then,
-            done,
-            keep,
-            after: None,
-            handed: std::time::Instant::now(),
-        }));
+        let handed = std::time::Instant::now();
+        let s = Submission::Gated(Box::new(GatedCopies { ordinal, copies, then, done, keep, after: None, handed }));
+        let g = &self.shared().stats.gpu;
+        crate::shared::stats::bump(&g.plan_ns, handed.saturating_duration_since(t0).as_nanos() as u64);
         self.hand(vec![s])?;
         Ok(OpFuture::pending(state).driven_by(self.engine.driver()).without_linger())
     }

@@ -9,8 +9,12 @@
 //! the one with the fewest gates in flight), so they overlap on the copy engines instead of queueing behind each other;
 //! the chunks of one staged job or pull share a stream (their lane), so they stay in order.
 //! A pass queries only the oldest gate of each stream: gates of one stream complete in
-//! order, so one `cuEventQuery` per stream tells everything a pass can act on. Events are
-//! created once and reused (`cuEventCreate` per copy cost as much as the copy's submission).
+//! order, so one query per stream tells everything a pass can act on. The last gate of a
+//! stream has no event of its own: a query of the stream (`cuStreamQuery`) tells when it is
+//! done, so a lone operation costs no `cuEventRecord`; a gate that follows it records the
+//! event of the one before, at the current end of the stream, before its own copies. Events
+//! are created once and reused (`cuEventCreate` per copy cost as much as the copy's
+//! submission).
 //! This file is the leaf of the reactor's GPU folder: `send.rs`, `pull.rs` and `mod.rs` use
 //! it; it uses none of them.
 
@@ -78,9 +82,18 @@ pub(crate) struct Done {
     pub(crate) keep: Keep,
 }
 
+/// How a gate's end is seen.
+enum End {
+    /// Copies already done (emulated device memory, `cuda::is_emulated`).
+    Done,
+    /// The gate is its stream's last work: the stream's own query.
+    Stream,
+    /// An event recorded after its copies (a later gate followed it on the stream).
+    Event(Event),
+}
+
 struct Gate {
-    /// `None`: copies already done (emulated device memory, `cuda::is_emulated`).
-    event: Option<Event>,
+    end: End,
     then: GateThen,
     /// The memory the copies touch, until the event is ready.
     keep: Keep,
@@ -173,7 +186,7 @@ impl Gates {
                 // the region's operation) holds; the engine bounds-checked every range.
                 unsafe { cuda::emulated_copy(c.dst, c.src, c.len) };
             }
-            self.ready.push_back(Gate { event: None, then, keep, enqueued: t0 });
+            self.ready.push_back(Gate { end: End::Done, then, keep, enqueued: t0 });
             self.count += 1;
             return Ok(());
         }
@@ -187,8 +200,26 @@ impl Gates {
             Lane::Next => (0..dev.lanes.len()).min_by_key(|&i| dev.lanes[i].gates.len()).unwrap_or(0),
             Lane::Of(id) => (id % dev.lanes.len() as u64) as usize,
         };
-        let spare = dev.spare.pop();
         let lane = &mut dev.lanes[i];
+        // The gate before, the stream's last work until now, gets its event here: recorded at
+        // the current end of the stream, before this gate's copies.
+        if let Some(prev) = lane.gates.back_mut().filter(|g| matches!(g.end, End::Stream)) {
+            let ev = match dev.spare.pop() {
+                Some(ev) => Ok(ev),
+                None => Event::new(lane.stream.context()),
+            };
+            match ev.and_then(|ev| ev.record(&lane.stream).map(|()| ev)) {
+                Ok(ev) => prev.end = End::Event(ev),
+                Err(e) => {
+                    // A context that cannot record an event is broken: wait for what is
+                    // queued (the gate before is then done, or failed with its copies), and
+                    // fail this gate.
+                    let _ = lane.stream.synchronize();
+                    prev.end = End::Done;
+                    return Err(Box::new((then, keep, e)));
+                }
+            }
+        }
         let r = (|| {
             let stream = &lane.stream;
             if let Some(ev) = after {
@@ -209,18 +240,13 @@ impl Gates {
                     }
                 }
             }
-            let ev = match spare {
-                Some(ev) => ev,
-                None => Event::new(stream.context())?,
-            };
-            ev.record(stream)?;
-            Ok(ev)
+            Ok(())
         })();
         match r {
-            Ok(event) => {
+            Ok(()) => {
                 let now = Instant::now();
                 times.enqueue_ns += now.saturating_duration_since(t0).as_nanos() as u64;
-                lane.gates.push_back(Gate { event: Some(event), then, keep, enqueued: now });
+                lane.gates.push_back(Gate { end: End::Stream, then, keep, enqueued: now });
                 self.count += 1;
                 Ok(())
             }
@@ -248,7 +274,11 @@ impl Gates {
             for lane in &mut dev.lanes {
                 while let Some(g) = lane.gates.front() {
                     times.queries += 1;
-                    let status = g.event.as_ref().map_or(Ok(EventStatus::Ready), Event::query);
+                    let status = match &g.end {
+                        End::Done => Ok(EventStatus::Ready),
+                        End::Stream => lane.stream.query(),
+                        End::Event(ev) => ev.query(),
+                    };
                     let result = match status {
                         Ok(EventStatus::NotReady) => break,
                         Ok(EventStatus::Ready) => Ok(()),
@@ -257,7 +287,7 @@ impl Gates {
                     let Some(g) = lane.gates.pop_front() else { break };
                     let t = *now.get_or_insert_with(Instant::now);
                     times.copy_ns += t.saturating_duration_since(g.enqueued).as_nanos() as u64;
-                    if let (Some(ev), true) = (g.event, result.is_ok()) {
+                    if let (End::Event(ev), true) = (g.end, result.is_ok()) {
                         if dev.spare.len() < SPARE_EVENTS {
                             dev.spare.push(ev);
                         }
