@@ -5,7 +5,8 @@
 #   gpu_signal   (same, --test gpu_signal)
 #   fabric-bench (cargo build --release -p fabric-bench)
 #   kv_transfer  (cargo build --release -p fabric-examples --examples)
-# and, optional, site/ (the trimmed NIXL wheel, scripts/gpu-peers-fetch.sh) for --peer nixl.
+# and, optional, site/ (the trimmed NIXL wheel, scripts/gpu-peers-fetch.sh) for --peer nixl,
+# and ft/ (fabtests 1.17's fi_rma_bw, built from libfabric's source) for the host rows.
 # Every GPU test on every GPU, the IPC breakdown, the bench's GPU rows at KV sizes, and
 # kv_transfer in host and GPU memory. PEERS=nixl,nccl adds the peers' rows to the bench;
 # SKIP_TESTS=1 and SKIP_BENCH=1 leave those parts out.
@@ -34,6 +35,8 @@ fi
 echo "== IPC breakdown ($(since))"
 timeout 60 ./gpu --exact batch::gpu_ipc_breakdown --nocapture 2>&1 | grep -E "breakdown|panicked" | head -6
 peers=${PEERS:+--peer $PEERS}
+# fabtests' fi_rma_bw beside the host rows, when built and carried in ft/ (docs/performance.md).
+[ -x ft/fi_rma_bw ] && peers="$peers --fabtests ./ft"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== bench shm, window 16 ($(since))"
   timeout 200 ./fabric-bench bw --location cuda --provider shm --sizes 64K,1M,4M,16M,64M --window 16 $peers 2>&1 \

@@ -14,7 +14,10 @@
 //! done, so a lone operation costs no `cuEventRecord`; a gate that follows it records the
 //! event of the one before, at the current end of the stream, before its own copies. Events
 //! are created once and reused (`cuEventCreate` per copy cost as much as the copy's
-//! submission).
+//! submission). Operations of their own (IPC writes) started on one stream between two polls
+//! share the end of the last of them (at most [`MAX_GROUP`]): a burst of small writes costs
+//! one record and one query per stream and pass, not one of each per write; each still
+//! completes no earlier than its own copies.
 //! This file is the leaf of the reactor's GPU folder: `send.rs`, `pull.rs` and `mod.rs` use
 //! it; it uses none of them.
 
@@ -90,10 +93,16 @@ enum End {
     Stream,
     /// An event recorded after its copies (a later gate followed it on the stream).
     Event(Event),
+    /// Done when the next gate with an end of its own on the stream is (a later operation
+    /// started on the stream before the next poll: they complete together).
+    WithNext,
 }
 
 struct Gate {
     end: End,
+    /// An operation of its own (`Lane::Next`), started at this poll epoch: a later one in the
+    /// same epoch may take it into its group.
+    group: Option<u64>,
     then: GateThen,
     /// The memory the copies touch, until the event is ready.
     keep: Keep,
@@ -118,6 +127,10 @@ struct Device {
 /// Spare events kept per device (each a few hundred bytes of driver state).
 const SPARE_EVENTS: usize = 256;
 
+/// The most gates that complete together on one stream (a group's first waits for the copies
+/// of the others too: a few microseconds each at the sizes that group).
+pub(crate) const MAX_GROUP: usize = 8;
+
 /// What the timing of the gates found (`EngineStats::gpu`).
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct GateTimes {
@@ -139,6 +152,8 @@ pub(crate) struct Gates {
     count: usize,
     /// When a gate last started or finished: a reactor polls, not sleeps, shortly after.
     pub(crate) last_change: Option<Instant>,
+    /// Polls so far: gates started between two polls may be grouped.
+    epoch: u64,
 }
 
 impl Gates {
@@ -186,24 +201,37 @@ impl Gates {
                 // the region's operation) holds; the engine bounds-checked every range.
                 unsafe { cuda::emulated_copy(c.dst, c.src, c.len) };
             }
-            self.ready.push_back(Gate { end: End::Done, then, keep, enqueued: t0 });
+            self.ready.push_back(Gate { end: End::Done, group: None, then, keep, enqueued: t0 });
             self.count += 1;
             return Ok(());
         }
+        let epoch = self.epoch;
         let dev = match self.device(ordinal, streams) {
             Ok(d) => d,
             Err(e) => return Err(Box::new((then, keep, e))),
         };
-        let i = match lane {
+        let (i, group) = match lane {
             // The stream with the fewest gates, the first of those: concurrent operations
             // spread out, and a lone one always finds the same idle (warm) stream.
-            Lane::Next => (0..dev.lanes.len()).min_by_key(|&i| dev.lanes[i].gates.len()).unwrap_or(0),
-            Lane::Of(id) => (id % dev.lanes.len() as u64) as usize,
+            Lane::Next => {
+                (dev.lanes.iter().enumerate().min_by_key(|(_, l)| l.gates.len()).map_or(0, |(i, _)| i), Some(epoch))
+            }
+            Lane::Of(id) => ((id % dev.lanes.len() as u64) as usize, None),
         };
         let lane = &mut dev.lanes[i];
-        // The gate before, the stream's last work until now, gets its event here: recorded at
-        // the current end of the stream, before this gate's copies.
-        if let Some(prev) = lane.gates.back_mut().filter(|g| matches!(g.end, End::Stream)) {
+        // The gate before, the stream's last work until now: an operation of its own started
+        // since the last poll joins this one's group (up to MAX_GROUP); else it gets its event
+        // here, recorded at the current end of the stream, before this gate's copies.
+        let grouped = group.is_some() && {
+            let run = lane.gates.iter().rev().skip(1).take_while(|g| matches!(g.end, End::WithNext)).count();
+            let back = lane.gates.back().filter(|g| matches!(g.end, End::Stream) && g.group == group);
+            back.is_some() && run + 1 < MAX_GROUP
+        };
+        if grouped {
+            if let Some(prev) = lane.gates.back_mut() {
+                prev.end = End::WithNext;
+            }
+        } else if let Some(prev) = lane.gates.back_mut().filter(|g| matches!(g.end, End::Stream)) {
             let ev = match dev.spare.pop() {
                 Some(ev) => Ok(ev),
                 None => Event::new(lane.stream.context()),
@@ -246,13 +274,18 @@ impl Gates {
             Ok(()) => {
                 let now = Instant::now();
                 times.enqueue_ns += now.saturating_duration_since(t0).as_nanos() as u64;
-                lane.gates.push_back(Gate { end: End::Stream, then, keep, enqueued: now });
+                lane.gates.push_back(Gate { end: End::Stream, group, then, keep, enqueued: now });
                 self.count += 1;
                 Ok(())
             }
             Err(e) => {
-                // Some copies may be queued: wait for them before the memory may go.
+                // Some copies may be queued: wait for them before the memory may go. Every
+                // gate queued before is then done (or failed with its copies); a group that
+                // waited for this gate's end ends with the stream.
                 let _ = lane.stream.synchronize();
+                if let Some(b) = lane.gates.back_mut().filter(|g| matches!(g.end, End::WithNext)) {
+                    b.end = End::Stream;
+                }
                 Err(Box::new((then, keep, e)))
             }
         }
@@ -264,6 +297,7 @@ impl Gates {
         if self.count == 0 {
             return;
         }
+        self.epoch = self.epoch.wrapping_add(1);
         let before = out.len();
         while let Some(g) = self.ready.pop_front() {
             out.push(Done { then: g.then, result: Ok(()), keep: g.keep });
@@ -272,27 +306,30 @@ impl Gates {
         let t0 = Instant::now();
         for dev in &mut self.devices {
             for lane in &mut dev.lanes {
-                while let Some(g) = lane.gates.front() {
+                // The oldest group (a gate, or gates up to the first with an end of its own).
+                while let Some(k) = lane.gates.iter().position(|g| !matches!(g.end, End::WithNext)) {
                     times.queries += 1;
-                    let status = match &g.end {
+                    let status = match &lane.gates[k].end {
                         End::Done => Ok(EventStatus::Ready),
                         End::Stream => lane.stream.query(),
                         End::Event(ev) => ev.query(),
+                        End::WithNext => unreachable!("found by position"),
                     };
                     let result = match status {
                         Ok(EventStatus::NotReady) => break,
                         Ok(EventStatus::Ready) => Ok(()),
                         Err(e) => Err(e),
                     };
-                    let Some(g) = lane.gates.pop_front() else { break };
                     let t = *now.get_or_insert_with(Instant::now);
-                    times.copy_ns += t.saturating_duration_since(g.enqueued).as_nanos() as u64;
-                    if let (End::Event(ev), true) = (g.end, result.is_ok()) {
-                        if dev.spare.len() < SPARE_EVENTS {
-                            dev.spare.push(ev);
+                    for g in lane.gates.drain(..=k) {
+                        times.copy_ns += t.saturating_duration_since(g.enqueued).as_nanos() as u64;
+                        if let (End::Event(ev), true) = (g.end, result.is_ok()) {
+                            if dev.spare.len() < SPARE_EVENTS {
+                                dev.spare.push(ev);
+                            }
                         }
+                        out.push(Done { then: g.then, result: result.clone(), keep: g.keep });
                     }
-                    out.push(Done { then: g.then, result, keep: g.keep });
                 }
             }
         }
