@@ -102,7 +102,15 @@ impl Transfers<'_> {
             }
         };
         let handed = std::time::Instant::now();
-        let s = Submission::Gated(Box::new(GatedCopies { ordinal, copies, then, done, keep, after: None, handed }));
+        let s = Submission::Gated(Box::new(GatedCopies {
+            ordinal,
+            copies,
+            then,
+            done,
+            keep,
+            after: None,
+            handed,
+        }));
         let g = &self.shared().stats.gpu;
         crate::shared::stats::bump(&g.plan_ns, handed.saturating_duration_since(t0).as_nanos() as u64);
         self.hand(vec![s])?;

@@ -213,9 +213,10 @@ impl Gates {
         let (i, group) = match lane {
             // The stream with the fewest gates, the first of those: concurrent operations
             // spread out, and a lone one always finds the same idle (warm) stream.
-            Lane::Next => {
-                (dev.lanes.iter().enumerate().min_by_key(|(_, l)| l.gates.len()).map_or(0, |(i, _)| i), Some(epoch))
-            }
+            Lane::Next => (
+                dev.lanes.iter().enumerate().min_by_key(|(_, l)| l.gates.len()).map_or(0, |(i, _)| i),
+                Some(epoch),
+            ),
             Lane::Of(id) => ((id % dev.lanes.len() as u64) as usize, None),
         };
         let lane = &mut dev.lanes[i];
