@@ -16,7 +16,8 @@
 #
 # Environment: JOBS (make -j, default 2), NICE (default 15), PROVIDERS (default
 # "tcp rxm shm udp rxd"), LIBFABRIC_PREFIX (default <repo>/target/libfabric-TAG), CUDA_HOME
-# (--with-cuda=CUDA_HOME when CUDA_HOME/include/cuda.h exists; otherwise --without-cuda).
+# (--with-cuda=CUDA_HOME --enable-cuda-dlopen when CUDA_HOME/include/cuda.h exists;
+# otherwise --without-cuda).
 # Needs a C toolchain and autoconf, automake and libtool (apt-get install -y autoconf
 # automake libtool) for a git source, which has no configure script yet.
 set -euo pipefail
@@ -49,11 +50,14 @@ case "$src/" in
     "$repo_root"/*) echo "refusing to build inside the repository ($src): use a folder outside it" >&2; exit 1 ;;
 esac
 
+# With CUDA, libfabric loads libcuda and libcudart at run time (--enable-cuda-dlopen): only
+# the headers are needed to build (a CUDA toolkit, or the include/ folder of the
+# nvidia-cuda-runtime wheel), and the result runs on machines with and without a GPU.
 cuda_opt=--without-cuda
 if [ -n "${CUDA_HOME:-}" ] && [ -f "$CUDA_HOME/include/cuda.h" ]; then
-    cuda_opt="--with-cuda=$CUDA_HOME"
+    cuda_opt="--with-cuda=$CUDA_HOME --enable-cuda-dlopen"
 elif [ -f /usr/local/cuda/include/cuda.h ]; then
-    cuda_opt="--with-cuda=/usr/local/cuda"
+    cuda_opt="--with-cuda=/usr/local/cuda --enable-cuda-dlopen"
 fi
 
 enable=()
@@ -73,7 +77,7 @@ if [ -f Makefile ]; then nice -n "$nice_level" make -s distclean >&2 || true; fi
 # --enable-only: every provider not named is left out (verbs, efa, psm*, sockets, udp,
 # hooks...), which keeps the build to a few minutes on two cores.
 nice -n "$nice_level" ./configure --prefix="$prefix" --enable-only "${enable[@]}" \
-    "$cuda_opt" --disable-static --disable-dependency-tracking -q >&2
+    $cuda_opt --disable-static --disable-dependency-tracking -q >&2
 # Everything but the environment lines below goes to stderr: `eval "$(scripts/...)"` works.
 nice -n "$nice_level" make -j"$jobs" -s >&2
 nice -n "$nice_level" make -s install >&2

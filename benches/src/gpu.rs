@@ -5,9 +5,15 @@
 //!  leader: region on cuda:S                        peer: region on cuda:R
 //!  staged:  D2H (chunk) ─► slot ══ tcp/shm ══► pull ─► slot ─► H2D          ceiling: min(D2H on S,
 //!                                                                            H2D on R, host→host row)
+//!  GPUDirect: the provider reads S and writes R itself (FI_HMEM)             baseline: the staged row
 //!  CUDA IPC: cuMemcpyAsync S ─► R (NVLink / PCIe), then an imm-only write    ceiling: peer copy S→R
 //!                                                                            (cuMemcpyDtoD when S = R)
 //! ```
+//!
+//! The GPUDirect pass runs engines with `libfabric_hmem(true)` and `cuda_ipc(false)`; it runs
+//! only where both regions came out `GpuPath::GpuDirect` (a libfabric built with CUDA whose
+//! provider offers `FI_HMEM`, `scripts/gpu-hmem-run.sh`), and says why it was skipped
+//! otherwise. The staged pass asks for no `FI_HMEM`, so it stays staged either way.
 //!
 //! The copy ceilings are measured by the leader with `cuda::Stream` on pinned memory at each
 //! size (as many bytes as the engine row moves, at least 4 copies, after one warm-up copy).
@@ -19,6 +25,7 @@ use std::time::Instant;
 
 use fabric_async::{Engine, MemoryLocation};
 use fabric_runtime::cuda;
+use fabric_runtime::GpuPath;
 
 use crate::measure::{gbps, human, median};
 use crate::pattern::Pattern;
@@ -151,10 +158,34 @@ fn ceilings(send: usize, recv: usize, size: usize, iters: u64) -> Res<Ceilings> 
     Ok(Ceilings { d2h, h2d, d2d, peer })
 }
 
-/// An engine (`cuda_ipc` as given) with a GPU region of `len` bytes on `ordinal`, connected
-/// to the other side's.
-async fn gpu_side(ctx: &mut Ctx, ipc: bool, ordinal: usize, len: usize) -> Res<Side> {
+/// The three ways a GPU region is written, one pass each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Staged,
+    Direct,
+    Ipc,
+}
+
+impl Pass {
+    fn name(self) -> &'static str {
+        match self {
+            Pass::Staged => "staged",
+            Pass::Direct => "GPUDirect",
+            Pass::Ipc => "CUDA IPC",
+        }
+    }
+}
+
+/// An engine for `pass` with a GPU region of `len` bytes on `ordinal`, connected to the other
+/// side's.
+async fn gpu_side(ctx: &mut Ctx, pass: Pass, ordinal: usize, len: usize) -> Res<Side> {
+    let ipc = pass == Pass::Ipc;
     let mut b = builder(&ctx.o).mode(ctx.o.mode).cuda_ipc(ipc).time_reactor(ctx.o.time_calls);
+    match pass {
+        Pass::Staged => b = b.libfabric_hmem(false),
+        Pass::Direct => b = b.libfabric_hmem(true),
+        Pass::Ipc => {}
+    }
     // The reactor on this side's NIC CPU, as `bw`'s host engines: a reactor thread inherits
     // the affinity of the thread that starts it, which `bw` pinned to its one app CPU, and
     // sharing that CPU with the awaiting task cost the GPU rows 2-5x (the task's lingering
@@ -171,7 +202,12 @@ async fn gpu_side(ctx: &mut Ctx, ipc: bool, ordinal: usize, len: usize) -> Res<S
         region.write_at(off as u64, &chunk[..n])?;
         off += n;
     }
-    let theirs = ctx.swap(if ipc { "gpu-ipc" } else { "gpu-staged" }, region.descriptor().to_bytes()).await?;
+    let key = match pass {
+        Pass::Staged => "gpu-staged",
+        Pass::Direct => "gpu-direct",
+        Pass::Ipc => "gpu-ipc",
+    };
+    let theirs = ctx.swap(key, region.descriptor().to_bytes()).await?;
     let remote = engine.remote_region(&theirs).await?;
     engine.imm(&remote, IMM_WARM).await?;
     engine.imm_counter(IMM_WARM).wait_for(1).await.expect("engine shut down during the benchmark");
@@ -243,9 +279,34 @@ pub async fn run(
     }
     ctx.barrier("gpu-ceilings").await?;
 
-    for (ipc, name) in [(false, "staged"), (true, "CUDA IPC")] {
-        let side = gpu_side(ctx, ipc, my_ord, len).await?;
+    let mut staged = vec![f64::NAN; sizes.len()];
+    for pass in [Pass::Staged, Pass::Direct, Pass::Ipc] {
+        let (ipc, name) = (pass == Pass::Ipc, pass.name());
+        let side = gpu_side(ctx, pass, my_ord, len).await?;
         let path = side.remote.gpu_path();
+        if pass == Pass::Direct {
+            // Both regions registered with the NIC, or the pass is skipped on both sides.
+            let mine = side.region.gpu_path() == Some(GpuPath::GpuDirect) && path == Some(GpuPath::GpuDirect);
+            let theirs = ctx.swap("gpu-direct-ok", vec![u8::from(mine)]).await?;
+            if !(mine && theirs == [1]) {
+                if ctx.lead {
+                    let why = format!(
+                        "skipped: the regions are {:?} / {path:?}, not GPUDirect (FABRIC_LIBFABRIC_HMEM needs a provider offering FI_HMEM and a libfabric built with CUDA: scripts/gpu-hmem-run.sh)",
+                        side.region.gpu_path()
+                    );
+                    ctx.note(&format!("GPU->GPU GPUDirect {dir} over {prov}: {why}"));
+                    let row = Row::new(
+                        "bw",
+                        &format!("GPU->GPU GPUDirect {dir}: skipped: not GPUDirect here"),
+                        "gbps",
+                        f64::NAN,
+                    );
+                    rep.push(row.baseline("-", f64::NAN));
+                }
+                ctx.barrier("gpu-pass-end").await?;
+                continue;
+            }
+        }
         if ctx.lead {
             ctx.note(&format!("GPU->GPU {name} {dir} over {prov}: the writer's path is {path:?}"));
         }
@@ -315,7 +376,12 @@ pub async fn run(
                 format!("GPU->GPU {name} {} {dir}", human(size))
             };
             let row = Row::new("bw", &case, "gbps", bw).size(size);
-            let row = if ipc {
+            if pass == Pass::Staged {
+                staged[k] = bw;
+            }
+            let row = if pass == Pass::Direct {
+                row.baseline("staged", staged[k])
+            } else if ipc {
                 let base = if send == recv { "cuMemcpyDtoD" } else { "peer copy" };
                 row.baseline(base, c.peer).ceiling("d2d", c.d2d).ceiling("peer_copy", c.peer)
             } else {

@@ -61,6 +61,12 @@ int fabric_shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len
 			 context);
 }
 
+int fabric_shim_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
+			      uint64_t flags, struct fid_mr **mr)
+{
+	return fi_mr_regattr(domain, attr, flags, mr);
+}
+
 void *fabric_shim_fi_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }
 
 uint64_t fabric_shim_fi_mr_key(struct fid_mr *mr) { return fi_mr_key(mr); }

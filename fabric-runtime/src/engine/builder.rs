@@ -46,6 +46,8 @@ pub struct EngineBuilder {
     pub(crate) staging_pool: u64,
     /// Write same-host GPU destinations through CUDA IPC.
     pub(crate) cuda_ipc: bool,
+    /// `libfabric_hmem`: `None` takes `FABRIC_LIBFABRIC_HMEM` (default off).
+    pub(crate) libfabric_hmem: Option<bool>,
     /// CUDA streams per device for the engine's copies.
     pub(crate) cuda_streams: usize,
     /// Fault injection (tests only).
@@ -85,6 +87,7 @@ impl Default for EngineBuilder {
             staging_chunk: 4 << 20,
             staging_pool: 64 << 20,
             cuda_ipc: true,
+            libfabric_hmem: None,
             cuda_streams: DEFAULT_CUDA_STREAMS,
             #[cfg(feature = "faults")]
             faults: None,
@@ -491,6 +494,19 @@ impl EngineBuilder {
         self
     }
 
+    /// libfabric transports: ask the provider for `FI_HMEM`, so GPU regions are registered
+    /// with it (`fi_mr_regattr`, `FI_HMEM_CUDA`) and its NICs read and write GPU memory
+    /// themselves (GPUDirect: EFA, or `shm`/`tcp` of a libfabric built with CUDA). A provider
+    /// that refuses `FI_HMEM`, or a libfabric without CUDA (Debian's), leaves GPU regions
+    /// staged as without it. Default: on for `efa`, off for `shm` and `tcp`, where on one host
+    /// libfabric's own device-memory path was 7-10x slower than the engine's staging (and CUDA
+    /// IPC is faster than both); `FABRIC_LIBFABRIC_HMEM=1` or `0` sets the default for every
+    /// provider. See `docs/gpu.md`, "GPUDirect through libfabric".
+    pub fn libfabric_hmem(mut self, enabled: bool) -> Self {
+        self.libfabric_hmem = Some(enabled);
+        self
+    }
+
     /// CUDA streams per device that the engine's copies (CUDA IPC writes, staging copies)
     /// are spread over (default 4; 1 to 64, clamped). Copies of concurrent operations go
     /// to different streams (the one with the fewest copies in flight), so they overlap on
@@ -707,6 +723,10 @@ impl EngineBuilder {
                     max_msg_size: self.max_msg_size,
                     domain,
                     ..Default::default()
+                };
+                let cfg = crate::provider::libfabric::LibfabricConfig {
+                    hmem: self.libfabric_hmem.unwrap_or(cfg.hmem),
+                    ..cfg
                 };
                 domains.push(crate::provider::libfabric::LibfabricDomain::open(&cfg)?);
             }

@@ -182,7 +182,7 @@ async fn random_writes(test: &str, provider: &str, ipc: bool, dst_loc: MemoryLoc
     let src = source(&engine, GPU, &src_bytes).await;
     let (mut child, desc) = Rounds::start(provider, dst_loc, dst_len, imm, "hash").await;
     let dst = engine.remote_region(&desc).await.expect("remote region");
-    let want = if ipc { GpuPath::Ipc } else { GpuPath::Staged };
+    let want = if ipc { GpuPath::Ipc } else { super::libfabric_gpu_path(provider) };
     assert_eq!(dst.gpu_path(), Some(want), "{test}: the writer's path");
     let mut shadow = vec![0u8; dst_len];
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(ipc));

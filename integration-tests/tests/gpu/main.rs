@@ -31,7 +31,35 @@ const MIB: usize = 1 << 20;
 const GPU: MemoryLocation = MemoryLocation::Cuda { ordinal: 0 };
 
 /// Whether a GPU is usable; prints the skip line when not.
+/// The path a GPU region takes with libfabric `provider` when it is not written through CUDA
+/// IPC: `GpuDirect` where the run says its libfabric registers CUDA memory for that provider
+/// (`FABRIC_EXPECT_GPUDIRECT=shm,...`, with `FABRIC_LIBFABRIC_HMEM=1` and a libfabric built
+/// `--with-cuda`: `scripts/gpu-hmem-run.sh`), else `Staged`.
+fn libfabric_gpu_path(provider: &str) -> GpuPath {
+    let base = provider.split(['!', ':', '@']).next().unwrap_or(provider);
+    let expect = std::env::var("FABRIC_EXPECT_GPUDIRECT").unwrap_or_default();
+    if expect.split(',').any(|p| p.trim() == base) {
+        GpuPath::GpuDirect
+    } else {
+        GpuPath::Staged
+    }
+}
+
+/// `FABRIC_TEST_LOG=1`: the engine's debug events on stderr (why a GPU region is staged, ...).
+fn log_if_asked() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if std::env::var_os("FABRIC_TEST_LOG").is_some_and(|v| v == "1") {
+        ONCE.call_once(|| {
+            let _ = tracing_subscriber::fmt()
+                .with_max_level(tracing_subscriber::filter::LevelFilter::DEBUG)
+                .with_writer(std::io::stderr)
+                .try_init();
+        });
+    }
+}
+
 fn gpu(test: &str) -> bool {
+    log_if_asked();
     let why = match cuda::available() {
         Ok(0) => "no CUDA device (the driver sees none)".to_string(),
         Ok(_) => match cuda::context(0) {
@@ -283,8 +311,10 @@ async fn one_transfer(
     let nics = engine.nics();
     let data = pattern(len, 0x5eed ^ len as u64);
     let src = source(&engine, src_loc, &data).await;
-    // Into host memory: one per shard, as for any write; into GPU memory: exactly one.
-    let expected_arrivals = if dst_loc == MemoryLocation::Host {
+    // Into host memory (and GPU memory the NIC writes itself): one per shard, as for any
+    // write; into GPU memory through staging or CUDA IPC: exactly one.
+    let nic_writes_gpu = !ipc && libfabric_gpu_path(provider) == GpuPath::GpuDirect;
+    let expected_arrivals = if dst_loc == MemoryLocation::Host || nic_writes_gpu {
         engine.transfer_opts().write_arrivals(len as u64, nics).unwrap()
     } else {
         1
@@ -294,7 +324,7 @@ async fn one_transfer(
     let want_path = match (dst_loc, ipc) {
         (MemoryLocation::Host, _) => None,
         (_, true) => Some(GpuPath::Ipc),
-        _ => Some(GpuPath::Staged),
+        _ => Some(libfabric_gpu_path(provider)),
     };
     assert_eq!(dst.gpu_path(), want_path, "{test}/{provider}: the path a write takes (child: {child_path})");
     assert_eq!(engine.write_arrivals(&dst, len as u64).unwrap(), expected_arrivals);
@@ -324,8 +354,9 @@ async fn gpu_region_basics() {
     let len = 3 * MIB + 5;
     let r = engine.alloc_in(len, GPU).await.expect("alloc_in(Cuda)");
     assert_eq!(r.location(), GPU);
-    assert_eq!(r.gpu_path(), Some(GpuPath::Staged), "libfabric without FI_HMEM stages");
-    assert_eq!(engine.gpu_path(0).await.unwrap(), GpuPath::Staged);
+    let want = libfabric_gpu_path("tcp");
+    assert_eq!(r.gpu_path(), Some(want), "libfabric stages unless it registers CUDA memory (FI_HMEM)");
+    assert_eq!(engine.gpu_path(0).await.unwrap(), want);
     let data = pattern(len, 9);
     r.write_at(0, &data).unwrap();
     assert_eq!(r.to_vec(), data);
@@ -335,7 +366,11 @@ async fn gpu_region_basics() {
     assert!(matches!(r.read_at(len as u64 - 1, &mut part), Err(Error::OutOfBounds { .. })));
     let d = r.descriptor();
     let g = d.gpu.as_ref().expect("a GPU descriptor");
-    assert!(g.staged && g.ipc.as_ref().is_some_and(|i| i.len() == 80) && !g.host.is_empty());
+    assert!(
+        g.staged == (want == GpuPath::Staged)
+            && g.ipc.as_ref().is_some_and(|i| i.len() == 80)
+            && !g.host.is_empty()
+    );
     assert_eq!(fabric_runtime::RegionDescriptor::from_bytes(&d.to_bytes()).unwrap(), d);
 
     // register_cuda: the user's memory, validated.

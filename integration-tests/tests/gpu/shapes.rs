@@ -5,10 +5,16 @@
 use std::time::{Duration, Instant};
 
 use fabric_async::{Engine, PageLayout, ScatterEntry};
-use fabric_runtime::{Error, MemoryLocation};
+use fabric_runtime::{Error, GpuPath, MemoryLocation};
 use integration_tests::{hash, providers};
 
-use super::{builder, gpu, pattern, source, target, target_filled, CHILD_ENV, GPU, MIB};
+use super::{builder, gpu, libfabric_gpu_path, pattern, source, target, target_filled, CHILD_ENV, GPU, MIB};
+
+/// Whether GPU regions of `provider` are registered with the NIC (GPUDirect through
+/// libfabric's `FI_HMEM`): then they count arrivals as host memory does (per page, per entry).
+fn direct(provider: &str) -> bool {
+    libfabric_gpu_path(provider) == GpuPath::GpuDirect
+}
 
 const HOST: MemoryLocation = MemoryLocation::Host;
 
@@ -73,7 +79,7 @@ async fn write_paged_with_gpu_ends() {
             let engine = builder(&prov).cuda_ipc(false).build().expect("engine");
             let data = pattern(src_n * page, 0x9a9e);
             let src = source(&engine, s, &data).await;
-            let per_page = if d == HOST { src_pages.len() as u64 } else { 1 };
+            let per_page = if d == HOST || direct(&p) { src_pages.len() as u64 } else { 1 };
             let (t, desc, _) = target(&prov, d, dst_n * page, 31, per_page).await;
             let dst = engine.remote_region(&desc).await.unwrap();
             assert_eq!(engine.paged_arrivals(&dst, src_pages.len()).unwrap(), per_page, "{what}");
@@ -120,7 +126,7 @@ async fn scatter_with_gpu_ends() {
             // Both members are the one child region: its counter sees both members'
             // arrivals. Into GPU memory one per member; into host memory one per entry (one
             // NIC: one shard each).
-            let total: u64 = if d == GPU { 2 } else { entries.len() as u64 };
+            let total: u64 = if d == GPU && !direct(&p) { 2 } else { entries.len() as u64 };
             let (t, desc, _) = target(&prov, d, len, 41, total).await;
             let m = engine.remote_region(&desc).await.unwrap();
             let group = engine.peer_group(vec![m.clone(), m]).unwrap();
@@ -177,8 +183,16 @@ async fn read_into_and_from_gpu() {
             .unwrap_or_else(|e| panic!("read from GPU {p}: {e}"));
         assert!(host.to_vec()[7..] == pattern(len, 0x9e7)[..], "read from GPU {p}: bytes");
         let gpu_dst = engine.alloc_in(MIB, GPU).await.unwrap();
-        let e = engine.read(&gpu_dst, 0, &remote, 0, 4096).await.unwrap_err();
-        assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU memory")), "{p}: {e}");
+        if direct(&p) {
+            // Both ends registered with the NIC: a GPU-to-GPU read is one RDMA read.
+            engine.read(&gpu_dst, 0, &remote, 0, 4096).await.unwrap_or_else(|e| panic!("{p}: {e}"));
+            let mut back = vec![0u8; 4096];
+            gpu_dst.read_at(0, &mut back).unwrap();
+            assert!(back[..] == pattern(len, 0x9e7)[..4096], "read GPU to GPU {p}: bytes");
+        } else {
+            let e = engine.read(&gpu_dst, 0, &remote, 0, 4096).await.unwrap_err();
+            assert!(matches!(&e, Error::Unsupported(m) if m.contains("staged GPU memory")), "{p}: {e}");
+        }
         t.finish().await;
         println!("read {p}: {} MiB into and out of GPU memory, bytes equal", len / MIB);
     }

@@ -36,13 +36,24 @@ pub struct LibfabricConfig {
     /// default `false`, for measuring what the guarantee costs (without it a write to a bad
     /// key can look successful on tcp, and `Arrivals::One` over several NICs is refused).
     pub delivery_complete: bool,
+    /// Ask for `FI_HMEM` (and offer `FI_MR_HMEM`), so that GPU memory is registered with the
+    /// provider itself (`fi_mr_regattr` with `FI_HMEM_CUDA`: GPUDirect where the provider and
+    /// the libfabric build can, e.g. EFA, or `shm`/`tcp` of a libfabric configured
+    /// `--with-cuda`). Dropped when the provider refuses it. Default: on for `efa` (its NIC
+    /// reads and writes GPU memory: the point of GPUDirect), off for `shm` and `tcp` (on one
+    /// host, libfabric 1.17's `shm` moved GPU memory at 0.09-0.15x the engine's staged path;
+    /// docs/gpu.md); `FABRIC_LIBFABRIC_HMEM=1` or `0` sets it for every provider. Without it,
+    /// GPU regions are staged (or written through CUDA IPC).
+    pub hmem: bool,
 }
 
 impl LibfabricConfig {
     /// The defaults, for `provider`.
     pub fn new(provider: impl Into<String>) -> Self {
+        let provider = provider.into();
         LibfabricConfig {
-            provider: provider.into(),
+            hmem: crate::env::switch("FABRIC_LIBFABRIC_HMEM", prov_name_for(&provider) == "efa"),
+            provider,
             node: None,
             max_msg_size: DEFAULT_MAX_MSG_SIZE,
             tx_depth: None,

@@ -54,6 +54,9 @@ pub struct LibfabricDomain {
     /// then a write completes only once its data is placed at the target.
     pub(super) delivery_complete: bool,
     pub(super) mr_mode: u32,
+    /// Whether the provider granted `FI_HMEM`: GPU memory is registered with it
+    /// (`fi_mr_regattr`, `FI_HMEM_CUDA`) instead of being refused (then staged).
+    pub(super) hmem: bool,
     /// The key the next registration asks for (without `FI_MR_PROV_KEY`): a random start,
     /// then +1 per registration, so no two registrations of this domain, nor of an earlier
     /// domain that had the same address, share a key (see `docs/security.md`).
@@ -117,7 +120,7 @@ impl LibfabricDomain {
         // Ask for the optional extras first and drop them one by one if refused.
         let mut found = None;
         let mut first_err = None;
-        for extras in Extras::PREFERENCE {
+        for extras in Extras::preference(cfg.hmem) {
             if extras.delivery_complete && !cfg.delivery_complete {
                 continue;
             }
@@ -142,7 +145,7 @@ impl LibfabricDomain {
         tracing::debug!(provider = %prov_name, ?extras, "libfabric provider opened");
         let i = info.as_ptr();
         // SAFETY: fi_getinfo returned a valid fi_info whose attribute pointers are non-null.
-        let (cq_data_size, mr_mode, mr_key_size, addr_format, ep_max_msg, resolved, tx_op_flags) = unsafe {
+        let (cq_data_size, mr_mode, mr_key_size, addr_format, ep_max_msg, resolved, tx_op_flags, caps) = unsafe {
             let d = (*i).domain_attr;
             let prov = (*(*i).fabric_attr).prov_name;
             let resolved = if prov.is_null() {
@@ -158,8 +161,10 @@ impl LibfabricDomain {
                 (*(*i).ep_attr).max_msg_size,
                 resolved,
                 (*(*i).tx_attr).op_flags,
+                (*i).caps,
             )
         };
+        let hmem = extras.hmem && caps & sys::FI_HMEM != 0;
         // The endpoint's default transmit flags (what fi_write and fi_writedata use) are the
         // tx_attr op_flags of this fi_info: delivery complete only if they say so, whatever
         // was asked.
@@ -177,7 +182,7 @@ impl LibfabricDomain {
                 reason: format!("cq_data_size is {cq_data_size}, need {}", cfg.cq_data_size.max(IMM_BYTES)),
             });
         }
-        tracing::debug!(provider = %resolved, mr_mode = format_args!("{mr_mode:#x}"), "libfabric provider chosen");
+        tracing::debug!(provider = %resolved, mr_mode = format_args!("{mr_mode:#x}"), hmem, "libfabric provider chosen");
 
         let mut fabric = ptr::null_mut();
         // SAFETY: fabric_attr comes from fi_getinfo; fabric receives a new object.
@@ -237,6 +242,7 @@ impl LibfabricDomain {
             max_msg_size: cfg.max_msg_size.min(ep_max_msg),
             delivery_complete,
             mr_mode,
+            hmem,
             next_key: first_key(mr_key_size),
             wait_fd,
             overflow: VecDeque::new(),

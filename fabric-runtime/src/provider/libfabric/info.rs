@@ -49,20 +49,29 @@ fn strdup(s: &str) -> Result<*mut c_char, Error> {
 ///   ([`Domain::delivery_complete`](crate::provider::Domain::delivery_complete)), never
 ///   assumed.
 /// * `source`: the `FI_SOURCE` capability, so received messages name their sender.
+/// * `hmem`: the `FI_HMEM` capability and the `FI_MR_HMEM` registration mode, so GPU memory
+///   is registered with the provider ([`LibfabricConfig::hmem`]).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Extras {
     pub(super) delivery_complete: bool,
     pub(super) source: bool,
+    pub(super) hmem: bool,
 }
 
 impl Extras {
-    pub(super) const NONE: Extras = Extras { delivery_complete: false, source: false };
-    pub(super) const PREFERENCE: [Extras; 4] = [
-        Extras { delivery_complete: true, source: true },
-        Extras { delivery_complete: true, source: false },
-        Extras { delivery_complete: false, source: true },
+    pub(super) const NONE: Extras = Extras { delivery_complete: false, source: false, hmem: false };
+    const BASE: [Extras; 4] = [
+        Extras { delivery_complete: true, source: true, hmem: false },
+        Extras { delivery_complete: true, source: false, hmem: false },
+        Extras { delivery_complete: false, source: true, hmem: false },
         Extras::NONE,
     ];
+
+    /// The asks in order of preference: with `FI_HMEM` first when `hmem`, then without.
+    pub(super) fn preference(hmem: bool) -> Vec<Extras> {
+        let with = Self::BASE.iter().filter(|_| hmem).map(|e| Extras { hmem: true, ..*e });
+        with.chain(Self::BASE).collect()
+    }
 }
 
 /// The inputs of one `fi_getinfo` call.
@@ -97,12 +106,15 @@ impl Query {
                 if extras.source {
                     (*h).caps |= sys::FI_SOURCE;
                 }
+                if extras.hmem {
+                    (*h).caps |= sys::FI_HMEM;
+                }
                 if extras.delivery_complete && self.prov_name.starts_with("tcp") {
                     (*(*h).tx_attr).op_flags = sys::FI_DELIVERY_COMPLETE as u64;
                 }
                 (*h).mode = sys::FI_CONTEXT | sys::FI_CONTEXT2;
                 let d = (*h).domain_attr;
-                (*d).mr_mode = MR_MODE_OFFERED as c_int;
+                (*d).mr_mode = (MR_MODE_OFFERED | if extras.hmem { sys::FI_MR_HMEM } else { 0 }) as c_int;
                 (*d).threading = sys::FI_THREAD_DOMAIN;
                 (*d).cq_data_size = cfg.cq_data_size.max(IMM_BYTES);
                 if let Some(n) = cfg.tx_depth {

@@ -33,30 +33,56 @@ impl LibfabricDomain {
         len: usize,
         location: MemoryLocation,
     ) -> Result<Registration, Error> {
-        if location != MemoryLocation::Host {
-            // Debian's libfabric has no CUDA support (FI_HMEM_CUDA registration gives -38).
-            return Err(Error::Unsupported(format!("registering {location} memory with libfabric")));
-        }
+        let device = match location {
+            MemoryLocation::Host => None,
+            // GPU memory with the provider itself: only where it granted FI_HMEM (a libfabric
+            // built with CUDA; Debian's is not, and its FI_HMEM_CUDA registration gives -38).
+            MemoryLocation::Cuda { ordinal } if self.hmem => Some(ordinal),
+            _ => {
+                return Err(Error::Unsupported(format!(
+                    "registering {location} memory with libfabric (FI_HMEM not asked or not granted)"
+                )))
+            }
+        };
         let reg_err =
             |e: Error| Error::RegisterMemory { len, location: location.to_string(), message: e.to_string() };
         // Without FI_MR_PROV_KEY the application picks the keys; unique per domain.
         let requested_key = if self.mr_needs(sys::FI_MR_PROV_KEY) { 0 } else { self.next_key };
         let mut mr = ptr::null_mut();
-        // SAFETY: the caller guarantees addr..addr+len is valid until deregister; domain is open.
-        let ret = unsafe {
-            sys::fabric_shim_fi_mr_reg(
-                self.domain.as_ptr(),
-                addr as *const c_void,
-                len,
-                MR_ACCESS,
-                0,
-                requested_key,
-                0,
-                &mut mr,
-                ptr::null_mut(),
-            )
+        let ret = match device {
+            // SAFETY: the caller guarantees addr..addr+len is valid until deregister; domain
+            // is open.
+            None => unsafe {
+                sys::fabric_shim_fi_mr_reg(
+                    self.domain.as_ptr(),
+                    addr as *const c_void,
+                    len,
+                    MR_ACCESS,
+                    0,
+                    requested_key,
+                    0,
+                    &mut mr,
+                    ptr::null_mut(),
+                )
+            },
+            Some(ordinal) => {
+                let iov = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
+                // SAFETY: fi_mr_attr is plain data; every field libfabric reads is set below
+                // and the rest (auth key, and the fields of newer versions) stay zero.
+                let mut attr: sys::fi_mr_attr = unsafe { std::mem::zeroed() };
+                attr.mr_iov = (&iov as *const libc::iovec).cast();
+                attr.iov_count = 1;
+                attr.access = MR_ACCESS;
+                attr.requested_key = requested_key;
+                attr.iface = sys::FI_HMEM_CUDA;
+                attr.device.cuda = ordinal as i32;
+                // SAFETY: as for fi_mr_reg; `attr` and `iov` live for the call (libfabric
+                // copies what it keeps), the range is device memory of that ordinal.
+                unsafe { sys::fabric_shim_fi_mr_regattr(self.domain.as_ptr(), &attr, 0, &mut mr) }
+            }
         };
-        check("fi_mr_reg", ret as isize).map_err(reg_err)?;
+        check(if device.is_some() { "fi_mr_regattr(FI_HMEM_CUDA)" } else { "fi_mr_reg" }, ret as isize)
+            .map_err(reg_err)?;
         let mr = NonNull::new(mr).ok_or_else(|| reg_err(provider_error("fi_mr_reg", libc::EINVAL)))?;
         let close = |mr: NonNull<sys::fid_mr>| {
             // SAFETY: mr was just opened and is not known to anyone else.
@@ -85,9 +111,12 @@ impl LibfabricDomain {
         }
         let handle = mr.as_ptr() as u64;
         self.mrs.insert(handle, mr);
+        // The contract: `local` is 0 when the provider needs no descriptor. Device memory
+        // needs one under FI_MR_HMEM (it tells the provider the buffer's interface).
+        let needs_desc =
+            self.mr_needs(sys::FI_MR_LOCAL) || (device.is_some() && self.mr_needs(sys::FI_MR_HMEM));
         Ok(Registration {
-            // The contract: `local` is 0 when the provider needs no descriptor.
-            local: if self.mr_needs(sys::FI_MR_LOCAL) { desc as u64 } else { 0 },
+            local: if needs_desc { desc as u64 } else { 0 },
             remote_key: key,
             handle,
             remote_base: if self.mr_needs(sys::FI_MR_VIRT_ADDR) { addr } else { 0 },
