@@ -30,6 +30,7 @@ scripts/rxe-vm.sh setup
 runner="target.x86_64-unknown-linux-gnu.runner=\"$PWD/scripts/rxe-vm.sh cargo-runner\""
 # One VM per test binary; the suite's single-provider tests run on the first provider.
 FABRIC_TEST_PROVIDERS=verbs cargo test -p fabric-runtime --test verbs_backend --config "$runner"
+FABRIC_TEST_PROVIDERS=verbs cargo test -p fabric-runtime --test verbs_liveness --config "$runner"
 # examples.rs runs quickstart's kill tests in the VM, where nothing can be built: build it here.
 cargo build -p fabric-examples --example quickstart
 FABRIC_TEST_PROVIDERS=verbs cargo test -p integration-tests --test '*' --config "$runner"

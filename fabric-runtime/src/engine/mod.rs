@@ -249,10 +249,18 @@ impl Engine {
     /// Makes the engine at `address` (bytes from its [`Engine::address`]) a peer. Adding the
     /// same address twice returns the same id.
     ///
+    /// Adding the address of a peer marked down (same incarnation) brings it back if it
+    /// answers: the same id, and [`PeerEvent::Up`](crate::PeerEvent::Up). On tcp and shm that
+    /// is known at once; on verbs it takes a handshake with the peer's process, which this
+    /// call waits for (up to 2 s, `VerbsConfig::revive_timeout`) without holding up the
+    /// engine's other work, while operations to the peer keep failing as for any peer down.
+    /// A peer that does not answer stays down: [`Error::Stale`] ("peer N is gone: ... (and
+    /// does not answer: ...)"). `docs/faults.md`, "A live peer can be recovered".
+    ///
     /// # Cancel safety
     ///
-    /// If dropped before completion the peer may still be added; adding it again is cheap
-    /// and returns the same id.
+    /// If dropped before completion the peer may still be added (or, if it was down and
+    /// answers, brought back); adding it again is cheap and returns the same id.
     pub async fn add_peer(&self, address: &[u8]) -> Result<PeerId> {
         let address = EngineAddress::from_bytes(address)?;
         address.check_transport(&self.shared().transport)?;

@@ -39,7 +39,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration};
+use super::{
+    Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration, Revival,
+};
 use crate::error::{Error, Result};
 
 /// The errno of an injected completion failure (not one of the reactor's peer errnos).
@@ -239,6 +241,14 @@ impl<D: Domain> Domain for Faulty<D> {
 
     fn remove_peer(&mut self, peer: PeerHandle) {
         self.inner.remove_peer(peer)
+    }
+
+    fn revive_peer(&mut self, peer: PeerHandle) -> Result<()> {
+        self.inner.revive_peer(peer)
+    }
+
+    fn revival(&mut self, peer: PeerHandle) -> Revival {
+        self.inner.revival(peer)
     }
 
     /// # Safety

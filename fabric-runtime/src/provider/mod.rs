@@ -29,6 +29,10 @@
 //!   operation says how far its failure reaches ([`FailCause`]): a refused remote access or
 //!   a connection the transport re-establishes fails that operation only; only a lost peer
 //!   marks the peer down.
+//! * **Reviving a peer the engine marked down** ([`Domain::revive_peer`], [`Domain::revival`]),
+//!   when the application adds it again: settled at once where the backend can tell (tcp,
+//!   shm), or started at once and settled later, within a bound of the backend's own, where
+//!   it takes a round trip (verbs). Never blocking: the reactor thread calls these.
 //! * **Sleeping** ([`Domain::wait_fd`], [`Domain::arm`], [`Domain::ack_wakeup`]): a backend that
 //!   can wake a sleeping thread offers a file descriptor that becomes readable when
 //!   completions may be available. The reactor calls `arm` right before sleeping; `arm`
@@ -130,6 +134,17 @@ pub enum PostError {
     /// The queue is full right now: poll completions and post again. Not an error.
     Again,
     /// The operation was rejected; it will produce no completion.
+    Failed(Error),
+}
+
+/// Where the revival of a peer stands ([`Domain::revival`]).
+#[derive(Debug)]
+pub enum Revival {
+    /// The backend still waits for the peer's answer: ask again after the next poll.
+    Pending,
+    /// The peer answered: it is reachable again.
+    Up,
+    /// It did not answer within the backend's bound, or reviving it failed: it stays down.
     Failed(Error),
 }
 
@@ -238,14 +253,30 @@ pub trait Domain: Send + 'static {
     /// (the backend keeps the peer's resources until the domain closes).
     fn remove_peer(&mut self, _peer: PeerHandle) {}
 
-    /// Brings back a peer the engine marked down (its operations failed with
-    /// [`FailCause::PeerLost`], or the backend reported [`Completion::PeerDown`]) when the
-    /// application adds its address again (`Engine::add_peer`, same incarnation): the backend
-    /// re-opens what it keeps per peer (a liveness watch, a connection). `Err` when the peer
-    /// does not answer (its process is gone): the engine keeps it down. The default has
-    /// nothing to re-open and succeeds.
+    /// Starts bringing back a peer the engine marked down (its operations failed with
+    /// [`FailCause::PeerLost`], the backend reported [`Completion::PeerDown`], or an operation
+    /// outlived `op_timeout`) when the application adds its address again
+    /// (`Engine::add_peer`, same incarnation): the backend re-opens what it keeps per peer (a
+    /// liveness watch, a connection).
+    ///
+    /// A backend that can tell at once whether the peer answers (tcp connects to its liveness
+    /// port, shm opens a pidfd of its process) finishes here: `Ok` means the peer is back,
+    /// `Err` that it does not answer (its process is gone), and [`Domain::revival`] keeps its
+    /// default. A backend whose answer takes a round trip (verbs: a handshake) only starts
+    /// here and must not wait: `Ok` means started, and the engine asks [`Domain::revival`]
+    /// after each of its passes until the outcome is known. The engine keeps the peer down
+    /// meanwhile. The default has nothing to re-open and succeeds.
     fn revive_peer(&mut self, _peer: PeerHandle) -> Result<(), Error> {
         Ok(())
+    }
+
+    /// Where the revival of `peer` that [`Domain::revive_peer`] started stands. Asked by the
+    /// engine after every pass (after [`Domain::poll`]) while it is [`Revival::Pending`]; it
+    /// must become [`Revival::Up`] or [`Revival::Failed`] within a bound of the backend's own
+    /// (verbs: `VerbsConfig::revive_timeout`), and [`Domain::timer`] must wake a sleeping
+    /// reactor meanwhile. A backend that answers in `revive_peer` keeps the default: `Up`.
+    fn revival(&mut self, _peer: PeerHandle) -> Revival {
+        Revival::Up
     }
 
     /// Posts one operation. See [`PostError`] for what a refusal means.

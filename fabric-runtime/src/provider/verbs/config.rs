@@ -9,6 +9,10 @@ pub const DEFAULT_MAX_MSG_SIZE: usize = 8192;
 /// gets a keep-alive probe (see "Faults" in the module docs).
 pub const DEFAULT_KEEPALIVE: Duration = Duration::from_millis(100);
 
+/// Default [`VerbsConfig::revive_timeout`]: how long a peer the engine marked down has to
+/// answer the handshake of its revival (tcp's revival waits up to 1 s for a connection).
+pub const DEFAULT_REVIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How to open a [`VerbsDomain`](super::VerbsDomain).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerbsConfig {
@@ -40,6 +44,12 @@ pub struct VerbsConfig {
     pub cq_depth: u32,
     /// How long a peer may take to answer the connection handshake.
     pub connect_timeout: Duration,
+    /// How long a peer the engine marked down may take to answer the handshake of its
+    /// revival ([`Domain::revive_peer`](crate::provider::Domain::revive_peer), the engine's
+    /// `add_peer` of it): past it the revival fails and the peer stays down. Shorter than
+    /// `connect_timeout`, because `add_peer` waits for it. Default [`DEFAULT_REVIVE_TIMEOUT`]
+    /// (2 s).
+    pub revive_timeout: Duration,
     /// Keep-alive: a connected peer with nothing in flight that has completed nothing for
     /// this long gets a probe, a zero-length RDMA write on its data QP (at most one in flight
     /// per peer; internal, never an engine operation). A dead peer's QP no longer answers, so
@@ -63,6 +73,7 @@ impl Default for VerbsConfig {
             sq_depth: 512,
             cq_depth: 16384,
             connect_timeout: Duration::from_secs(30),
+            revive_timeout: DEFAULT_REVIVE_TIMEOUT,
             keepalive: Some(DEFAULT_KEEPALIVE),
         }
     }

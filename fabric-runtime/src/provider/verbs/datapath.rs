@@ -17,7 +17,7 @@ use super::{
 };
 use crate::error::Error;
 use crate::provider::{
-    Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration,
+    Completion, Domain, FailCause, MemoryLocation, Op, PeerHandle, PostError, Registration, Revival,
 };
 use crate::pure::verbs_wire::PeerAddr;
 
@@ -403,19 +403,15 @@ impl Domain for VerbsDomain {
         Ok(idx as PeerHandle)
     }
 
-    /// Refused: the engine brings a peer back only if it answers *now*, and on verbs that
-    /// takes a handshake round trip, which this call cannot wait for on the reactor thread
-    /// (and a dead peer's would time out). So a verbs peer marked down stays down, as before
-    /// (`Error::Stale` for its descriptors); [`VerbsDomain::reconnect_failed`] is the backend half of
-    /// an asynchronous revival (fresh QPs and a handshake), for when the engine can wait for
-    /// its outcome.
+    /// Starts reviving a peer the engine marked down: fresh QPs, the next epoch, a handshake
+    /// (`revive.rs`); returns at once. [`Domain::revival`] tells when the peer's process has
+    /// answered, or that it has not within `VerbsConfig::revive_timeout`.
     fn revive_peer(&mut self, peer: PeerHandle) -> Result<(), Error> {
-        if (peer as usize) >= self.peers.len() {
-            return Err(Error::UnknownPeer { peer: peer as u32 });
-        }
-        Err(Error::Unsupported(
-            "verbs: whether a peer marked down answers again takes a handshake; add it again once it restarted (a new incarnation)".into(),
-        ))
+        self.start_revival(peer)
+    }
+
+    fn revival(&mut self, peer: PeerHandle) -> Revival {
+        self.revival_state(peer)
     }
 
     unsafe fn post(&mut self, token: u64, op: &Op) -> Result<(), PostError> {

@@ -292,8 +292,9 @@ impl VerbsDomain {
     /// runs again; `Ok` at once, and posts to the peer answer `PostError::Again` until it
     /// completes, or fail [`Error::PeerUnreachable`] if it has not within `connect_timeout`
     /// (the peer is failed again). A peer that has not failed is left alone. `Err` if the
-    /// handle is unknown or the QPs cannot be made. (`Domain::revive_peer` refuses on verbs:
-    /// see there.)
+    /// handle is unknown or the QPs cannot be made. (The engine's revival of a peer it marked
+    /// down, `Domain::revive_peer`, restarts the connection whatever its state and bounds the
+    /// wait by `revive_timeout`: `revive.rs`.)
     pub fn reconnect_failed(&mut self, peer: PeerHandle) -> Result<(), Error> {
         if (peer as usize) >= self.peers.len() {
             return Err(Error::UnknownPeer { peer: peer as u32 });

@@ -471,20 +471,32 @@ impl VerbsDomain {
         self.peers[peer].state = PeerState::Failed(message);
     }
 
-    /// Brings back a failed peer (`Domain::revive_peer`): both QPs are replaced, the epoch
-    /// goes up and the handshake starts again; posts answer `Again` until it completes, and
-    /// the peer fails again if it does not within the connect timeout. A peer that has not
-    /// failed is left as it is.
+    /// Brings back a failed peer ([`VerbsDomain::reconnect_failed`]): both QPs are replaced,
+    /// the epoch goes up and the handshake starts again (`restart`); posts answer `Again`
+    /// until it completes, and the peer fails again if it does not within the connect
+    /// timeout. A peer that has not failed is left as it is.
     pub(super) fn revive(&mut self, peer: usize) -> Result<(), Error> {
         let PeerState::Failed(m) = &self.peers[peer].state else { return Ok(()) };
         let cause = format!("the peer was revived after: {m}");
+        self.restart(peer, &cause)?;
+        tracing::info!(peer, epoch = self.peers[peer].epoch, "verbs peer revived; handshaking again");
+        Ok(())
+    }
+
+    /// Starts `peer`'s connection afresh, whatever its state: both QPs are replaced (what
+    /// was posted on the old ones fails naming `cause`), the epoch goes up by one and the
+    /// peer is Connecting from now, its REQ sent at once. If a QP cannot be made, the peer
+    /// fails and the error is returned.
+    pub(super) fn restart(&mut self, peer: usize, cause: &str) -> Result<(), Error> {
         for lane in [Lane::Data, Lane::Msg] {
-            self.replace_lane(peer, lane, &cause)?;
+            if let Err(e) = self.replace_lane(peer, lane, cause) {
+                self.fail_peer(peer, format!("{cause}; re-creating its queue pair failed: {e}"));
+                return Err(e);
+            }
         }
         let p = &mut self.peers[peer];
         p.epoch = p.epoch.wrapping_add(1);
         p.state = PeerState::Connecting { since: Instant::now(), last: None };
-        tracing::info!(peer, epoch = p.epoch, "verbs peer revived; handshaking again");
         self.drive_handshakes(Instant::now());
         Ok(())
     }

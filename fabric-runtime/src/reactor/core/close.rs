@@ -24,6 +24,7 @@ impl<D: Domain> Core<D> {
             tracing::debug_span!("engine_close", in_flight = self.slab.len(), peers = self.peers.len())
                 .entered();
         tracing::debug!("reactor closing: draining in-flight operations");
+        self.drop_revivals();
         let items = std::mem::take(&mut lock(&self.shared.queue).items);
         for s in items {
             match s {

@@ -37,8 +37,10 @@ mod close;
 // The completion half of a pass (poll the domains, count arrivals, finish operations,
 // deliver messages) and operation deadlines: a child module, so it works on `Core`'s fields.
 mod complete;
-// Adding, reviving, removing and failing peers; Hello and Revoke: a child module too.
+// Adding, removing and failing peers; Hello and Revoke: a child module too.
 mod peers;
+// Bringing back a peer marked down that answers again, without blocking (a child module).
+mod revive;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -152,6 +154,8 @@ pub(crate) struct Core<D: Domain> {
     slept_since: Option<Instant>,
     /// Regions freed since the last revocations were sent: (base, key) on NIC 0.
     revoking: Vec<(u64, u64)>,
+    /// Revivals of peers marked down that wait for the NICs' outcome (`revive.rs`).
+    reviving: Vec<revive::Reviving>,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
     staging: gpu::Staging,
@@ -200,6 +204,7 @@ impl<D: Domain> Core<D> {
             closed: false,
             slept_since: None,
             revoking: Vec::new(),
+            reviving: Vec::new(),
             #[cfg(feature = "cuda")]
             staging: gpu::Staging::default(),
         };
@@ -243,7 +248,8 @@ impl<D: Domain> Core<D> {
     }
 
     /// One pass: check deadlines (at most every `DEADLINE_TICK`), take the submission
-    /// queue, retry the backlog, flush, poll every domain and complete what finished.
+    /// queue, retry the backlog, flush, poll every domain, complete what finished and settle
+    /// the revivals the NICs have an outcome for.
     /// Returns whether anything happened. Once shutdown is requested it sets `closing` and
     /// does nothing more; the reactor thread then runs [`Core::close`].
     pub(crate) fn turn(&mut self) -> bool {
@@ -278,6 +284,9 @@ impl<D: Domain> Core<D> {
             busy |= self.poll_staging();
         }
         busy |= self.poll_domains();
+        if !self.reviving.is_empty() {
+            busy |= self.check_revivals();
+        }
         if busy {
             self.watch_fallback = sleep::WATCH_FALLBACK;
         }
@@ -418,13 +427,7 @@ impl<D: Domain> Core<D> {
                 }
                 self.deregister(regs, backing)
             }
-            Submission::AddPeer { address, reply } => {
-                let r = self.add_peer(address);
-                if let Err(e) = &r {
-                    tracing::warn!(error = %e, "adding a peer failed");
-                }
-                let _ = reply.send(r);
-            }
+            Submission::AddPeer { address, reply } => self.add_peer(address, reply),
             Submission::RemovePeer { peer, reply } => {
                 let _ = reply.send(self.remove_peer(peer));
             }

@@ -1,5 +1,5 @@
 //! The peers of a reactor: adding one (and telling it who we are: `Hello`), bringing back
-//! one marked down that answers again, removing one, marking one down and failing what is
+//! one marked down that answers again (started here, settled in `revive.rs`), removing one, marking one down and failing what is
 //! held for it, and the control messages that keep descriptors honest (sending `Revoke` for
 //! the regions freed here, acting on a peer's `Revoke` and `Hello`: `pure/revoke.rs`). A
 //! child module of `core`, so it works on `Core`'s fields directly.
@@ -13,13 +13,42 @@ use crate::provider::Domain;
 use crate::pure::descriptor::EngineAddress;
 use crate::pure::revoke::{Hello, Revoke, MAX_REVOKED};
 use crate::shared::events::PeerEvent;
-use crate::shared::notify::Notify;
+use crate::shared::notify::{Notify, Reply};
 use crate::shared::queue::Submission;
 use crate::shared::PeerId;
 
+/// What [`Core::add_peer_as`] did.
+enum Added {
+    /// The peer (new, known, or brought back at once).
+    Peer(PeerId),
+    /// A peer marked down whose revival waits for its answer (`revive.rs`).
+    Reviving(PeerId),
+}
+
 impl<D: Domain> Core<D> {
-    pub(super) fn add_peer(&mut self, address: crate::pure::descriptor::EngineAddress) -> Result<PeerId> {
-        self.add_peer_as(address, false)
+    /// `Engine::add_peer`: answers `reply` now, or, for a peer marked down whose NICs need a
+    /// round trip to tell whether it answers (verbs), once they can (`revive.rs`).
+    pub(super) fn add_peer(&mut self, address: crate::pure::descriptor::EngineAddress, reply: Reply<PeerId>) {
+        match self.add_peer_as(address, false) {
+            Ok(Added::Peer(id)) => {
+                let _ = reply.send(Ok(id));
+            }
+            Ok(Added::Reviving(id)) => self.await_revival(id, reply),
+            Err(e) => {
+                tracing::warn!(error = %e, "adding a peer failed");
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    /// The peer at `address`, added if new, for the engine's own protocols (a GPU pull or
+    /// push request names its sender): as [`Core::add_peer`], but a peer down whose revival
+    /// waits for its answer is returned at once, still down.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn peer_of(&mut self, address: crate::pure::descriptor::EngineAddress) -> Result<PeerId> {
+        match self.add_peer_as(address, false)? {
+            Added::Peer(id) | Added::Reviving(id) => Ok(id),
+        }
     }
 
     /// [`Core::add_peer`]; `passive`: only because it said `Hello` ([`PeerState::passive`]).
@@ -27,7 +56,7 @@ impl<D: Domain> Core<D> {
         &mut self,
         address: crate::pure::descriptor::EngineAddress,
         passive: bool,
-    ) -> Result<PeerId> {
+    ) -> Result<Added> {
         let incarnation = address.incarnation;
         // Peers are found by their transport addresses; the incarnation tells runs apart.
         let key = crate::pure::descriptor::EngineAddress { incarnation: 0, ..address.clone() }.to_bytes();
@@ -44,6 +73,10 @@ impl<D: Domain> Core<D> {
                 Some(k) if incarnation > k => {
                     // The process we knew at this address is gone: a new one runs there.
                     let reason = "a later incarnation of it was added (it restarted at the same address)";
+                    self.cancel_revival(
+                        id,
+                        &Error::Stale { what: "engine address", reason: format!("peer {id}: {reason}") },
+                    );
                     self.mark_down(id, reason);
                     self.fail_peer(id, reason);
                 }
@@ -54,16 +87,17 @@ impl<D: Domain> Core<D> {
                 _ => {
                     // A peer down comes back if it answers (a transient failure, a torn
                     // connection); one that does not stays down, and descriptors of this
-                    // incarnation are stale.
-                    if let (Some(why), Some(_)) = (p.failed.clone(), known) {
-                        if let Err(e) = self.revive(id) {
-                            return stale(format!("peer {id} is gone: {why} (and does not answer: {e})"));
-                        }
-                    }
+                    // incarnation are stale (`revive.rs`).
+                    let failed = p.failed.clone();
                     if !passive {
                         self.peers[id.0 as usize].passive = false;
                     }
-                    return Ok(id);
+                    if let (Some(why), Some(_)) = (failed, known) {
+                        if !self.start_revival(id, &why)? {
+                            return Ok(Added::Reviving(id));
+                        }
+                    }
+                    return Ok(Added::Peer(id));
                 }
             }
         }
@@ -93,7 +127,7 @@ impl<D: Domain> Core<D> {
         // frees (`pure/revoke.rs`). A peer that knows us already ignores it.
         let hello = Hello { address: self.shared.address.to_bytes() }.to_bytes();
         self.handle(Submission::Send { peer: id, data: hello.into(), notify: Notify::None });
-        Ok(id)
+        Ok(Added::Peer(id))
     }
 
     /// Tells every live peer which regions were freed since the last call (`revoking`).
@@ -147,21 +181,6 @@ impl<D: Domain> Core<D> {
         }
     }
 
-    /// Brings back a peer marked down whose process answers again: every NIC re-opens what
-    /// it keeps for the peer (`Domain::revive_peer`), then it is up (`PeerEvent::Up`), same
-    /// id, same incarnation. Operations failed while it was down stay failed.
-    fn revive(&mut self, peer: PeerId) -> Result<()> {
-        let handles = self.peers[peer.0 as usize].handles.clone();
-        for (d, h) in handles.into_iter().enumerate() {
-            self.domains[d].revive_peer(h)?;
-        }
-        let p = &mut self.peers[peer.0 as usize];
-        let was = p.failed.take();
-        tracing::info!(peer = peer.0, was = ?was, "peer answers again; up");
-        self.shared.peer_events.publish(PeerEvent::Up { peer });
-        Ok(())
-    }
-
     /// `Engine::remove_peer`: fails what the engine still holds for the peer, gives its
     /// handles back to the NICs and forgets its address (adding it again makes a new peer).
     pub(super) fn remove_peer(&mut self, peer: PeerId) -> Result<()> {
@@ -171,6 +190,8 @@ impl<D: Domain> Core<D> {
             Some(_) => {}
         }
         let message = "removed by Engine::remove_peer".to_owned();
+        let removed = format!("peer {peer} was removed (Engine::remove_peer)");
+        self.cancel_revival(peer, &Error::Stale { what: "engine address", reason: removed });
         self.fail_peer(peer, &message);
         let p = &mut self.peers[peer.0 as usize];
         p.failed = Some(message);

@@ -76,6 +76,10 @@ impl<D: Domain> Core<D> {
             }
         }
         self.pollfds = fds;
+        if !self.reviving.is_empty() {
+            // `add_peer` waits for a revival's outcome, which only a pass asks for.
+            timeout = min_timeout(timeout, super::revive::REVIVAL_TICK);
+        }
         if self.has_pending() {
             // Posts are waiting for queue space; completions will wake us, but stay safe
             // against a provider that frees space without one.

@@ -72,7 +72,7 @@ impl<D: Domain> Core<D> {
             Ok(p) => p,
             Err(e) => return tracing::warn!(error = %e, "dropped a malformed PULL"),
         };
-        let peer = match EngineAddress::from_bytes(&pull.sender).and_then(|a| self.add_peer(a)) {
+        let peer = match EngineAddress::from_bytes(&pull.sender).and_then(|a| self.peer_of(a)) {
             Ok(p) => p,
             Err(e) => return tracing::warn!(error = %e, "cannot reach the sender of a PULL; dropped"),
         };

@@ -502,7 +502,7 @@ impl<D: Domain> Core<D> {
             Ok(p) => p,
             Err(e) => return tracing::warn!(error = %e, "dropped a malformed push request"),
         };
-        let peer = match EngineAddress::from_bytes(&push.sender).and_then(|a| self.add_peer(a)) {
+        let peer = match EngineAddress::from_bytes(&push.sender).and_then(|a| self.peer_of(a)) {
             Ok(p) => p,
             Err(e) => return tracing::warn!(error = %e, "cannot reach the sender of a push request; dropped"),
         };
