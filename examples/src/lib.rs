@@ -5,7 +5,7 @@
 //! - `shapes.rs`: the transfer shapes over several NICs and the arrivals each produces.
 //! - `topology.rs`: this machine's GPUs, RDMA NICs and NUMA nodes, and what fabric gives each GPU.
 //! - `moe.rs`: MoE dispatch/combine across R processes, busy-poll and Inline against Event.
-//! - `kv_transfer.rs`: prefill/decode disaggregation, paged KV-cache blocks, decode workers
+//! - `kv_transfer/` (`main.rs`, `prefill.rs`, `decode.rs`): prefill/decode disaggregation, paged KV-cache blocks, decode workers
 //!   joining and leaving mid-run.
 //! - `rl_weights.rs`: a trainer streaming weight versions to inference workers.
 //!

@@ -195,7 +195,7 @@ pub enum FailCause {
 
 impl FailCause {
     /// The cause a plain errno implies: [`FailCause::PeerLost`] for the connection-type
-    /// errnos of [`is_peer_errno`], else [`FailCause::Op`]. Backends that know better (a
+    /// errnos of `is_peer_errno`, else [`FailCause::Op`]. Backends that know better (a
     /// remote access error, a connection lost to a live peer) say so instead.
     pub fn of_errno(errno: i32) -> FailCause {
         if is_peer_errno(errno) {

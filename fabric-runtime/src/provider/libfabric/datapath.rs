@@ -486,7 +486,7 @@ impl Domain for LibfabricDomain {
     }
 
     /// tcp with watched peers: their liveness connections are not wait fds, so a sleep
-    /// ends within [`SLEEP_CHECK`](super::liveness::SLEEP_CHECK) to look at them.
+    /// ends within `liveness::SLEEP_CHECK` to look at them.
     fn timer(&self) -> Option<std::time::Duration> {
         if !self.tcp_suspects.is_empty() {
             // A failed operation waits to be told apart (`SUSPECT_WAIT`): look again soon.
