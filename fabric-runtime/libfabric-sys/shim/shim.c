@@ -1,5 +1,6 @@
 /* See shim.h: each function forwards to the libfabric static inline of the same name. */
 #include "shim.h"
+#include <string.h>
 
 uint32_t fabric_shim_version(void) { return FI_VERSION(1, 17); }
 
@@ -61,10 +62,23 @@ int fabric_shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len
 			 context);
 }
 
-int fabric_shim_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
-			      uint64_t flags, struct fid_mr **mr)
+/* fi_mr_regattr of CUDA memory: the attribute struct is built here, against the headers of
+ * the libfabric being compiled against (2.x puts mr_iov in a union and adds fields). */
+int fabric_shim_fi_mr_reg_cuda(struct fid_domain *domain, const void *buf, size_t len,
+			       uint64_t acs, uint64_t requested_key, int device,
+			       struct fid_mr **mr)
 {
-	return fi_mr_regattr(domain, attr, flags, mr);
+	struct iovec iov = { .iov_base = (void *) buf, .iov_len = len };
+	struct fi_mr_attr attr;
+
+	memset(&attr, 0, sizeof(attr));
+	attr.mr_iov = &iov;
+	attr.iov_count = 1;
+	attr.access = acs;
+	attr.requested_key = requested_key;
+	attr.iface = FI_HMEM_CUDA;
+	attr.device.cuda = device;
+	return fi_mr_regattr(domain, &attr, 0, mr);
 }
 
 void *fabric_shim_fi_mr_desc(struct fid_mr *mr) { return fi_mr_desc(mr); }

@@ -42,8 +42,9 @@ int fabric_shim_fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count
 int fabric_shim_fi_mr_reg(struct fid_domain *domain, const void *buf, size_t len,
 			  uint64_t acs, uint64_t offset, uint64_t requested_key,
 			  uint64_t flags, struct fid_mr **mr, void *context);
-int fabric_shim_fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
-			      uint64_t flags, struct fid_mr **mr);
+int fabric_shim_fi_mr_reg_cuda(struct fid_domain *domain, const void *buf, size_t len,
+			       uint64_t acs, uint64_t requested_key, int device,
+			       struct fid_mr **mr);
 void *fabric_shim_fi_mr_desc(struct fid_mr *mr);
 uint64_t fabric_shim_fi_mr_key(struct fid_mr *mr);
 int fabric_shim_fi_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags);

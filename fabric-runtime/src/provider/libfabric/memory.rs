@@ -65,21 +65,21 @@ impl LibfabricDomain {
                     ptr::null_mut(),
                 )
             },
-            Some(ordinal) => {
-                let iov = libc::iovec { iov_base: addr as *mut c_void, iov_len: len };
-                // SAFETY: fi_mr_attr is plain data; every field libfabric reads is set below
-                // and the rest (auth key, and the fields of newer versions) stay zero.
-                let mut attr: sys::fi_mr_attr = unsafe { std::mem::zeroed() };
-                attr.mr_iov = (&iov as *const libc::iovec).cast();
-                attr.iov_count = 1;
-                attr.access = MR_ACCESS;
-                attr.requested_key = requested_key;
-                attr.iface = sys::FI_HMEM_CUDA;
-                attr.device.cuda = ordinal as i32;
-                // SAFETY: as for fi_mr_reg; `attr` and `iov` live for the call (libfabric
-                // copies what it keeps), the range is device memory of that ordinal.
-                unsafe { sys::fabric_shim_fi_mr_regattr(self.domain.as_ptr(), &attr, 0, &mut mr) }
-            }
+            // SAFETY: as for fi_mr_reg, and the range is device memory of that ordinal (the
+            // engine registers only its own or validated `register_cuda` memory this way).
+            // The shim builds the `fi_mr_attr` (iface FI_HMEM_CUDA) against the headers of
+            // the libfabric it is compiled with.
+            Some(ordinal) => unsafe {
+                sys::fabric_shim_fi_mr_reg_cuda(
+                    self.domain.as_ptr(),
+                    addr as *const c_void,
+                    len,
+                    MR_ACCESS,
+                    requested_key,
+                    ordinal as i32,
+                    &mut mr,
+                )
+            },
         };
         check(if device.is_some() { "fi_mr_regattr(FI_HMEM_CUDA)" } else { "fi_mr_reg" }, ret as isize)
             .map_err(reg_err)?;
