@@ -133,7 +133,11 @@ impl Pending {
             }
             State::Waiting(it) => {
                 let r = it.bind(py).call_method0("__next__").map(Bound::unbind);
-                *st = State::Waiting(it);
+                // Yielded again (a spurious resume): still waiting. Raised (the result's
+                // StopIteration, an error, CancelledError): done.
+                if r.is_ok() {
+                    *st = State::Waiting(it);
+                }
                 r
             }
             State::Done => Err(PyRuntimeError::new_err("this operation was already awaited or waited for")),
@@ -146,11 +150,14 @@ impl Pending {
     /// same way.
     #[pyo3(signature = (timeout=None))]
     pub(crate) fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let task = match std::mem::replace(&mut *lock(&self.state), State::Done) {
-            State::Start(task) => task,
-            other => {
-                *lock(&self.state) = other;
-                return Err(PyRuntimeError::new_err("this operation was already awaited or waited for"));
+        let task = {
+            let mut st = lock(&self.state);
+            match std::mem::replace(&mut *st, State::Done) {
+                State::Start(task) => task,
+                other => {
+                    *st = other;
+                    return Err(PyRuntimeError::new_err("this operation was already awaited or waited for"));
+                }
             }
         };
         block_on(py, task, timeout)?(py)
