@@ -250,7 +250,7 @@ impl Wake for TaskWaker {
     }
     fn wake_by_ref(self: &Arc<Self>) {
         lock(&self.wake.ready).push(self.id);
-        if !self.wake.signaled.swap(true, Ordering::AcqRel) {
+        if !self.wake.signaled.swap(true, Ordering::SeqCst) {
             // A full socket already holds a byte the loop will read: nothing is lost.
             let _ = (&self.wake.writer).write(&[1]);
         }
@@ -331,13 +331,17 @@ impl Bridge {
 impl Bridge {
     /// The loop's reader callback: polls every task woken since the last call.
     fn _drain(&self, py: Python<'_>) -> PyResult<()> {
-        self.wake.signaled.store(false, Ordering::Release);
+        // Empty the socket first, then clear the flag, then take the ids: a waker that
+        // pushes after the take saw the flag clear and writes a byte that is still in the
+        // socket (the next call). Clearing the flag before reading could swallow the byte of
+        // a waker whose id comes after the take, and that task would never be polled again.
         let mut buf = [0u8; 256];
         while let Ok(n) = (&self.reader).read(&mut buf) {
             if n < buf.len() {
                 break;
             }
         }
+        self.wake.signaled.store(false, Ordering::SeqCst);
         let ids = std::mem::take(&mut *lock(&self.wake.ready));
         for id in ids {
             let Some(mut e) = lock(&self.tasks).remove(&id) else { continue };

@@ -8,6 +8,7 @@ hang fails the test instead of the CI job.
 import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 
@@ -55,6 +56,27 @@ class PeerProcess:
 
     def send(self, msg):
         self.conn.send(msg)
+
+    def stop(self):
+        """SIGSTOP, returning once every thread of the process has stopped (kill only
+        queues the signal)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = []
+            for t in os.listdir(f"/proc/{self.proc.pid}/task"):
+                try:
+                    with open(f"/proc/{self.proc.pid}/task/{t}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:
+                    pass
+            if states and all(s in "Tt" for s in states):
+                return
+            time.sleep(0.001)
+        raise TestTimedOut("the peer process did not stop")
+
+    def cont(self):
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def kill(self):
         self.proc.kill()

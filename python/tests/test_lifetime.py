@@ -26,11 +26,17 @@ def test_deleted_source_still_sends_every_byte(provider, spawn):
         src = engine.register(arr)
         assert sys.getrefcount(arr) > before, "the region holds the array"
         peer.send(engine.write_arrivals(dst, size))
+        # The peer stopped, the write cannot complete (tcp and shm need the target's
+        # progress): it is surely in flight while the array loses its last name.
+        peer.stop()
         write = asyncio.ensure_future(engine.write_imm(src, 0, dst, 0, size, 7))
-        await asyncio.sleep(0)
-        del arr, src  # the only Python names; the write is in flight
+        await asyncio.sleep(0.2)
+        del arr, src
         gc.collect()
+        engine.stats()  # runs deferred decrefs, if any were due
+        assert not write.done(), "the write completed at a stopped peer"
         assert probe() is not None, "freed while a write from it was in flight"
+        peer.cont()
         await asyncio.wait_for(write, 30)
         assert peer.recv() is True, "the peer saw different bytes"
         # Once nothing uses it, the engine lets go (the reactor drops the owner; the decref
