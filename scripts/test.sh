@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: install what is needed, then
 #  1. unit, integration and doc tests on real libfabric (tcp, shm, udp on loopback);
-#  2. the loom model check of the counter;
-#  3. the verbs backend and the whole integration suite again on a real Soft-RoCE device
+#  2. the Python package's tests (scripts/python-tests.sh: pytest over tcp and shm);
+#  3. the loom model check of the counter;
+#  4. the verbs backend and the whole integration suite again on a real Soft-RoCE device
 #     (rdma_rxe) inside a qemu VM (scripts/rxe-vm.sh, docs/testbed-rxe.md), then perftest and
 #     the quickstart over verbs in one VM. Fails if the VM cannot start. FABRIC_SKIP_VM=1
 #     skips this stage (loudly) on machines that cannot run it.
@@ -15,6 +16,11 @@ export FI_TCP_IFACE=lo   # libfabric traffic stays on loopback
 echo "== host: libfabric tcp/shm/udp"
 cargo test --workspace --all-targets
 cargo test --workspace --doc
+
+echo "== python: the fabric package"
+start=$(date +%s)
+scripts/python-tests.sh
+echo "== python stage: $(( $(date +%s) - start )) s"
 
 echo "== loom"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \

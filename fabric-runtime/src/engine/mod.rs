@@ -325,6 +325,42 @@ impl Engine {
         self.register_backing(Backing::from_vec(data, self.shared().huge_pages)?, MemoryLocation::Host).await
     }
 
+    /// Registers `len` bytes of host memory at `ptr` that the caller owns (a NumPy array, a
+    /// tensor, a buffer of another library) with every NIC, without copying: transfers read
+    /// and write that memory. `owner` is whatever keeps it allocated; the engine drops it
+    /// only after every registration of the memory has been closed, which is after the
+    /// returned region and all its clones are dropped **and** every operation that uses it
+    /// has completed. The Python package registers buffer-protocol objects this way.
+    ///
+    /// Unlike [`Engine::alloc`]'s memory, the range is not reserved once the region is
+    /// freed (it is not the engine's): a write through a stale descriptor that races the
+    /// region's revocation may land in whatever the owner puts there next on providers that
+    /// address memory by virtual address without checking keys (`docs/security.md`).
+    ///
+    /// Errors: [`Error::Config`] for `len == 0`, a null `ptr` or a range that overflows the
+    /// address space; [`Error::RegisterMemory`] if a NIC refuses the range.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be valid, writable host memory for as long as `owner` lives,
+    /// and the caller must not free or move it by other means meanwhile (remote peers write
+    /// into it at any time).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Engine::register`]: a registration that completes after the future was
+    /// dropped is closed again, and `owner` dropped after that.
+    pub async unsafe fn register_host(
+        &self,
+        ptr: u64,
+        len: usize,
+        owner: impl std::any::Any + Send + Sync,
+    ) -> Result<MemoryRegion> {
+        // SAFETY: the caller's contract is `Backing::external`'s.
+        let backing = unsafe { Backing::external(ptr, len, Box::new(owner)) }?;
+        self.register_backing(backing, MemoryLocation::Host).await
+    }
+
     /// Allocates `len` zeroed bytes aligned to 4096 and registers them.
     ///
     /// From 2 MiB up the memory is aligned to 2 MiB and asks the kernel for transparent huge

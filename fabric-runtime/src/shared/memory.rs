@@ -37,10 +37,14 @@ enum BackingKind {
     /// `None`: the user's memory (`register_cuda`).
     #[cfg(feature = "cuda")]
     Device(#[allow(dead_code)] Option<Arc<crate::cuda::DeviceBuffer>>),
+    /// Host memory the user owns (`Engine::register_host`): the owner keeps it allocated and
+    /// is dropped with the backing, after every registration of it has been closed. Its
+    /// range is not retired (it is not ours): see `docs/security.md`.
+    External(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
 }
 
-// SAFETY: `Backing` uniquely owns its allocation (like a `Box<[u8]>`); moving it between
-// threads is sound.
+// SAFETY: `Backing` uniquely owns its allocation (like a `Box<[u8]>`), or holds its `Send`
+// owner (`External`); moving it between threads is sound.
 unsafe impl Send for Backing {}
 // SAFETY: shared access only hands out the pointer; all reads and writes through it go
 // through raw-pointer copies documented on `MemoryRegion`.
@@ -92,6 +96,27 @@ impl Backing {
         Ok(b)
     }
 
+    /// The caller's host memory at `ptr`, kept allocated by `owner` (`Engine::register_host`).
+    /// `len == 0` or a null `ptr` is [`Error::Config`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be valid, writable host memory for as long as `owner` lives.
+    pub(crate) unsafe fn external(
+        ptr: u64,
+        len: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Backing, Error> {
+        if len == 0 {
+            return Err(Error::Config("cannot register an empty region".into()));
+        }
+        if ptr.checked_add(len as u64).is_none_or(|end| end > isize::MAX as u64) {
+            return Err(Error::Config(format!("{ptr:#x}+{len} overflows the address space")));
+        }
+        let ptr = NonNull::new(ptr as *mut u8).ok_or_else(|| Error::Config("a null pointer".into()))?;
+        Ok(Backing { ptr, len, kind: BackingKind::External(owner) })
+    }
+
     /// Pinned host memory the NICs read and write (the staging pool).
     #[cfg(feature = "cuda")]
     pub(crate) fn pinned(buf: crate::cuda::PinnedHostBuffer) -> Backing {
@@ -128,6 +153,8 @@ impl Drop for Backing {
             // The buffers free themselves when the kind is dropped, after this.
             #[cfg(feature = "cuda")]
             BackingKind::Pinned(_) | BackingKind::Device(_) => {}
+            // The owner is dropped after this, when the kind is.
+            BackingKind::External(_) => {}
         }
     }
 }
@@ -335,5 +362,25 @@ mod tests {
         let b = Backing::from_vec(v.clone(), false).unwrap();
         // SAFETY: as above, 256 bytes.
         assert_eq!(unsafe { std::slice::from_raw_parts(b.as_ptr(), 256) }, &v[..]);
+    }
+
+    #[test]
+    fn external_memory_keeps_its_owner_until_the_backing_goes() {
+        assert!(matches!(
+            // SAFETY: refused before anything reads it.
+            unsafe { Backing::external(0x1000, 0, Box::new(())) },
+            Err(Error::Config(_))
+        ));
+        // SAFETY: refused before anything reads it.
+        assert!(matches!(unsafe { Backing::external(0, 8, Box::new(())) }, Err(Error::Config(_))));
+        // SAFETY: refused before anything reads it.
+        assert!(matches!(unsafe { Backing::external(u64::MAX - 4, 8, Box::new(())) }, Err(Error::Config(_))));
+        let owner = Arc::new(vec![7u8; 64]);
+        let ptr = owner.as_ptr() as u64;
+        // SAFETY: the vector lives as long as its `Arc`, which the backing holds.
+        let b = unsafe { Backing::external(ptr, 64, Box::new(owner.clone())) }.unwrap();
+        assert_eq!((b.addr(), b.len(), Arc::strong_count(&owner)), (ptr, 64, 2));
+        drop(b);
+        assert_eq!(Arc::strong_count(&owner), 1);
     }
 }

@@ -1,0 +1,133 @@
+//! Immediate counters, peer events and peer groups as Python objects.
+
+use std::sync::Arc;
+
+use fabric_async::{ImmCounter, PeerEvent, PeerGroup};
+use futures::StreamExt;
+use pyo3::exceptions::PyStopAsyncIteration;
+use pyo3::prelude::*;
+
+use crate::bridge::{none, pending, Pending};
+
+/// The arrival counter of one immediate value (`Engine.imm_counter`). Arrivals that landed
+/// before it was asked for are counted; every counter of one value shares one count.
+#[pyclass(module = "fabric", name = "ImmCounter", frozen)]
+pub struct PyImmCounter {
+    pub(crate) counter: ImmCounter,
+}
+
+#[pymethods]
+impl PyImmCounter {
+    /// The immediate value.
+    #[getter]
+    fn imm(&self) -> u32 {
+        self.counter.imm()
+    }
+
+    /// Arrivals not consumed yet.
+    #[getter]
+    fn available(&self) -> u64 {
+        self.counter.available()
+    }
+
+    /// Arrivals ever counted.
+    #[getter]
+    fn total_arrived(&self) -> u64 {
+        self.counter.total_arrived()
+    }
+
+    /// Waits until `n` arrivals are available and consumes them. Cancel safe: a cancelled or
+    /// timed-out wait consumes nothing. Raises `Shutdown`, `CounterLimit`, `CounterRetired`.
+    fn wait_for(&self, n: u64) -> Pending {
+        pending(self.counter.wait_for(n), none)
+    }
+
+    /// Consumes `n` arrivals if they are there; never waits.
+    fn try_consume(&self, n: u64) -> bool {
+        self.counter.try_consume(n)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<fabric.ImmCounter imm={} available={}>", self.counter.imm(), self.counter.available())
+    }
+}
+
+/// A change of a peer's state: `kind` is `"up"`, `"down"` (with `reason`) or `"removed"`.
+#[pyclass(module = "fabric", name = "PeerEvent", frozen, get_all)]
+pub struct PyPeerEvent {
+    kind: &'static str,
+    peer: u32,
+    reason: Option<String>,
+}
+
+#[pymethods]
+impl PyPeerEvent {
+    fn __repr__(&self) -> String {
+        match &self.reason {
+            Some(r) => format!("PeerEvent({:?}, peer={}, reason={r:?})", self.kind, self.peer),
+            None => format!("PeerEvent({:?}, peer={})", self.kind, self.peer),
+        }
+    }
+}
+
+fn event(py: Python<'_>, ev: Option<PeerEvent>) -> PyResult<Py<PyAny>> {
+    let (kind, peer, reason) = match ev {
+        None => return Err(PyStopAsyncIteration::new_err(())),
+        Some(PeerEvent::Up { peer }) => ("up", peer, None),
+        Some(PeerEvent::Down { peer, reason }) => ("down", peer, Some(reason)),
+        Some(PeerEvent::Removed { peer }) => ("removed", peer, None),
+        // Non-exhaustive: a kind added later.
+        Some(other) => return Ok(format!("{other:?}").into_pyobject(py)?.into_any().unbind()),
+    };
+    Ok(Py::new(py, PyPeerEvent { kind, peer: peer.0, reason })?.into_any())
+}
+
+/// `Engine.peer_events()`: an async iterator of `PeerEvent`s, starting with the current
+/// state of every peer and ending at shutdown.
+#[pyclass(module = "fabric", name = "PeerEvents", frozen)]
+pub struct PyPeerEvents {
+    pub(crate) events: Arc<futures::lock::Mutex<fabric_async::PeerEvents>>,
+}
+
+#[pymethods]
+impl PyPeerEvents {
+    fn __aiter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    /// The next event (raises `StopAsyncIteration` at shutdown). Cancel safe: a cancelled
+    /// wait loses no event.
+    fn __anext__(&self) -> Pending {
+        let events = self.events.clone();
+        pending(async move { Ok(events.lock().await.next().await) }, event)
+    }
+
+    /// Blocking: the next event, or None at shutdown; raises `fabric.Timeout` after
+    /// `timeout` seconds.
+    #[pyo3(signature = (timeout=None))]
+    fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        match self.__anext__().wait(py, timeout) {
+            Err(e) if e.is_instance_of::<PyStopAsyncIteration>(py) => Ok(py.None()),
+            r => r,
+        }
+    }
+}
+
+/// Several peers' regions, the target of `scatter` and `barrier` (`Engine.peer_group`).
+#[pyclass(module = "fabric", name = "PeerGroup", frozen)]
+pub struct PyPeerGroup {
+    pub(crate) group: PeerGroup,
+}
+
+#[pymethods]
+impl PyPeerGroup {
+    fn __len__(&self) -> usize {
+        self.group.len()
+    }
+
+    /// The members' peer ids, in order.
+    #[getter]
+    fn peers(&self) -> Vec<u32> {
+        self.group.members().iter().map(|m| m.peer().0).collect()
+    }
+}

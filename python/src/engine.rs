@@ -1,0 +1,389 @@
+//! `fabric.Engine`: the Rust `Engine`'s methods, each operation returned as a `Pending`
+//! (await it, or `.wait()`), memory registration blocking (it is set-up, not the data path).
+
+use std::mem::ManuallyDrop;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fabric_async::{Engine, PeerId, ReactorMode, ScatterEntry};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use pyo3::IntoPyObjectExt;
+
+use crate::bridge::{none, pending, Pending};
+use crate::counter::{PyImmCounter, PyPeerEvents, PyPeerGroup};
+use crate::errors::IntoPy;
+use crate::memory::{host_buffer, parse_device, PyPageLayout, PyRemoteRegion, Region};
+
+/// A transfer engine: one reactor thread driving the NIC(s) of one process or GPU.
+#[pyclass(module = "fabric", name = "Engine", frozen)]
+pub struct PyEngine {
+    /// Dropped in `Drop` with the GIL released: the last handle joins the reactor thread.
+    engine: ManuallyDrop<Engine>,
+}
+
+fn mode(name: &str, spin: Option<f64>) -> PyResult<ReactorMode> {
+    Ok(match name {
+        "event" => ReactorMode::Event,
+        "adaptive" => ReactorMode::Adaptive { spin: seconds("spin", spin.unwrap_or(50e-6))? },
+        "busy_poll" | "busypoll" => ReactorMode::BusyPoll,
+        "inline" => ReactorMode::Inline,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown mode {other:?}: \"event\", \"adaptive\", \"busy_poll\" or \"inline\""
+            )))
+        }
+    })
+}
+
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| PyValueError::new_err(format!("{what} must be >= 0 seconds, not {s}")))
+}
+
+fn bytes_of(py: Python<'_>, b: Bytes) -> PyResult<Py<PyAny>> {
+    Ok(PyBytes::new(py, &b).into_any().unbind())
+}
+
+fn int<T: for<'py> IntoPyObject<'py>>(py: Python<'_>, v: T) -> PyResult<Py<PyAny>> {
+    v.into_py_any(py)
+}
+
+#[pymethods]
+impl PyEngine {
+    /// Builds an engine and starts its reactor thread.
+    ///
+    /// `provider`: "tcp" (default, or `FABRIC_PROVIDER`), "shm", "udp", "verbs", "verbs:DEV".
+    /// `mode`: "event" (sleeps when idle), "adaptive" (spins `spin` seconds after activity),
+    /// "busy_poll" (spins a core, `pin_core`), "inline" (awaiting drives the NICs).
+    /// `nics`: NIC names; `domains`: N domains of the provider (loopback testing).
+    /// `op_timeout`: seconds an operation may go without completing (None: forever).
+    #[new]
+    #[pyo3(signature = (provider=None, mode="event", *, nics=None, domains=None, op_timeout=Some(30.0),
+                        spin=None, pin_core=None, node=None, huge_pages=None, max_counters=None,
+                        max_msg_size=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        provider: Option<String>,
+        mode: &str,
+        nics: Option<Vec<String>>,
+        domains: Option<usize>,
+        op_timeout: Option<f64>,
+        spin: Option<f64>,
+        pin_core: Option<usize>,
+        node: Option<String>,
+        huge_pages: Option<bool>,
+        max_counters: Option<usize>,
+        max_msg_size: Option<usize>,
+    ) -> PyResult<Self> {
+        let mut b = Engine::builder().mode(self::mode(mode, spin)?);
+        if let Some(p) = provider {
+            b = b.provider(p);
+        }
+        if let Some(n) = nics {
+            b = b.nics(n);
+        }
+        if let Some(d) = domains {
+            b = b.domains(d);
+        }
+        b = b.op_timeout(op_timeout.map(|s| seconds("op_timeout", s)).transpose()?);
+        if let Some(c) = pin_core {
+            b = b.pin_core(c);
+        }
+        if let Some(n) = node {
+            b = b.node(n);
+        }
+        if let Some(h) = huge_pages {
+            b = b.huge_pages(h);
+        }
+        if let Some(m) = max_counters {
+            b = b.max_counters(m);
+        }
+        if let Some(m) = max_msg_size {
+            b = b.messages(m, 64);
+        }
+        let engine = py.detach(|| b.build()).py_err()?;
+        Ok(PyEngine { engine: ManuallyDrop::new(engine) })
+    }
+
+    /// This engine's address: bytes for a peer's `add_peer`.
+    #[getter]
+    fn address<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.engine.address())
+    }
+
+    /// The transport every NIC speaks (e.g. "tcp;ofi_rxm").
+    #[getter]
+    fn transport(&self) -> String {
+        self.engine.transport().to_string()
+    }
+
+    /// How many NICs the engine drives.
+    #[getter]
+    fn nics(&self) -> usize {
+        self.engine.nics()
+    }
+
+    /// The largest message `send` accepts.
+    #[getter]
+    fn max_msg_size(&self) -> usize {
+        self.engine.max_msg_size()
+    }
+
+    /// Makes the engine at `address` a peer; the result is its id (int).
+    fn add_peer(&self, address: Vec<u8>) -> Pending {
+        let e = (*self.engine).clone();
+        pending(async move { e.add_peer(&address).await.map(|p| p.0) }, int)
+    }
+
+    /// Removes a peer: its waiting operations fail with `PeerUnreachable`.
+    fn remove_peer(&self, peer: u32) -> Pending {
+        let e = (*self.engine).clone();
+        pending(async move { e.remove_peer(PeerId(peer)).await }, none)
+    }
+
+    /// Peer changes as an async iterator of `PeerEvent` (current state first).
+    fn peer_events(&self) -> PyPeerEvents {
+        PyPeerEvents { events: std::sync::Arc::new(futures::lock::Mutex::new(self.engine.peer_events())) }
+    }
+
+    /// A snapshot of the engine's statistics as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        crate::stats::to_dict(py, &self.engine.stats())
+    }
+
+    /// Allocates and registers `n` zeroed bytes: host memory, or `device="cuda:N"` (raises
+    /// `Unsupported` without a CUDA driver). Blocks (GIL released) for the registration.
+    #[pyo3(signature = (n, device=None))]
+    fn alloc(&self, py: Python<'_>, n: usize, device: Option<&str>) -> PyResult<Py<PyAny>> {
+        let location = parse_device(device)?;
+        let e = (*self.engine).clone();
+        let p = pending(async move { e.alloc_in(n, location).await }, |py, region| {
+            Ok(Py::new(py, Region { region, obj: None })?.into_any())
+        });
+        p.wait(py, None)
+    }
+
+    /// Registers `obj`'s memory in place, without copying: any writable, contiguous
+    /// buffer-protocol object (bytearray, numpy array, `tensor.numpy()` of a CPU tensor).
+    /// The object is kept alive (and pinned: not resizable) until the region and every
+    /// operation that uses it are gone. Blocks (GIL released) for the registration.
+    fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        if obj.hasattr("__cuda_array_interface__")? {
+            return Err(crate::errors::to_py(fabric_async::Error::Unsupported(
+                "registering CUDA memory in place from Python (use alloc(n, device=\"cuda:N\") and copy)"
+                    .into(),
+            )));
+        }
+        let buf = host_buffer(obj)?;
+        let e = (*self.engine).clone();
+        let keep = obj.clone().unbind();
+        let (ptr, len, view) = (buf.ptr, buf.len, buf.view);
+        // SAFETY: `view` is a memoryview holding the object's buffer export: the `len` bytes
+        // at `ptr` stay allocated and in place (the exporter refuses to resize or free them)
+        // until it is released, which only its drop does, after the engine closed the
+        // registration. It was checked writable and contiguous.
+        let fut = async move { unsafe { e.register_host(ptr, len, view) }.await };
+        let p =
+            pending(fut, move |py, region| Ok(Py::new(py, Region { region, obj: Some(keep) })?.into_any()));
+        p.wait(py, None)
+    }
+
+    /// A peer's region from its descriptor bytes, adding the owner as a peer if needed.
+    fn remote_region(&self, descriptor: Vec<u8>) -> Pending {
+        let e = (*self.engine).clone();
+        pending(async move { e.remote_region(&descriptor).await }, |py, remote| {
+            Ok(Py::new(py, PyRemoteRegion { remote })?.into_any())
+        })
+    }
+
+    /// The arrival counter of immediate `imm`.
+    fn imm_counter(&self, imm: u32) -> PyImmCounter {
+        PyImmCounter { counter: self.engine.imm_counter(imm) }
+    }
+
+    /// Retires the counter of `imm`; the result is how many arrivals it discarded.
+    fn retire_counter(&self, imm: u32) -> Pending {
+        let e = (*self.engine).clone();
+        pending(async move { e.retire_counter(imm).await }, int)
+    }
+
+    /// Writes `n` bytes of `src` at `src_off` into `dst` at `dst_off`.
+    fn write(
+        &self,
+        src: PyRef<'_, Region>,
+        src_off: u64,
+        dst: PyRef<'_, PyRemoteRegion>,
+        dst_off: u64,
+        n: u64,
+    ) -> Pending {
+        pending(self.engine.write(&src.region, src_off, &dst.remote, dst_off, n), none)
+    }
+
+    /// Like `write`, and the target counts arrivals of `imm` once the bytes have landed
+    /// (`write_arrivals` says how many: one with one NIC).
+    #[allow(clippy::too_many_arguments)]
+    fn write_imm(
+        &self,
+        src: PyRef<'_, Region>,
+        src_off: u64,
+        dst: PyRef<'_, PyRemoteRegion>,
+        dst_off: u64,
+        n: u64,
+        imm: u32,
+    ) -> Pending {
+        pending(self.engine.write_imm(&src.region, src_off, &dst.remote, dst_off, n, imm), none)
+    }
+
+    /// An imm-only write: no bytes, one arrival of `imm` at the owner of `dst`.
+    fn imm(&self, dst: PyRef<'_, PyRemoteRegion>, imm: u32) -> Pending {
+        pending(self.engine.imm(&dst.remote, imm), none)
+    }
+
+    /// Reads `n` bytes of the remote `src` at `src_off` into the local `dst` at `dst_off`.
+    fn read(
+        &self,
+        dst: PyRef<'_, Region>,
+        dst_off: u64,
+        src: PyRef<'_, PyRemoteRegion>,
+        src_off: u64,
+        n: u64,
+    ) -> Pending {
+        pending(self.engine.read(&dst.region, dst_off, &src.remote, src_off, n), none)
+    }
+
+    /// Arrivals of `imm` that `write_imm` of `n` bytes into `dst` makes at its owner.
+    fn write_arrivals(&self, dst: PyRef<'_, PyRemoteRegion>, n: u64) -> PyResult<u64> {
+        self.engine.write_arrivals(&dst.remote, n).py_err()
+    }
+
+    /// Arrivals of `imm` that `write_paged` of `pages` pages into `dst` makes.
+    fn paged_arrivals(&self, dst: PyRef<'_, PyRemoteRegion>, pages: usize) -> PyResult<u64> {
+        self.engine.paged_arrivals(&dst.remote, pages).py_err()
+    }
+
+    /// Writes pages `src_pages[i]` of `src` into pages `dst_pages[i]` of `dst` (`layout`
+    /// gives the geometry), with arrivals of `imm` if given.
+    #[pyo3(signature = (src, dst, layout, src_pages, dst_pages, imm=None))]
+    fn write_paged(
+        &self,
+        src: PyRef<'_, Region>,
+        dst: PyRef<'_, PyRemoteRegion>,
+        layout: PyRef<'_, PyPageLayout>,
+        src_pages: Vec<u32>,
+        dst_pages: Vec<u32>,
+        imm: Option<u32>,
+    ) -> Pending {
+        pending(
+            self.engine.write_paged(&src.region, &dst.remote, &layout.layout, &src_pages, &dst_pages, imm),
+            none,
+        )
+    }
+
+    /// A group of peers' regions for `scatter` and `barrier`.
+    fn peer_group(&self, members: Vec<PyRef<'_, PyRemoteRegion>>) -> PyResult<PyPeerGroup> {
+        let members = members.iter().map(|m| m.remote.clone()).collect();
+        Ok(PyPeerGroup { group: self.engine.peer_group(members).py_err()? })
+    }
+
+    /// Writes pieces of `src` to members of `group`: `entries` is a list of
+    /// `(member, src_off, dst_off, n)`; each member counts arrivals of `imm` if given.
+    #[pyo3(signature = (src, group, entries, imm=None))]
+    fn scatter(
+        &self,
+        src: PyRef<'_, Region>,
+        group: PyRef<'_, PyPeerGroup>,
+        entries: Vec<(usize, u64, u64, u64)>,
+        imm: Option<u32>,
+    ) -> Pending {
+        let entries = scatter_entries(&entries);
+        pending(self.engine.scatter(&src.region, &group.group, &entries, imm), none)
+    }
+
+    /// Arrivals of `imm` that `scatter` with `entries` makes at each member.
+    fn scatter_arrivals(
+        &self,
+        group: PyRef<'_, PyPeerGroup>,
+        entries: Vec<(usize, u64, u64, u64)>,
+    ) -> PyResult<Vec<u64>> {
+        self.engine.scatter_arrivals(&group.group, &scatter_entries(&entries)).py_err()
+    }
+
+    /// One imm-only write of `imm` to every member of `group`.
+    fn barrier(&self, group: PyRef<'_, PyPeerGroup>, imm: u32) -> Pending {
+        pending(self.engine.barrier(&group.group, imm), none)
+    }
+
+    /// Sends a small message (at most `max_msg_size` bytes, copied) to `peer`.
+    fn send(&self, peer: u32, msg: &Bound<'_, PyAny>) -> PyResult<Pending> {
+        let msg: Vec<u8> = if let Ok(b) = msg.cast::<PyBytes>() {
+            b.as_bytes().to_vec()
+        } else {
+            let b = pyo3::buffer::PyUntypedBuffer::get(msg)
+                .map_err(|_| PyTypeError::new_err("msg must be bytes or a bytes-like object"))?;
+            // SAFETY: the export holds `len_bytes` readable bytes at `buf_ptr` until `b` is
+            // released, after the copy.
+            let v = unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const u8, b.len_bytes()) }.to_vec();
+            b.release(msg.py());
+            v
+        };
+        Ok(pending(self.engine.send(PeerId(peer), &msg), none))
+    }
+
+    /// The next message from any peer: `(peer or None, bytes)`.
+    fn recv(&self) -> Pending {
+        pending(self.engine.recv(), message)
+    }
+
+    /// The next message from `peer`: `(peer, bytes)`; raises `PeerUnreachable` once the
+    /// peer is down.
+    fn recv_from(&self, peer: u32) -> Pending {
+        pending(self.engine.recv_from(PeerId(peer)), message)
+    }
+
+    /// Whether awaiting drives the NICs on the awaiting thread (mode "inline").
+    #[getter]
+    fn is_inline(&self) -> bool {
+        self.engine.is_inline()
+    }
+
+    /// Stops the engine: later operations raise `Shutdown`.
+    fn shutdown(&self) {
+        self.engine.shutdown();
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __exit__(&self, _t: &Bound<'_, PyAny>, _v: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) {
+        self.engine.shutdown();
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<fabric.Engine {} nics={}>", self.engine.transport(), self.engine.nics())
+    }
+}
+
+fn message(py: Python<'_>, (peer, data): (Option<PeerId>, Bytes)) -> PyResult<Py<PyAny>> {
+    let data = bytes_of(py, data)?;
+    Ok((peer.map(|p| p.0), data).into_pyobject(py)?.into_any().unbind())
+}
+
+fn scatter_entries(e: &[(usize, u64, u64, u64)]) -> Vec<ScatterEntry> {
+    e.iter().map(|&(member, src_off, dst_off, len)| ScatterEntry { member, src_off, dst_off, len }).collect()
+}
+
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; nothing uses the field after `drop`.
+        let engine = unsafe { ManuallyDrop::take(&mut self.engine) };
+        // The last handle waits for the reactor thread to stop (in-flight operations get
+        // `shutdown_grace`): let other Python threads run meanwhile.
+        // Without a thread state (interpreter finalizing), the closure is dropped unrun and
+        // the engine with it.
+        let _ = Python::try_attach(move |py| py.detach(move || drop(engine)));
+    }
+}

@@ -1,0 +1,284 @@
+//! Regions as Python objects: local ones (`Region`: the engine's memory from `alloc`, or a
+//! buffer the program owns, registered in place), remote ones (`RemoteRegion`, from a
+//! peer's descriptor bytes), and the page geometry of paged writes.
+//!
+//! Registering a buffer-protocol object (`bytearray`, a NumPy array, a CPU torch tensor
+//! through `numpy()`) takes a `memoryview` of it: the view holds the object's buffer export,
+//! which pins it (a `bytearray` cannot be resized, a NumPy array cannot be resized or freed)
+//! for as long as the view lives. The view is the owner handed to
+//! `Engine::register_host`, so it lives until the engine has closed every registration of
+//! the memory: after the `Region` and every operation that uses it are gone, whatever
+//! happens to the Python names of the object meanwhile (`del arr` while a write from it is
+//! in flight is fine). The engine's reactor thread drops it without the GIL; PyO3 then
+//! defers the decref to the next time Python code of this module runs.
+
+use std::ffi::c_int;
+
+use fabric_async::{MemoryLocation, MemoryRegion, PageLayout, RemoteRegion};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyMemoryView};
+use pyo3::{ffi, PyErr};
+
+use crate::errors::IntoPy;
+
+/// Host memory of a Python object, pinned by the memoryview that owns its export.
+pub(crate) struct HostBuffer {
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+    /// The memoryview; the owner of the registration.
+    pub(crate) view: Py<PyAny>,
+}
+
+/// Pins `obj`'s buffer and says where it is. Refuses read-only objects (`bytes`: peers
+/// write into registered memory) and non-contiguous ones (a region is one range).
+pub(crate) fn host_buffer(obj: &Bound<'_, PyAny>) -> PyResult<HostBuffer> {
+    let py = obj.py();
+    let view = PyMemoryView::from(obj).map_err(|e| {
+        PyTypeError::new_err(format!(
+            "cannot register a {}: not a buffer-protocol object ({e})",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+        ))
+    })?;
+    let buf = PyUntypedBuffer::get(view.as_any())?;
+    let (ptr, len, readonly, contiguous) =
+        (buf.buf_ptr() as u64, buf.len_bytes(), buf.readonly(), buf.is_c_contiguous());
+    buf.release(py);
+    if readonly {
+        return Err(PyTypeError::new_err(
+            "cannot register a read-only buffer (peers write into registered memory): use a bytearray or a writable array",
+        ));
+    }
+    if !contiguous {
+        return Err(PyValueError::new_err(
+            "cannot register a non-contiguous buffer: a region is one range (numpy.ascontiguousarray)",
+        ));
+    }
+    Ok(HostBuffer { ptr, len, view: view.into_any().unbind() })
+}
+
+/// Memory registered with every NIC of an engine: from `Engine.alloc` (the engine's own,
+/// zeroed) or `Engine.register` (an object of yours, in place).
+///
+/// Its bytes: the buffer protocol (`memoryview(region)`, `numpy.frombuffer(region, dtype)`;
+/// host memory only), `read`/`write`, or the registered object itself. Peers write into it
+/// at any time: read what a counter wait says has landed.
+#[pyclass(module = "fabric", name = "Region", frozen)]
+pub struct Region {
+    pub(crate) region: MemoryRegion,
+    /// The object registered in place, if any.
+    pub(crate) obj: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl Region {
+    fn __len__(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.region.len()
+    }
+
+    /// The descriptor peers need to reach this region (`Engine.remote_region`), as bytes.
+    #[getter]
+    fn descriptor<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.region.descriptor().to_bytes())
+    }
+
+    /// Start address (a device address for GPU memory).
+    #[getter]
+    fn address(&self) -> u64 {
+        self.region.as_ptr() as u64
+    }
+
+    /// `"host"` or `"cuda:N"`.
+    #[getter]
+    fn device(&self) -> String {
+        location_name(self.region.location())
+    }
+
+    /// The object registered in place (`Engine.register`), or None for `alloc`'s memory.
+    #[getter]
+    fn obj(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.obj.as_ref().map(|o| o.clone_ref(py))
+    }
+
+    /// A copy of `n` bytes at `offset` (to the end by default).
+    #[pyo3(signature = (offset=0, n=None))]
+    fn read<'py>(&self, py: Python<'py>, offset: u64, n: Option<u64>) -> PyResult<Bound<'py, PyBytes>> {
+        let len = self.region.len() as u64;
+        let n = n.unwrap_or_else(|| len.saturating_sub(offset));
+        let mut buf = vec![0u8; usize::try_from(n).map_err(|_| PyValueError::new_err("n too large"))?];
+        self.region.read_at(offset, &mut buf).py_err()?;
+        Ok(PyBytes::new(py, &buf))
+    }
+
+    /// Copies `data` (any bytes-like object) into the region at `offset`.
+    #[pyo3(signature = (offset, data))]
+    fn write(&self, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let buf = PyUntypedBuffer::get(data)?;
+        if !buf.is_c_contiguous() {
+            return Err(PyValueError::new_err("data must be a contiguous buffer"));
+        }
+        // SAFETY: the export holds `len_bytes` readable bytes at `buf_ptr` until `buf` is
+        // released, which is after the copy; the slice is only read.
+        let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+        let r = self.region.write_at(offset, bytes).py_err();
+        buf.release(data.py());
+        r
+    }
+
+    /// The buffer protocol over host memory: writable, one dimension of bytes.
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let r = slf.get();
+        if r.region.location() != MemoryLocation::Host {
+            return Err(PyBufferError::new_err("GPU memory has no host buffer"));
+        }
+        let len = isize::try_from(r.region.len()).map_err(|_| PyBufferError::new_err("region too large"))?;
+        // SAFETY: `view` is the exporter's `Py_buffer` that Python passes in; the memory is
+        // `len` bytes of host memory that stays registered and allocated while `slf` lives,
+        // and `PyBuffer_FillInfo` takes a reference to `slf` for the view's lifetime.
+        let rc =
+            unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), r.region.as_ptr() as *mut _, len, 0, flags) };
+        if rc < 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<fabric.Region {} bytes of {} at {:#x}{}>",
+            self.region.len(),
+            location_name(self.region.location()),
+            self.region.as_ptr() as u64,
+            if self.obj.is_some() { ", registered in place" } else { "" }
+        )
+    }
+}
+
+pub(crate) fn location_name(l: MemoryLocation) -> String {
+    match l {
+        MemoryLocation::Cuda { ordinal } => format!("cuda:{ordinal}"),
+        _ => "host".into(),
+    }
+}
+
+/// `"cpu"`/`"host"`/None → host, `"cuda"`/`"cuda:N"` → device N.
+pub(crate) fn parse_device(device: Option<&str>) -> PyResult<MemoryLocation> {
+    match device {
+        None | Some("host") | Some("cpu") => Ok(MemoryLocation::Host),
+        Some("cuda") => Ok(MemoryLocation::Cuda { ordinal: 0 }),
+        Some(d) => match d.strip_prefix("cuda:").map(str::parse::<u32>) {
+            Some(Ok(ordinal)) => Ok(MemoryLocation::Cuda { ordinal }),
+            _ => {
+                Err(PyValueError::new_err(format!("unknown device {d:?}: \"host\", \"cuda\" or \"cuda:N\"")))
+            }
+        },
+    }
+}
+
+/// A peer's region, from its descriptor bytes (`Engine.remote_region`).
+#[pyclass(module = "fabric", name = "RemoteRegion", frozen)]
+pub struct PyRemoteRegion {
+    pub(crate) remote: RemoteRegion,
+}
+
+#[pymethods]
+impl PyRemoteRegion {
+    fn __len__(&self) -> usize {
+        self.remote.len() as usize
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.remote.len()
+    }
+
+    /// The peer that owns it (an id of this engine).
+    #[getter]
+    fn peer(&self) -> u32 {
+        self.remote.peer().0
+    }
+
+    /// Whether its owner has freed it (operations through it raise `Stale`).
+    #[getter]
+    fn is_revoked(&self) -> bool {
+        self.remote.is_revoked()
+    }
+
+    /// The descriptor bytes.
+    #[getter]
+    fn descriptor<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.remote.descriptor().to_bytes())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<fabric.RemoteRegion {} bytes of peer {}>", self.remote.len(), self.remote.peer().0)
+    }
+}
+
+/// The page geometry of a paged write (KV-cache blocks): page `p` of the source starts at
+/// `src_offset + p * src_stride`, page `q` of the destination at `dst_offset + q * dst_stride`,
+/// and each page moves `page_len` bytes. Strides default to `page_len` (packed pages).
+#[pyclass(module = "fabric", name = "PageLayout", frozen, eq)]
+#[derive(PartialEq)]
+pub struct PyPageLayout {
+    pub(crate) layout: PageLayout,
+}
+
+#[pymethods]
+impl PyPageLayout {
+    #[new]
+    #[pyo3(signature = (page_len, src_stride=None, dst_stride=None, src_offset=0, dst_offset=0))]
+    fn new(
+        page_len: u64,
+        src_stride: Option<u64>,
+        dst_stride: Option<u64>,
+        src_offset: u64,
+        dst_offset: u64,
+    ) -> Self {
+        let mut layout = PageLayout::packed(page_len);
+        layout.src_stride = src_stride.unwrap_or(page_len);
+        layout.dst_stride = dst_stride.unwrap_or(page_len);
+        layout.src_offset = src_offset;
+        layout.dst_offset = dst_offset;
+        PyPageLayout { layout }
+    }
+
+    #[getter]
+    fn page_len(&self) -> u64 {
+        self.layout.page_len
+    }
+    #[getter]
+    fn src_stride(&self) -> u64 {
+        self.layout.src_stride
+    }
+    #[getter]
+    fn dst_stride(&self) -> u64 {
+        self.layout.dst_stride
+    }
+    #[getter]
+    fn src_offset(&self) -> u64 {
+        self.layout.src_offset
+    }
+    #[getter]
+    fn dst_offset(&self) -> u64 {
+        self.layout.dst_offset
+    }
+
+    fn __repr__(&self) -> String {
+        let l = &self.layout;
+        format!(
+            "PageLayout(page_len={}, src_stride={}, dst_stride={}, src_offset={}, dst_offset={})",
+            l.page_len, l.src_stride, l.dst_stride, l.src_offset, l.dst_offset
+        )
+    }
+}

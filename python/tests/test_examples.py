@@ -1,0 +1,34 @@
+"""The examples on host memory, small: they check every byte themselves and exit non-zero
+on any failure."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def run(script, *args):
+    r = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, script), *args], capture_output=True, text=True, timeout=50
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_kv_transfer(provider):
+    out = run("kv_transfer.py", "--provider", provider, "--requests", "8", "--layers", "2", "--block-kib", "8")
+    assert "0 failed" in out
+
+
+def test_rl_weights(provider):
+    out = run("rl_weights.py", "--provider", provider, "--model-mib", "4", "--versions", "2", "--tensors", "16")
+    assert "every tensor of every version verified" in out
+
+
+def test_examples_skip_cuda_without_a_driver():
+    out = run("kv_transfer.py", "--device", "cuda:0", "--requests", "2")
+    if not out.startswith("skipped"):
+        pytest.skip("a CUDA device is present")
