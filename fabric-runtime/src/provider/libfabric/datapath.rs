@@ -186,7 +186,7 @@ impl LibfabricDomain {
     }
 
     /// Takes `peer`'s address out of the AV (`fi_av_remove`); a failure is only logged.
-    fn av_remove(&mut self, peer: PeerHandle) {
+    pub(super) fn av_remove(&mut self, peer: PeerHandle) {
         let mut addr = peer;
         // SAFETY: av is open; one fi_addr_t is read from `addr`.
         let ret = unsafe { sys::fabric_shim_fi_av_remove(self.av.as_ptr(), &mut addr, 1, 0) };
@@ -331,6 +331,9 @@ impl Domain for LibfabricDomain {
             }
             None => (addr, None),
         };
+        // shm: no endpoint of this process closes until the peer's endpoint is enabled, and
+        // none that closed stays in the AV (`shm_prepare_add`).
+        let _local = if self.shm.is_some() { Some(self.shm_prepare_add(addr)?) } else { None };
         let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
         // SAFETY: av is open; addr holds exactly one address of this provider's format,
         // checked above (fixed-size formats have our length, string formats end in a NUL, so

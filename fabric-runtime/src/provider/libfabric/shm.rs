@@ -313,6 +313,9 @@ pub(super) struct ShmState {
     local_peers: IntMap<PeerHandle, Vec<u8>>,
     /// Those found closed (kept for `revive_peer`).
     local_gone: IntMap<PeerHandle, Vec<u8>>,
+    /// In-process peers whose closed endpoint was taken out of the AV before this domain
+    /// enabled an endpoint (`shm_prepare_add`): they stay down.
+    av_dropped: std::collections::HashSet<PeerHandle>,
     /// Our own address while it is registered in [`LOCAL`].
     registered: Option<Vec<u8>>,
     liveness_off: bool,
@@ -494,6 +497,49 @@ impl ShmState {
 }
 
 impl LibfabricDomain {
+    /// Before a peer goes into this domain's AV and an endpoint is enabled (`fi_enable`).
+    /// libfabric 1.17 keeps, for a peer in this process, a pointer to that peer's own region
+    /// (it maps nothing of its own), and enabling an endpoint looks at every peer of the AV
+    /// (`smr_exchange_all_peers`): a peer of this process whose endpoint closed, or closes
+    /// meanwhile, left a dangling pointer there, and `fi_enable` died of SIGSEGV
+    /// (`tests/shm_reuse.rs`: engines made and dropped pair after pair in one process). So
+    /// the returned guard holds [`LOCAL`] until the endpoint is enabled (no endpoint of this
+    /// process closes meanwhile; a closing one takes `LOCAL` for writing first), an address
+    /// of this process that is not open is refused (`Error::Stale`), and this domain's
+    /// in-process peers that closed are taken out of the AV first (they stay down).
+    pub(super) fn shm_prepare_add(
+        &mut self,
+        addr: &[u8],
+    ) -> Result<std::sync::RwLockReadGuard<'static, Vec<Vec<u8>>>, crate::error::Error> {
+        let g = local();
+        let me = std::process::id() as libc::pid_t;
+        if shm_pid(addr) == Some(me) && !g.iter().any(|a| a.as_slice() == addr) {
+            return Err(crate::error::Error::Stale {
+                what: "engine address",
+                reason: "an shm endpoint of this process that has closed".into(),
+            });
+        }
+        let Some(shm) = self.shm.as_mut() else { return Ok(g) };
+        let closed: Vec<PeerHandle> = shm
+            .local_peers
+            .iter()
+            .chain(shm.local_gone.iter())
+            .filter(|(p, a)| !shm.av_dropped.contains(p) && !g.contains(a))
+            .map(|(&p, _)| p)
+            .collect();
+        for p in closed {
+            tracing::debug!(
+                peer = p,
+                "an shm peer of this process closed: out of the AV before an endpoint is enabled"
+            );
+            if let Some(shm) = self.shm.as_mut() {
+                shm.av_dropped.insert(p);
+            }
+            self.av_remove(p);
+        }
+        Ok(g)
+    }
+
     /// A new shm peer: its own one-sided endpoint, and a watch on its process.
     pub(super) fn shm_add_peer(&mut self, peer: PeerHandle, addr: &[u8]) -> Result<(), crate::error::Error> {
         let ep = self.open_endpoint(RMA_EP_CQ_FLAGS)?;
@@ -507,6 +553,12 @@ impl LibfabricDomain {
     /// then it gets a one-sided endpoint and a watch again.
     pub(super) fn shm_revive_peer(&mut self, peer: PeerHandle) -> Result<(), crate::error::Error> {
         let shm = self.shm.as_mut().expect("an shm domain");
+        if shm.av_dropped.contains(&peer) {
+            return Err(crate::error::Error::PeerUnreachable {
+                peer: peer as u32,
+                message: "an shm peer in this process closed its endpoint".into(),
+            });
+        }
         if let Some(addr) = shm.local_gone.remove(&peer) {
             if !local().contains(&addr) {
                 shm.local_gone.insert(peer, addr);
@@ -530,6 +582,7 @@ impl LibfabricDomain {
             }
         }
         if self.shm.as_ref().is_some_and(|s| !s.rma_eps.contains_key(&peer)) {
+            let _local = self.shm_prepare_add(&[])?;
             let ep = self.open_endpoint(RMA_EP_CQ_FLAGS)?;
             self.shm.as_mut().expect("an shm domain").rma_eps.insert(peer, ep);
         }

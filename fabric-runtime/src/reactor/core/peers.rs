@@ -167,8 +167,15 @@ impl<D: Domain> Core<D> {
         }
     }
 
-    /// A peer introduced itself: it is our peer too (if it is not already).
+    /// A peer introduced itself: it is our peer too (if it is not already). Not once this
+    /// engine is closing: a peer added then would only be torn down again, and opening its
+    /// NIC objects (an shm endpoint per peer) while this process's other engines close theirs
+    /// crashed inside libfabric 1.17 (`tests/shm_reuse.rs`).
     pub(super) fn on_hello(&mut self, msg: &[u8]) {
+        if self.closing {
+            tracing::debug!("a peer's hello while closing: ignored");
+            return;
+        }
         let address = Hello::from_bytes(msg).and_then(|h| EngineAddress::from_bytes(&h.address));
         match address {
             Ok(a) if a.transport == self.shared.transport => {
