@@ -42,8 +42,11 @@
 //!
 //! Prints the request latency (p50/p99) twice: to the blocks' arrival (the `got` message:
 //! announcement, transfer, counter, one message back) and to the verified `ack` (plus the
-//! example's own check of every byte); GB/s over the time requests were in transfer and over
-//! the whole run; and what the joins and leaves did to the requests in flight.
+//! example's own check of every byte); GB/s three ways: over the time some request's blocks
+//! were on their way (the union of every request's interval from the start of its transfer
+//! to its `got`: the transfer's throughput), over the time some request was in transfer or
+//! verification (to its `ack`), and over the whole run; and what the joins and leaves did to
+//! the requests in flight.
 
 mod decode;
 mod prefill;

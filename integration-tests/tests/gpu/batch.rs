@@ -74,6 +74,9 @@ async fn gpu_rounds_child() {
             }
             _ => None,
         };
+        // A host region too: the breakdown's transport floor is a lone 8 B host write_imm into it.
+        let host = engine.alloc(4096).await?;
+        store.put("hostdesc", host.descriptor().to_bytes()).await.unwrap();
         store.put("desc", region.descriptor().to_bytes()).await.unwrap();
         let counter = engine.imm_counter(imm.parse().unwrap());
         for round in 0.. {
@@ -466,6 +469,26 @@ async fn gpu_ipc_breakdown() {
             per(after.copy, before.copy),
             per(after.signal, before.signal),
         );
+        // The transport's own share: a lone 8 B write_imm host -> host between the same two
+        // engines (same imm, same counter, same idle), call -> the receiver's counter. The
+        // imm-only write after an IPC copy is this operation with no bytes.
+        let host_dst = engine.remote_region(&get(&child.store, "hostdesc").await).await.unwrap();
+        let host_src = engine.alloc(4096).await.unwrap();
+        let key = format!("r{}/count", child.round);
+        child.store.put(&key, N.to_string().into_bytes()).await.unwrap();
+        let mut host_calls = Vec::with_capacity(N);
+        for _ in 0..N {
+            host_calls.push(mono_ns());
+            engine.write_imm(&host_src, 0, &host_dst, 0, 8, imm).await.unwrap();
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        let host_times = get_str(&child.store, &format!("r{}/times", child.round)).await;
+        child.round += 1;
+        let host_recv: Vec<u64> = host_times.split(',').map(|t| t.parse().unwrap()).collect();
+        assert_eq!(host_recv.len(), N, "every host arrival counted");
+        let mut host_one_way: Vec<f64> =
+            host_recv.iter().zip(&host_calls).map(|(r, c)| r.saturating_sub(*c) as f64 / 1e3).collect();
+        let floor = pct(&mut host_one_way, 0.5);
         let fut_p50 = pct(&mut fut_us, 0.5);
         let ipc = ipc_copy.unwrap_or(copy_us);
         let p50 = pct(&mut one_way, 0.5);
@@ -478,11 +501,13 @@ async fn gpu_ipc_breakdown() {
              {handoff:.1} us, enqueue {enqueue:.1} us, enqueue -> copy seen done {copy:.1} us, posting the imm-only write \
              {signal:.1} us, then the transport and the receiver ~{:.1} us; call -> sender's future p50 {fut_p50:.1} us. \
              Stages (p50): plan {p50_plan:.1} us, hand-off {h50:.1} us, enqueue {e50:.1} us, seen done {c50:.1} us, posting {s50:.1} us, \
-             then ~{:.1} us",
+             then ~{:.1} us. A lone 8 B write_imm host -> host, same engines and idle (the transport's floor): \
+             p50 {floor:.1} us; over the copy and that floor (the GPU path's own cost) {:.1} us",
             loc_name(dst_loc),
             p50 - ipc,
             (p50 - handoff - enqueue - copy - signal).max(0.0),
             (p50 - p50_plan - h50 - e50 - c50 - s50).max(0.0),
+            p50 - ipc - floor,
         );
         assert_eq!(child.end().await, 0);
     }
