@@ -322,43 +322,32 @@ pub async fn run(
                     r + 1
                 );
                 ctx.progress("bw", (k * reps + r) as f64 / (sizes.len() * reps) as f64, &what);
+                let (g0, r0) = {
+                    let st = side.engine.stats();
+                    (st.gpu, st.reactor)
+                };
                 if ctx.lead {
-                    let (g0, r0) = {
-                        let st = side.engine.stats();
-                        (st.gpu, st.reactor)
-                    };
                     e[k].push(gbps(
                         size as u64 * ops,
                         engine_stream(&side, size, ops, window, Pattern::Cold).await?,
                     ));
-                    if r + 1 == reps {
-                        // Where an operation's time goes (`EngineStats::gpu`), per gate.
-                        let st = side.engine.stats();
-                        let (g, rs) = (st.gpu, st.reactor);
-                        let n = (g.gates - g0.gates).max(1) as f64;
-                        let us =
-                            |a: std::time::Duration, b: std::time::Duration| (a - b).as_secs_f64() * 1e6 / n;
-                        ctx.note(&format!(
-                            "GPU {name} {}: per gate: hand-off {:.1} us, enqueue {:.1} us, enqueue -> seen done {:.1} us, event queries {:.1} us ({:.1} calls); {} gates, {:.2} passes ({:.2} callers') and {:.3} sleeps per op; per op in post {:.1} us, in poll {:.1} us, completing {:.1} us (waking {:.1} us), taking submissions {:.1} us",
-                            human(size),
-                            us(g.handoff, g0.handoff),
-                            us(g.enqueue, g0.enqueue),
-                            us(g.copy, g0.copy),
-                            us(g.polling, g0.polling),
-                            (g.queries - g0.queries) as f64 / n,
-                            g.gates - g0.gates,
-                            (rs.passes - r0.passes) as f64 / ops as f64,
-                            (rs.caller_passes - r0.caller_passes) as f64 / ops as f64,
-                            (rs.sleeps - r0.sleeps) as f64 / ops as f64,
-                            (rs.in_post - r0.in_post).as_secs_f64() * 1e6 / ops as f64,
-                            (rs.in_poll - r0.in_poll).as_secs_f64() * 1e6 / ops as f64,
-                            (rs.completing - r0.completing).as_secs_f64() * 1e6 / ops as f64,
-                            (rs.waking - r0.waking).as_secs_f64() * 1e6 / ops as f64,
-                            (rs.taking - r0.taking).as_secs_f64() * 1e6 / ops as f64,
-                        ));
-                    }
                 } else {
                     engine_absorb(&side, ops, size).await?;
+                }
+                if r + 1 == reps {
+                    // Where an operation's time goes (`EngineStats::gpu`), per gate, on both
+                    // sides: the writer's copies and the receiver's (a staged pull's H2D).
+                    let st = side.engine.stats();
+                    let mine = gate_note(&g0, &st.gpu, &r0, &st.reactor, ops);
+                    let theirs = ctx.swap("gpu-gate-note", mine.clone().into_bytes()).await?;
+                    if ctx.lead {
+                        ctx.note(&format!("GPU {name} {}, writer: {mine}", human(size)));
+                        ctx.note(&format!(
+                            "GPU {name} {}, receiver: {}",
+                            human(size),
+                            String::from_utf8_lossy(&theirs)
+                        ));
+                    }
                 }
             }
         }
@@ -415,6 +404,36 @@ pub async fn run(
     }
     ctx.barrier("gpu-end").await?;
     Ok(())
+}
+
+/// One side's per-gate breakdown between two snapshots of its engine's stats.
+fn gate_note(
+    g0: &fabric_async::GpuStats,
+    g: &fabric_async::GpuStats,
+    r0: &fabric_async::ReactorStats,
+    rs: &fabric_async::ReactorStats,
+    ops: u64,
+) -> String {
+    let n = (g.gates - g0.gates).max(1) as f64;
+    let us = |a: std::time::Duration, b: std::time::Duration| (a - b).as_secs_f64() * 1e6 / n;
+    let per_op = |a: std::time::Duration, b: std::time::Duration| (a - b).as_secs_f64() * 1e6 / ops as f64;
+    format!(
+        "per gate: hand-off {:.1} us, enqueue {:.1} us, enqueue -> seen done {:.1} us, event queries {:.1} us ({:.1} calls); {} gates, {:.2} passes ({:.2} callers') and {:.3} sleeps per op; per op in post {:.1} us, in poll {:.1} us, completing {:.1} us (waking {:.1} us), taking submissions {:.1} us",
+        us(g.handoff, g0.handoff),
+        us(g.enqueue, g0.enqueue),
+        us(g.copy, g0.copy),
+        us(g.polling, g0.polling),
+        (g.queries - g0.queries) as f64 / n,
+        g.gates - g0.gates,
+        (rs.passes - r0.passes) as f64 / ops as f64,
+        (rs.caller_passes - r0.caller_passes) as f64 / ops as f64,
+        (rs.sleeps - r0.sleeps) as f64 / ops as f64,
+        per_op(rs.in_post, r0.in_post),
+        per_op(rs.in_poll, r0.in_poll),
+        per_op(rs.completing, r0.completing),
+        per_op(rs.waking, r0.waking),
+        per_op(rs.taking, r0.taking),
+    )
 }
 
 #[cfg(test)]
