@@ -215,3 +215,45 @@ async fn live_write(
         .await
         .unwrap_or_else(|e| panic!("{p}: a write with immediate to the live region: {e}"));
 }
+
+/// An owner that does not answer the question (here: stopped; an older build drops it) ends
+/// `remote_region` at `op_timeout` with `PeerUnreachable` and goes `Down`, as an operation
+/// that outlived it would: never a hang. Only where the owner is asked (shm).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_does_not_answer_ends_remote_region_at_op_timeout() {
+    if !providers().iter().any(|p| p == "shm") {
+        integration_tests::skipped("an_owner_that_does_not_answer...", "only shm asks the owner");
+        return;
+    }
+    let limit = Duration::from_secs(1);
+    let (_server, store, addr) = store().await;
+    let mut target = Peer::spawn(PEER, addr, "shm", &["target", "--size", "65536"]);
+    let engine = Engine::builder().provider("shm").op_timeout(Some(limit)).build().unwrap();
+    let desc = get(&store, "target/desc").await;
+    let dst = bounded(engine.remote_region(&desc)).await.expect("a live owner vouches");
+    let mut events = engine.peer_events();
+    target.signal("STOP");
+    // A descriptor not asked about yet: a sub-range of the same region.
+    let mut d = RegionDescriptor::from_bytes(&desc).unwrap();
+    for n in &mut d.domains {
+        n.base += 4096;
+    }
+    d.len -= 4096;
+    let t = Instant::now();
+    let r = bounded(engine.remote_region(&d.to_bytes())).await;
+    let took = t.elapsed();
+    assert!(matches!(r, Err(Error::PeerUnreachable { .. })), "a stopped owner: {r:?}");
+    assert!(took >= limit && took < limit + PROMPT, "ended after {took:?}");
+    eprintln!("a stopped owner: remote_region failed after {took:?}: {}", r.unwrap_err());
+    let down = loop {
+        match bounded(events.next()).await {
+            Some(PeerEvent::Down { peer, .. }) => break peer,
+            Some(_) => continue,
+            None => panic!("the event stream ended"),
+        }
+    };
+    assert_eq!(down, dst.peer());
+    target.signal("CONT");
+    store.put("target/exit", b"bye".to_vec()).await.unwrap();
+    assert!(target.wait_success(Duration::from_secs(30)).await, "the target exited cleanly");
+}
