@@ -40,6 +40,8 @@ pub enum Error {
     /// The peer refused this operation's access to its memory: the remote key or address is
     /// not registered there (the region was freed, or the descriptor is forged or corrupt).
     /// Only this operation failed; nothing was written through it, and the peer stays up.
+    /// With `op` `"descriptor"`: `Engine::remote_region` asked the owner to vouch for the
+    /// descriptor (shm) and it refused, so nothing was ever posted.
     #[error("peer {peer} refused the {op}: {message}")]
     RemoteAccess { peer: u32, op: &'static str, message: String },
 

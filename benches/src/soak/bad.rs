@@ -21,15 +21,17 @@
 //!   arrive before the operation is posted (`Stale`).
 //! * `Revoked`: `is_revoked()` was true: it must fail with `Stale` (nothing is posted).
 //!
-//! **Forged**: [`forge`] flips key bits (tcp, verbs) or points the base at an unmapped page
-//! (shm checks no key) of a live region's descriptor. An operation through it goes to a range
-//! of the real region that the same task wrote (awaited, `Ok`) this round, with other source
-//! bytes: it must fail (`RemoteAccess`, `ConnectionLost`), and if it landed anyway, the
-//! ledger's exact byte check of that write fails.
+//! **Forged**: [`forge`] flips the key bits of a live region's descriptor. On tcp and verbs
+//! an operation through it goes to a range of the real region that the same task wrote
+//! (awaited, `Ok`) this round, with other source bytes: it must fail (`RemoteAccess`,
+//! `ConnectionLost`), and if it landed anyway, the ledger's exact byte check of that write
+//! fails. On shm the owner refuses to vouch for it: `remote_region` fails with
+//! `RemoteAccess` (counted once per incarnation as a forged access), and nothing can be
+//! posted through it.
 //!
-//! shm: no write_imm through a forged descriptor, nor through a stale one that may already
-//! be freed (libfabric 1.17's shm target refuses it without answering the writer, which then
-//! waits for `op_timeout`): only through live (`Live`) and revoked ones.
+//! shm: no write_imm through a stale descriptor that may already be freed (libfabric 1.17's
+//! shm target refuses it without answering the writer, which then waits for `op_timeout`;
+//! the revocation is what protects it): only through live (`Live`) and revoked ones.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -148,16 +150,11 @@ impl Extra {
     }
 }
 
-/// A forged copy of `desc` (see the module docs): tcp, verbs: key bits flipped; shm: base at
-/// 4096, where nothing is mapped.
-pub fn forge(desc: &RegionDescriptor, provider: &str) -> Res<Vec<u8>> {
+/// A forged copy of `desc` (see the module docs): key bits flipped.
+pub fn forge(desc: &RegionDescriptor) -> Res<Vec<u8>> {
     let mut forged = RegionDescriptor::from_bytes(&desc.to_bytes())?;
     for d in &mut forged.domains {
-        if provider == "shm" {
-            d.base = 4096;
-        } else {
-            d.key ^= 0x5a5a_0000_1234;
-        }
+        d.key ^= 0x5a5a_0000_1234;
     }
     Ok(forged.to_bytes())
 }

@@ -149,7 +149,8 @@ pub struct Target {
     pub peer: PeerId,
     pub remote: RemoteRegion,
     /// A forged copy of `remote`'s descriptor (`bad.rs`): must never reach the region.
-    pub forged: RemoteRegion,
+    /// `None` on shm, whose owner refused to vouch for it (`remote_region` failed).
+    pub forged: Option<RemoteRegion>,
     /// The latest short-lived regions of the peer (`bad.rs`), newest last.
     pub extras: Mutex<VecDeque<Arc<Extra>>>,
     /// Cleared right before the process is killed: no new operations go to it.
@@ -164,7 +165,7 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn new(name: String, peer: PeerId, remote: RemoteRegion, forged: RemoteRegion) -> Target {
+    pub fn new(name: String, peer: PeerId, remote: RemoteRegion, forged: Option<RemoteRegion>) -> Target {
         Target {
             name,
             peer,

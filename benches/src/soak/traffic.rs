@@ -51,7 +51,7 @@ pub struct TaskPlan {
     /// Whether a bad access may make the transport tear the connection down and fail what
     /// else is in flight on it with `ConnectionLost` (tcp, verbs; not shm).
     pub tears_down: bool,
-    /// shm: no write_imm through a descriptor that may be freed or forged (`bad.rs`).
+    /// shm: no write_imm through a descriptor that may be freed (`bad.rs`).
     pub shm: bool,
 }
 
@@ -224,6 +224,7 @@ fn forged_op(
     rng: &mut Rng,
     p: &TaskPlan,
 ) -> Option<(OpFuture, What)> {
+    let f = t.forged.as_ref()?;
     let (dst, written_from, len) = last_ok?;
     let len = len.min(sink.len() as u64);
     let mut src_off = rng.below(p.src_len - len + 1);
@@ -232,14 +233,12 @@ fn forged_op(
     }
     let kind = match rng.below(3) {
         0 => Kind::Write,
-        1 if !p.shm => Kind::WriteImm,
-        1 => Kind::Write,
+        1 => Kind::WriteImm,
         _ => Kind::Imm, // (a read, below)
     };
     if p.tears_down {
         t.wire_bad.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
-    let f = &t.forged;
     let fut = match kind {
         Kind::Write => engine.write(src, src_off, f, dst, len),
         Kind::WriteImm => engine.write_imm(src, src_off, f, dst, len, IMM_BAD),

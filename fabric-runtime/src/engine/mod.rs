@@ -154,6 +154,7 @@ impl Engine {
             shared.gpu.streams = cfg.cuda_streams;
         }
         shared.huge_pages = cfg.huge_pages;
+        shared.vouch = domains.iter().any(|d| d.refuses_bad_keys_silently());
         shared.set_max_counters(cfg.max_counters);
         let shared = Arc::new(shared);
         let mut rcfg = cfg.reactor_config();
@@ -426,12 +427,29 @@ impl Engine {
     /// Turns a peer's descriptor bytes (from [`RegionDescriptor::to_bytes`]) into a remote
     /// region, adding the owning engine as a peer if it is not one yet.
     ///
+    /// On a transport whose target refuses a bad key without telling the writer (libfabric
+    /// 1.17's `shm`), the owner is asked first whether the descriptor names a live region of
+    /// its own that covers its whole range: **one control round trip** (about 50-60 µs on shm
+    /// on a 2-core machine, a few ms at most when the owner's reactor idles; answered by the
+    /// owner's reactor thread, whatever its application is doing), paid once per descriptor while a `RemoteRegion`
+    /// of it lives in this engine, not per operation. On tcp and verbs the target reports a
+    /// bad key itself, and nothing is asked. `docs/faults.md`, "A bad remote access fails
+    /// that operation, and only it".
+    ///
     /// Errors: [`Error::Malformed`] for bytes that are not a descriptor, [`Error::Foreign`]
-    /// for a descriptor of another transport or NIC count.
+    /// for a descriptor of another transport or NIC count, [`Error::Stale`] for the
+    /// descriptor of a region its owner revoked (freed) or of a peer that is gone, and, where
+    /// the owner is asked, [`Error::RemoteAccess`] (`op` `"descriptor"`) when it does not know
+    /// the key or the range leaves the key's region (a forged or corrupt descriptor, or one
+    /// of a region freed so long ago that its revocation is forgotten), and
+    /// [`Error::PeerUnreachable`] when the owner goes down before it answers or does not
+    /// answer within `op_timeout` (30 s without one; it is then marked down, as for an
+    /// operation that outlived it).
     ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::add_peer`].
+    /// As for [`Engine::add_peer`]. A question already sent to the owner is answered and the
+    /// answer dropped.
     pub async fn remote_region(&self, descriptor: &[u8]) -> Result<RemoteRegion> {
         let desc = RegionDescriptor::from_bytes(descriptor)?;
         desc.check_transport(&self.shared().transport)?;
@@ -445,6 +463,30 @@ impl Engine {
         let key =
             RegionKey { incarnation: desc.incarnation, base: desc.domains[0].base, key: desc.domains[0].key };
         let revoked = self.shared().revoked.flag(key).ok_or_else(|| region::revoked_error(peer))?;
+        // A staged GPU region is written through its owner's pull protocol, which checks the
+        // destination itself: no NIC ever uses its key.
+        #[cfg(feature = "cuda")]
+        let staged = desc.gpu.as_ref().is_some_and(|g| g.staged);
+        #[cfg(not(feature = "cuda"))]
+        let staged = false;
+        if self.shared().vouch && !staged {
+            let nics: Vec<(u64, u64)> = desc.domains.iter().map(|d| (d.base, d.key)).collect();
+            if !self.shared().revoked.is_vouched(key, peer, &nics, desc.len) {
+                let (tx, rx) = futures::channel::oneshot::channel();
+                let s = Submission::Vouch {
+                    peer,
+                    incarnation: desc.incarnation,
+                    len: desc.len,
+                    regions: nics.clone(),
+                    reply: tx,
+                };
+                if self.shared().submit(s).is_err() {
+                    return Err(Error::Shutdown);
+                }
+                ControlFuture::new(rx).await?;
+                self.shared().revoked.vouched(key, peer, &nics, desc.len);
+            }
+        }
         #[cfg(feature = "cuda")]
         let ipc = desc.gpu.as_ref().and_then(|g| gpu::ipc_usable(self.shared(), g));
         Ok(RemoteRegion {

@@ -23,6 +23,9 @@
 //!   `Arrivals::One` across several NICs relies on it (see `docs/transfers.md`); a backend
 //!   that cannot promise it says `false` (the default), and the engine refuses those
 //!   transfers instead of letting an arrival overtake its data.
+//! * **How a bad key is refused** ([`Domain::refuses_bad_keys_silently`]): a backend whose
+//!   target may drop an access through an unknown key without a failed completion at the
+//!   writer says so, and the engine then checks descriptors with their owners first.
 //! * **Polling** ([`Domain::poll`]): drains completions into typed [`Completion`]s: a local
 //!   operation done, a local operation failed (with the provider's message), a remote
 //!   immediate arrived, a two-sided message received, a peer found dead. A failed
@@ -224,6 +227,17 @@ pub trait Domain: Send + 'static {
     /// the source buffer may be reused or the data has left. Fixed when the domain is
     /// opened. The default, `false`, promises nothing.
     fn delivery_complete(&self) -> bool {
+        false
+    }
+
+    /// Whether this transport's target may refuse a remote access through a key it does not
+    /// know (or a range outside the key's region) **without telling the writer** (libfabric
+    /// 1.17's `shm`: a write with immediate up to 4 KiB completes at the writer as if
+    /// delivered, a larger one never completes). The engine then has the owner vouch for
+    /// every descriptor before it is first used (`Engine::remote_region`, one control round
+    /// trip; `pure/revoke.rs`), so that a forged one fails there with a typed error. The
+    /// default, `false`: a refused access produces a failed completion ([`FailCause`]).
+    fn refuses_bad_keys_silently(&self) -> bool {
         false
     }
 

@@ -46,6 +46,10 @@ pub enum MsgKind {
     /// A [`Hello`](super::revoke::Hello): the sender's engine address, so that the receiver
     /// knows it as a peer (and tells it what it revokes).
     Hello = 5,
+    /// A [`Vouch`](super::revoke::Vouch): "does this descriptor name a live region of yours?"
+    Vouch = 6,
+    /// A [`Vouched`](super::revoke::Vouched): the answer to a `Vouch`.
+    Vouched = 7,
 }
 
 impl MsgKind {
@@ -58,6 +62,8 @@ impl MsgKind {
             3 => Some(MsgKind::Push),
             4 => Some(MsgKind::Revoke),
             5 => Some(MsgKind::Hello),
+            6 => Some(MsgKind::Vouch),
+            7 => Some(MsgKind::Vouched),
             _ => None,
         }
     }
@@ -301,6 +307,8 @@ mod tests {
         assert_eq!(MsgKind::of(&[9]), None);
         assert_eq!(MsgKind::of(&[4]), Some(MsgKind::Revoke));
         assert_eq!(MsgKind::of(&[5]), Some(MsgKind::Hello));
+        assert_eq!(MsgKind::of(&[7]), Some(MsgKind::Vouched));
+        assert_eq!(MsgKind::of(&[8]), None);
     }
 
     #[test]

@@ -1,11 +1,18 @@
 //! The control messages that keep a peer's descriptors honest: [`Revoke`] (an owner freed
-//! regions: descriptors of them are stale) and [`Hello`] (a new peer's engine address, so
-//! that an owner knows every engine that may hold its descriptors and can tell it).
+//! regions: descriptors of them are stale), [`Hello`] (a new peer's engine address, so
+//! that an owner knows every engine that may hold its descriptors and can tell it), and
+//! [`Vouch`] / [`Vouched`] (on transports whose target refuses a bad key without telling
+//! the writer, shm: "is this a live region of yours?", asked once per descriptor before it
+//! is used, and the owner's answer).
 //!
 //! ```text
 //!  writer                                        owner
 //!   │ remote_region(descriptor): new peer          │
 //!   │──────── Hello { writer's address } ─────────►│ add_peer(writer)
+//!   │ (shm only:)                                  │
+//!   │── Vouch { id, incarnation, len, [(base, key)] } ─►│ its live registrations
+//!   │◄──────────── Vouched { id, verdict } ────────│ cover that range?
+//!   │ RemoteRegion (or Error::RemoteAccess)        │
 //!   │                                              │ ... drop(region): deregistered
 //!   │◄── Revoke { incarnation, [(base, key)] } ────│ to every peer it knows
 //!   │ RemoteRegion of it: revoked;                 │
@@ -14,14 +21,18 @@
 //! ```
 //!
 //! A region is named as its descriptor names it on NIC 0: the owner's incarnation, the
-//! region's remote base and its remote key. Decoding treats its input as hostile, as the
-//! rest of [`control`](super::control): never panics, bounds every length.
+//! region's remote base and its remote key (a [`Vouch`] names every NIC's). Decoding treats
+//! its input as hostile, as the rest of [`control`](super::control): never panics, bounds
+//! every length.
 
 use super::control::{decode, MsgKind, MAX_SENDER_ADDRESS};
+use super::descriptor::MAX_DOMAINS;
 use crate::error::Error;
 
 const REVOKE_WHAT: &str = "revoke message";
 const HELLO_WHAT: &str = "hello message";
+const VOUCH_WHAT: &str = "vouch message";
+const VOUCHED_WHAT: &str = "vouched message";
 
 /// The most regions one [`Revoke`] names (a message of 2 KiB and a bit).
 pub const MAX_REVOKED: usize = 128;
@@ -113,6 +124,178 @@ impl Hello {
     }
 }
 
+/// "Does this name a live region of yours?": what a writer asks a descriptor's owner before
+/// it first uses the descriptor, on transports whose target refuses a bad key without
+/// telling the writer (libfabric 1.17's shm; `docs/faults.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vouch {
+    /// The asker's number for the question, echoed in the [`Vouched`].
+    pub id: u64,
+    /// The owner's incarnation, as the descriptor says.
+    pub incarnation: u64,
+    /// The descriptor's length: the range `base..base + len` of every NIC.
+    pub len: u64,
+    /// (base, key) per NIC, in NIC order; at most [`MAX_DOMAINS`].
+    pub regions: Vec<(u64, u64)>,
+    /// The asker's engine address (`EngineAddress` bytes), so that the owner can answer a
+    /// question that arrives before it knows the asker as a peer.
+    pub sender: Vec<u8>,
+}
+
+/// The owner's answer to a [`Vouch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Verdict {
+    /// Every NIC's (base, key) names a live registration of the owner that covers
+    /// `base..base + len`.
+    Known = 0,
+    /// Some NIC's key is not the key of any live registration of the owner there (never
+    /// given out, or its region was freed).
+    UnknownKey = 1,
+    /// The key is live, but the range leaves its region (a base or length that was altered).
+    OutOfRange = 2,
+    /// The descriptor names another incarnation of the owner.
+    OtherIncarnation = 3,
+    /// The descriptor names another number of NICs than the owner has.
+    NicCount = 4,
+}
+
+impl Verdict {
+    fn of(b: u8) -> Option<Verdict> {
+        Some(match b {
+            0 => Verdict::Known,
+            1 => Verdict::UnknownKey,
+            2 => Verdict::OutOfRange,
+            3 => Verdict::OtherIncarnation,
+            4 => Verdict::NicCount,
+            _ => return None,
+        })
+    }
+
+    /// Why the owner refused, in words (`None` for [`Verdict::Known`]).
+    pub fn refusal(self) -> Option<&'static str> {
+        match self {
+            Verdict::Known => None,
+            Verdict::UnknownKey => Some(
+                "it does not know this key: no live region of its own has it (never given out, or freed)",
+            ),
+            Verdict::OutOfRange => {
+                Some("the key is of a live region of its own, but the descriptor's range leaves that region")
+            }
+            Verdict::OtherIncarnation => Some("the descriptor names another incarnation of it"),
+            Verdict::NicCount => Some("the descriptor names another number of NICs than it has"),
+        }
+    }
+}
+
+/// The answer to the [`Vouch`] numbered `id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Vouched {
+    /// The question's number.
+    pub id: u64,
+    /// The owner's answer.
+    pub verdict: Verdict,
+}
+
+/// A registration as its owner knows it, on one NIC: (remote base, remote key, length).
+pub type LiveRegion = (u64, u64, u64);
+
+impl Vouch {
+    /// The message, kind header included. Regions past [`MAX_DOMAINS`] are not encoded.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let n = self.regions.len().min(MAX_DOMAINS);
+        let mut out = Vec::with_capacity(35 + 16 * n + self.sender.len());
+        out.push(MsgKind::Vouch as u8);
+        for v in [self.id, self.incarnation, self.len] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&(n as u16).to_le_bytes());
+        for (base, key) in &self.regions[..n] {
+            out.extend_from_slice(&base.to_le_bytes());
+            out.extend_from_slice(&key.to_le_bytes());
+        }
+        out.extend_from_slice(&(self.sender.len().min(u32::MAX as usize) as u32).to_le_bytes());
+        out.extend_from_slice(&self.sender);
+        out
+    }
+
+    /// Decodes a whole message (kind header included). Never panics.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Vouch, Error> {
+        decode(VOUCH_WHAT, bytes, MsgKind::Vouch, |r| {
+            let id = r.u64("id")?;
+            let incarnation = r.u64("incarnation")?;
+            let len = r.u64("length")?;
+            let n = usize::from(r.u16("region count")?);
+            if n > MAX_DOMAINS {
+                return Err(format!("region count {n} exceeds the limit of {MAX_DOMAINS}"));
+            }
+            let mut regions = Vec::with_capacity(n);
+            for _ in 0..n {
+                regions.push((r.u64("region base")?, r.u64("region key")?));
+            }
+            let alen = r.u32("sender address length")?;
+            if u64::from(alen) > MAX_SENDER_ADDRESS as u64 {
+                return Err(format!("sender address of {alen} bytes exceeds {MAX_SENDER_ADDRESS}"));
+            }
+            let sender = r.take(alen as usize, "sender address")?.to_vec();
+            Ok(Vouch { id, incarnation, len, regions, sender })
+        })
+    }
+
+    /// The owner's answer: `incarnation` is the owner's own, `nics` its live registrations,
+    /// NIC by NIC. A descriptor of incarnation 0 (an older build's) is not held to the
+    /// owner's.
+    pub fn judge<I>(&self, incarnation: u64, nics: impl ExactSizeIterator<Item = I>) -> Verdict
+    where
+        I: IntoIterator<Item = LiveRegion>,
+    {
+        if self.incarnation != 0 && self.incarnation != incarnation {
+            return Verdict::OtherIncarnation;
+        }
+        if nics.len() != self.regions.len() {
+            return Verdict::NicCount;
+        }
+        let mut verdict = Verdict::Known;
+        for (live, &(base, key)) in nics.zip(&self.regions) {
+            let mut key_seen = false;
+            let covered = live.into_iter().any(|(b, k, len)| {
+                key_seen |= k == key;
+                k == key
+                    && base >= b
+                    && base.checked_add(self.len).zip(b.checked_add(len)).is_some_and(|(end, lim)| end <= lim)
+            });
+            if !covered {
+                let v = if key_seen { Verdict::OutOfRange } else { Verdict::UnknownKey };
+                if verdict == Verdict::Known || v == Verdict::UnknownKey {
+                    verdict = v;
+                }
+            }
+        }
+        verdict
+    }
+}
+
+impl Vouched {
+    /// The message, kind header included.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(10);
+        out.push(MsgKind::Vouched as u8);
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.push(self.verdict as u8);
+        out
+    }
+
+    /// Decodes a whole message (kind header included). Never panics.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Vouched, Error> {
+        decode(VOUCHED_WHAT, bytes, MsgKind::Vouched, |r| {
+            let id = r.u64("id")?;
+            let v = r.u8("verdict")?;
+            let verdict = Verdict::of(v).ok_or_else(|| format!("unknown verdict {v}"))?;
+            Ok(Vouched { id, verdict })
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,18 +327,99 @@ mod tests {
         assert_eq!(keys[1], RegionKey { incarnation: r.incarnation, base: 4096, key: u64::MAX });
     }
 
+    fn vouch() -> Vouch {
+        Vouch {
+            id: 9,
+            incarnation: 0x1234,
+            len: 4096,
+            regions: vec![(0x7f00_0000_0000, 7), (0, u64::MAX)],
+            sender: b"fi_shm://1:2:3".to_vec(),
+        }
+    }
+
+    #[test]
+    fn vouch_round_trips_and_limits() {
+        let v = vouch();
+        assert_eq!(Vouch::from_bytes(&v.to_bytes()).unwrap(), v);
+        assert_eq!(MsgKind::of(&v.to_bytes()), Some(MsgKind::Vouch));
+        for verdict in [
+            Verdict::Known,
+            Verdict::UnknownKey,
+            Verdict::OutOfRange,
+            Verdict::OtherIncarnation,
+            Verdict::NicCount,
+        ] {
+            let a = Vouched { id: u64::MAX, verdict };
+            assert_eq!(Vouched::from_bytes(&a.to_bytes()).unwrap(), a);
+            assert_eq!(verdict.refusal().is_none(), verdict == Verdict::Known);
+        }
+        let mut b = Vouched { id: 1, verdict: Verdict::Known }.to_bytes();
+        b[9] = 5;
+        assert!(Vouched::from_bytes(&b).unwrap_err().to_string().contains("unknown verdict 5"));
+        // Neither takes the other, nor a hello.
+        assert!(Vouched::from_bytes(&v.to_bytes()).is_err() && Vouch::from_bytes(&b).is_err());
+        assert!(Vouch::from_bytes(&Hello { address: vec![] }.to_bytes()).is_err());
+        let mut b = Vouch { regions: vec![], sender: vec![], ..vouch() }.to_bytes();
+        b[25..27].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert!(Vouch::from_bytes(&b).unwrap_err().to_string().contains("exceeds"));
+        let mut b = Vouch { regions: vec![], sender: vec![], ..vouch() }.to_bytes();
+        let n = b.len();
+        b[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Vouch::from_bytes(&b).unwrap_err().to_string().contains("exceeds"));
+    }
+
+    #[test]
+    fn the_owner_vouches_only_for_ranges_of_its_live_keys() {
+        let q = |base: u64, key: u64, len: u64| Vouch {
+            id: 1,
+            incarnation: 5,
+            len,
+            regions: vec![(base, key)],
+            sender: vec![],
+        };
+        let live = [(0x1000, 7, 0x2000), (0x8000, 8, 0x1000)];
+        let judge = |v: &Vouch| v.judge(5, std::iter::once(live));
+        assert_eq!(judge(&q(0x1000, 7, 0x2000)), Verdict::Known);
+        assert_eq!(judge(&q(0x1800, 7, 0x800)), Verdict::Known, "a range inside the region");
+        assert_eq!(judge(&q(0x1000, 7, 0x2001)), Verdict::OutOfRange, "a longer length");
+        assert_eq!(judge(&q(0x0800, 7, 0x100)), Verdict::OutOfRange, "a base before it");
+        assert_eq!(judge(&q(0x8000, 7, 0x100)), Verdict::OutOfRange, "another region's range");
+        assert_eq!(judge(&q(u64::MAX, 7, 2)), Verdict::OutOfRange, "a wrapping range");
+        assert_eq!(judge(&q(0x1000, 9, 0x10)), Verdict::UnknownKey);
+        assert_eq!(q(0x1000, 7, 1).judge(6, std::iter::once(live)), Verdict::OtherIncarnation);
+        assert_eq!(
+            Vouch { incarnation: 0, ..q(0x1000, 7, 1) }.judge(6, std::iter::once(live)),
+            Verdict::Known,
+            "an older build's descriptor has no incarnation to compare"
+        );
+        assert_eq!(q(0x1000, 7, 1).judge(5, [live, live].into_iter()), Verdict::NicCount);
+        // Every NIC must vouch; an unknown key outweighs a range.
+        let two = Vouch { regions: vec![(0x1000, 7), (0x8000, 9)], ..q(0, 0, 0x10) };
+        assert_eq!(two.judge(5, [live, live].into_iter()), Verdict::UnknownKey);
+        let two = Vouch { regions: vec![(0x1000, 7), (0x8000, 8)], ..q(0, 0, 0x10) };
+        assert_eq!(two.judge(5, [live, live].into_iter()), Verdict::Known);
+        assert_eq!(q(0x1000, 7, 1).judge(5, std::iter::once([])), Verdict::UnknownKey);
+    }
+
     /// Truncations, extensions, random bytes and mutations: never a panic, and whatever is
     /// accepted re-encodes to the same bytes.
     #[test]
     fn garbage_never_panics() {
-        let seeds = [revoke().to_bytes(), Hello { address: b"fi_shm://1:2:3".to_vec() }.to_bytes()];
+        let seeds = [
+            revoke().to_bytes(),
+            Hello { address: b"fi_shm://1:2:3".to_vec() }.to_bytes(),
+            vouch().to_bytes(),
+            Vouched { id: 3, verdict: Verdict::OutOfRange }.to_bytes(),
+        ];
         for b in &seeds {
             for n in 0..b.len() {
                 assert!(Revoke::from_bytes(&b[..n]).is_err() && Hello::from_bytes(&b[..n]).is_err());
+                assert!(Vouch::from_bytes(&b[..n]).is_err() && Vouched::from_bytes(&b[..n]).is_err());
             }
             let mut longer = b.clone();
             longer.push(0);
             assert!(Revoke::from_bytes(&longer).is_err() && Hello::from_bytes(&longer).is_err());
+            assert!(Vouch::from_bytes(&longer).is_err() && Vouched::from_bytes(&longer).is_err());
         }
         let mut rng = crate::pure::test_rng::Rng(0x5eed_1234_abcd);
         let mut b = Vec::new();
@@ -170,6 +434,12 @@ mod tests {
             }
             if let Ok(h) = Hello::from_bytes(&b) {
                 assert_eq!(h.to_bytes(), b);
+            }
+            if let Ok(v) = Vouch::from_bytes(&b) {
+                assert_eq!(v.to_bytes(), b);
+            }
+            if let Ok(v) = Vouched::from_bytes(&b) {
+                assert_eq!(v.to_bytes(), b);
             }
         }
     }

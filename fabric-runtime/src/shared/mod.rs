@@ -150,6 +150,10 @@ pub(crate) struct Shared {
     pub(crate) delivery_complete: bool,
     /// Host regions from 2 MiB up ask for transparent huge pages (`EngineBuilder::huge_pages`).
     pub(crate) huge_pages: bool,
+    /// Some NIC's target refuses a bad key without telling the writer
+    /// ([`Domain::refuses_bad_keys_silently`](crate::provider::Domain::refuses_bad_keys_silently)):
+    /// `Engine::remote_region` has the owner vouch for a descriptor first.
+    pub(crate) vouch: bool,
     /// Moves while callers run passes (`Inline`, `await_spin`, `BusyPoll`'s spinning callers;
     /// the reactor thread stands by while it does). Not an exact count: racing callers may
     /// each store the same value.
@@ -223,6 +227,7 @@ impl Shared {
             rotation: AtomicUsize::new(0),
             delivery_complete,
             huge_pages: true,
+            vouch: false,
             inline_polls: AtomicU64::new(0),
             standing_by: AtomicBool::new(false),
             closing: AtomicBool::new(false),

@@ -62,6 +62,16 @@ pub(crate) enum Submission {
         imm: u32,
         reply: Reply<u64>,
     },
+    /// `Engine::remote_region` on a transport whose target refuses a bad key silently: ask
+    /// `peer` whether the descriptor (its `incarnation`, `len` and every NIC's (base, key))
+    /// names a live region of its own (`reactor/core/vouch.rs`).
+    Vouch {
+        peer: PeerId,
+        incarnation: u64,
+        len: u64,
+        regions: Vec<(u64, u64)>,
+        reply: Reply<()>,
+    },
     /// CUDA copies to run first, then follow-ups ([`GatedCopies`]).
     #[cfg(feature = "cuda")]
     Gated(Box<GatedCopies>),
@@ -238,6 +248,9 @@ impl Submission {
                 let _ = reply.send(Err(e));
             }
             Submission::RetireCounter { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            Submission::Vouch { reply, .. } => {
                 let _ = reply.send(Err(e));
             }
             Submission::Deregister { .. } => {}

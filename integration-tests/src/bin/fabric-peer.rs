@@ -15,6 +15,11 @@
 //!   doomed one when `test/r/drop` appears (then publishes `owner/r/dropped`), and publishes
 //!   the hash of the live one as `owner/r/hash` when `test/r/check` appears. Waits for
 //!   `owner/exit` before leaving.
+//! * `keeper --size N --count K`: allocates two zeroed regions of N bytes, publishes their
+//!   descriptors as `keeper/live` and `keeper/neighbour`; then K times: when `test/check/k`
+//!   appears (its value: how many arrivals of imm 5 to wait for first), waits for them, lets
+//!   20 ms pass (for anything late), and publishes `keeper/k` =
+//!   `HASH_LIVE,HASH_NEIGHBOUR,ARRIVALS_OF_9,ARRIVALS_OF_5_LEFT`. Waits for `keeper/exit`.
 //!
 //! On any failure it publishes `<role>/error` and exits non-zero.
 
@@ -101,6 +106,7 @@ async fn run(a: &Args, store: &TcpStore) -> Result<(), String> {
         "writer" => writer(a, store, &engine).await,
         "echo" => echo(a, store, &engine).await,
         "owner" => owner(a, store, &engine).await,
+        "keeper" => keeper(a, store, &engine).await,
         other => Err(format!("unknown role {other:?}")),
     }
 }
@@ -210,5 +216,35 @@ async fn owner(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String
             .map_err(e)?;
     }
     store.get("owner/exit").await.map_err(e)?;
+    Ok(())
+}
+
+async fn keeper(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
+    fn e(e: impl std::fmt::Display) -> String {
+        e.to_string()
+    }
+    let live = engine.alloc(a.size).await.map_err(e)?;
+    let neighbour = engine.alloc(a.size).await.map_err(e)?;
+    let (good, bad) = (engine.imm_counter(5), engine.imm_counter(9));
+    store.put("keeper/live", live.descriptor().to_bytes()).await.map_err(e)?;
+    store.put("keeper/neighbour", neighbour.descriptor().to_bytes()).await.map_err(e)?;
+    for k in 0..a.count {
+        let want: u64 = String::from_utf8_lossy(&store.get(&format!("test/check/{k}")).await.map_err(e)?)
+            .parse()
+            .map_err(e)?;
+        if !good.wait_for_timeout(want, Duration::from_secs(30)).await.map_err(e)? {
+            return Err(format!("check {k}: timed out waiting for {want} arrivals of imm 5"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let report = format!(
+            "{},{},{},{}",
+            hash(&live.to_vec()),
+            hash(&neighbour.to_vec()),
+            bad.available(),
+            good.available()
+        );
+        store.put(&format!("keeper/{k}"), report.into_bytes()).await.map_err(e)?;
+    }
+    store.get("keeper/exit").await.map_err(e)?;
     Ok(())
 }

@@ -306,6 +306,14 @@ impl Domain for LibfabricDomain {
         self.delivery_complete
     }
 
+    /// shm: a write with immediate goes through the owner's provider, whose
+    /// `smr_progress_cmd_rma` fails `ofi_mr_verify` and sends no response (libfabric 1.17).
+    /// tcp's provider closes the connection and rxm fails the operation (`ConnectionLost`),
+    /// so it needs no vouching.
+    fn refuses_bad_keys_silently(&self) -> bool {
+        self.shm.is_some()
+    }
+
     unsafe fn register(
         &mut self,
         addr: u64,

@@ -25,6 +25,9 @@ impl<D: Domain> Core<D> {
                 .entered();
         tracing::debug!("reactor closing: draining in-flight operations");
         self.drop_revivals();
+        for v in self.vouching.drain(..) {
+            v.fail(Error::Shutdown);
+        }
         let items = std::mem::take(&mut lock(&self.shared.queue).items);
         for s in items {
             match s {
@@ -84,8 +87,8 @@ impl<D: Domain> Core<D> {
         }
         // Close every registration, then the domains; only then free memory.
         for (d, live) in self.live.iter_mut().enumerate() {
-            for (_, r) in live.drain() {
-                self.domains[d].deregister(r);
+            for (_, l) in live.drain() {
+                self.domains[d].deregister(l.reg);
             }
         }
         for (d, p) in self.recv_pools.iter().chain(self.send_pools.iter()).enumerate() {

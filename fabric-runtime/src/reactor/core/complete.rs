@@ -186,6 +186,8 @@ impl<D: Domain> Core<D> {
                     }
                     Some(MsgKind::Revoke) => self.on_revoke(&data),
                     Some(MsgKind::Hello) => self.on_hello(&data),
+                    Some(MsgKind::Vouch) => self.on_vouch(&data),
+                    Some(MsgKind::Vouched) => self.on_vouched(&data, from),
                     #[cfg(feature = "cuda")]
                     Some(MsgKind::Pull) => self.on_pull(&data),
                     #[cfg(feature = "cuda")]

@@ -41,6 +41,9 @@ mod complete;
 mod peers;
 // Bringing back a peer marked down that answers again, without blocking (a child module).
 mod revive;
+// Owners vouching for descriptors before they are used, where a bad key is refused silently
+// (a child module).
+mod vouch;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -91,6 +94,14 @@ impl Pool {
     }
 }
 
+/// A live user registration on one NIC, and the length it covers (what an owner vouches
+/// for: `vouch.rs`).
+#[derive(Clone, Copy)]
+struct LiveReg {
+    reg: Registration,
+    len: u64,
+}
+
 struct PeerState {
     handles: Vec<PeerHandle>,
     /// Added only because it said `Hello` (it holds our descriptors; the application never
@@ -130,8 +141,9 @@ pub(crate) struct Core<D: Domain> {
     counters: HashMap<u32, Arc<CounterCell>>,
     /// The counter of the last arrival (`arrive`).
     last_counter: Option<(u32, Arc<CounterCell>)>,
-    /// Registrations of live user regions, per domain, by handle: closed at shutdown.
-    live: Vec<IntMap<u64, Registration>>,
+    /// Registrations of live user regions, per domain, by handle: closed at shutdown, and
+    /// what this engine vouches for (`vouch.rs`).
+    live: Vec<IntMap<u64, LiveReg>>,
     recv_pools: Vec<Pool>,
     send_pools: Vec<Pool>,
     /// Something was posted since the domains were last flushed.
@@ -156,6 +168,10 @@ pub(crate) struct Core<D: Domain> {
     revoking: Vec<(u64, u64)>,
     /// Revivals of peers marked down that wait for the NICs' outcome (`revive.rs`).
     reviving: Vec<revive::Reviving>,
+    /// Descriptors asked about and not answered yet by their owners (`vouch.rs`).
+    vouching: Vec<vouch::Vouching>,
+    /// The number of the next vouch question.
+    next_vouch: u64,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
     staging: gpu::Staging,
@@ -205,6 +221,8 @@ impl<D: Domain> Core<D> {
             slept_since: None,
             revoking: Vec::new(),
             reviving: Vec::new(),
+            vouching: Vec::new(),
+            next_vouch: 0,
             #[cfg(feature = "cuda")]
             staging: gpu::Staging::default(),
         };
@@ -286,6 +304,9 @@ impl<D: Domain> Core<D> {
         busy |= self.poll_domains();
         if !self.reviving.is_empty() {
             busy |= self.check_revivals();
+        }
+        if !self.vouching.is_empty() {
+            self.check_vouches();
         }
         if busy {
             self.watch_fallback = sleep::WATCH_FALLBACK;
@@ -408,7 +429,7 @@ impl<D: Domain> Core<D> {
                 }
                 tracing::debug!(addr = format_args!("{:#x}", backing.addr()), len = backing.len(), %location, "memory registered");
                 for (d, r) in regs.iter().enumerate() {
-                    self.live[d].insert(r.handle, *r);
+                    self.live[d].insert(r.handle, LiveReg { reg: *r, len: backing.len() as u64 });
                 }
                 if let Err(Ok((regs, backing))) = reply.send(Ok((regs, backing))) {
                     // The caller stopped waiting: undo.
@@ -433,6 +454,9 @@ impl<D: Domain> Core<D> {
             }
             Submission::RetireCounter { imm, reply } => {
                 let _ = reply.send(Ok(self.retire_counter(imm)));
+            }
+            Submission::Vouch { peer, incarnation, len, regions, reply } => {
+                self.vouch(peer, incarnation, len, regions, reply)
             }
             #[cfg(feature = "cuda")]
             Submission::Gated(g) => {

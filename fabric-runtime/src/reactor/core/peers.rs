@@ -51,6 +51,14 @@ impl<D: Domain> Core<D> {
         }
     }
 
+    /// The peer that sent an engine control message naming its own address (a `Vouch`
+    /// question), added if new as a peer known through its `Hello` is.
+    pub(super) fn peer_of_sender(&mut self, address: EngineAddress) -> Result<PeerId> {
+        match self.add_peer_as(address, true)? {
+            Added::Peer(id) | Added::Reviving(id) => Ok(id),
+        }
+    }
+
     /// [`Core::add_peer`]; `passive`: only because it said `Hello` ([`PeerState::passive`]).
     fn add_peer_as(
         &mut self,
@@ -236,6 +244,14 @@ impl<D: Domain> Core<D> {
     pub(super) fn fail_peer(&mut self, peer: PeerId, message: &str) {
         let Some(p) = self.peers.get_mut(peer.0 as usize) else { return };
         let err = || Error::PeerUnreachable { peer: peer.0, message: message.to_owned() };
+        let mut i = 0;
+        while i < self.vouching.len() {
+            if self.vouching[i].peer == peer {
+                self.vouching.swap_remove(i).fail(err());
+            } else {
+                i += 1;
+            }
+        }
         for (_, s) in p.pending.drain(..) {
             self.shared.stats.backlog(s.nic(), &p.stats, false, 1);
             if !s.is_internal() {

@@ -80,6 +80,10 @@ impl<D: Domain> Core<D> {
             // `add_peer` waits for a revival's outcome, which only a pass asks for.
             timeout = min_timeout(timeout, super::revive::REVIVAL_TICK);
         }
+        if !self.vouching.is_empty() {
+            // `remote_region` waits for an owner's answer, whose bound only a pass checks.
+            timeout = min_timeout(timeout, DEADLINE_TICK);
+        }
         if self.has_pending() {
             // Posts are waiting for queue space; completions will wake us, but stay safe
             // against a provider that frees space without one.
