@@ -14,7 +14,7 @@ use pyo3::IntoPyObjectExt;
 use crate::bridge::{none, pending, Pending};
 use crate::counter::{PyImmCounter, PyPeerEvents, PyPeerGroup};
 use crate::errors::IntoPy;
-use crate::memory::{host_buffer, parse_device, PyPageLayout, PyRemoteRegion, Region};
+use crate::memory::{memory_of, parse_device, CudaBuffer, Memory, PyPageLayout, PyRemoteRegion, Region};
 
 /// A transfer engine: one reactor thread driving the NIC(s) of one process or GPU.
 #[pyclass(module = "fabric", name = "Engine", frozen)]
@@ -59,10 +59,12 @@ impl PyEngine {
     /// "busy_poll" (spins a core, `pin_core`), "inline" (awaiting drives the NICs).
     /// `nics`: NIC names; `domains`: N domains of the provider (loopback testing).
     /// `op_timeout`: seconds an operation may go without completing (None: forever).
+    /// `cuda_ipc`: False makes writes into GPU memory of a process on this host take the
+    /// region's NIC path (GPUDirect or staged) instead of CUDA IPC (`docs/gpu.md`).
     #[new]
     #[pyo3(signature = (provider=None, mode="event", *, nics=None, domains=None, op_timeout=Some(30.0),
                         spin=None, pin_core=None, node=None, huge_pages=None, max_counters=None,
-                        max_msg_size=None))]
+                        max_msg_size=None, cuda_ipc=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -77,6 +79,7 @@ impl PyEngine {
         huge_pages: Option<bool>,
         max_counters: Option<usize>,
         max_msg_size: Option<usize>,
+        cuda_ipc: Option<bool>,
     ) -> PyResult<Self> {
         let mut b = Engine::builder().mode(self::mode(mode, spin)?);
         if let Some(p) = provider {
@@ -103,6 +106,9 @@ impl PyEngine {
         }
         if let Some(m) = max_msg_size {
             b = b.messages(m, 64);
+        }
+        if let Some(on) = cuda_ipc {
+            b = b.cuda_ipc(on);
         }
         let engine = py.detach(|| b.build()).py_err()?;
         Ok(PyEngine { engine: ManuallyDrop::new(engine) })
@@ -167,28 +173,38 @@ impl PyEngine {
     }
 
     /// Registers `obj`'s memory in place, without copying: any writable, contiguous
-    /// buffer-protocol object (bytearray, numpy array, `tensor.numpy()` of a CPU tensor).
-    /// The object is kept alive (and pinned: not resizable) until the region and every
-    /// operation that uses it are gone. Blocks (GIL released) for the registration.
+    /// buffer-protocol object (bytearray, numpy array), a torch tensor (CPU or CUDA), or an
+    /// object with `__cuda_array_interface__` (CuPy, Numba). The object is kept alive (a
+    /// host buffer also pinned: not resizable) until the region and every operation that
+    /// uses it are gone. Blocks (GIL released) for the registration.
     fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        if obj.hasattr("__cuda_array_interface__")? {
-            return Err(crate::errors::to_py(fabric_async::Error::Unsupported(
-                "registering CUDA memory in place from Python (use alloc(n, device=\"cuda:N\") and copy)"
-                    .into(),
-            )));
-        }
-        let buf = host_buffer(obj)?;
         let e = (*self.engine).clone();
         let keep = obj.clone().unbind();
-        let (ptr, len, view) = (buf.ptr, buf.len, buf.view);
-        // SAFETY: `view` is a memoryview holding the object's buffer export: the `len` bytes
-        // at `ptr` stay allocated and in place (the exporter refuses to resize or free them)
-        // until it is released, which only its drop does, after the engine closed the
-        // registration. It was checked writable and contiguous.
-        let fut = async move { unsafe { e.register_host(ptr, len, view) }.await };
-        let p =
-            pending(fut, move |py, region| Ok(Py::new(py, Region { region, obj: Some(keep) })?.into_any()));
-        p.wait(py, None)
+        let done =
+            move |py: Python<'_>, region| Ok(Py::new(py, Region { region, obj: Some(keep) })?.into_any());
+        match memory_of(obj)? {
+            Memory::Host(buf) => {
+                let (ptr, len, view) = (buf.ptr, buf.len, buf.view);
+                // SAFETY: `view` is a memoryview holding the object's buffer export: the
+                // `len` bytes at `ptr` stay allocated and in place (the exporter refuses to
+                // resize or free them) until it is released, which only its drop does, after
+                // the engine closed the registration. It was checked writable and contiguous.
+                let fut = async move { unsafe { e.register_host(ptr, len, view) }.await };
+                pending(fut, done).wait(py, None)
+            }
+            Memory::Cuda(buf) => {
+                let CudaBuffer { ptr, len, ordinal, owner } = buf;
+                // SAFETY: `owner` holds a reference to the object (for a torch tensor also to
+                // its storage), and device memory is freed only when its last reference goes
+                // (torch, CuPy and Numba free, or return to their caching allocator, on
+                // deallocation of the storage/array object): `ptr..+len` stays allocated while
+                // `owner` lives. The engine drops it only after closing every registration
+                // and finishing every operation on it. The range is checked against the
+                // driver's allocation before anything is registered.
+                let fut = async move { unsafe { e.register_cuda_owned(ptr, len, ordinal, owner) }.await };
+                pending(fut, done).wait(py, None)
+            }
+        }
     }
 
     /// A peer's region from its descriptor bytes, adding the owner as a peer if needed.

@@ -2,8 +2,8 @@
 //! buffer the program owns, registered in place), remote ones (`RemoteRegion`, from a
 //! peer's descriptor bytes), and the page geometry of paged writes.
 //!
-//! Registering a buffer-protocol object (`bytearray`, a NumPy array, a CPU torch tensor
-//! through `numpy()`) takes a `memoryview` of it: the view holds the object's buffer export,
+//! Registering a buffer-protocol object (`bytearray`, a NumPy array, a CPU torch tensor,
+//! whose bytes are reached through `numpy()`) takes a `memoryview` of it: the view holds the object's buffer export,
 //! which pins it (a `bytearray` cannot be resized, a NumPy array cannot be resized or freed)
 //! for as long as the view lives. The view is the owner handed to
 //! `Engine::register_host`, so it lives until the engine has closed every registration of
@@ -11,6 +11,11 @@
 //! happens to the Python names of the object meanwhile (`del arr` while a write from it is
 //! in flight is fine). The engine's reactor thread drops it without the GIL; PyO3 then
 //! defers the decref to the next time Python code of this module runs.
+//!
+//! CUDA memory (a torch CUDA tensor, any `__cuda_array_interface__` object) is registered
+//! in place the same way through `Engine::register_cuda_owned`, the owner being the object
+//! (and, for a tensor, its storage): nothing pins device memory as a buffer export does, so
+//! the owner is what keeps it allocated until the engine has let go of it.
 
 use std::ffi::c_int;
 
@@ -18,7 +23,7 @@ use fabric_async::{MemoryLocation, MemoryRegion, PageLayout, RemoteRegion};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyMemoryView};
+use pyo3::types::{PyBytes, PyDict, PyMemoryView, PyTuple};
 use pyo3::{ffi, PyErr};
 
 use crate::errors::IntoPy;
@@ -56,6 +61,128 @@ pub(crate) fn host_buffer(obj: &Bound<'_, PyAny>) -> PyResult<HostBuffer> {
         ));
     }
     Ok(HostBuffer { ptr, len, view: view.into_any().unbind() })
+}
+
+/// Device memory of a Python object and what keeps it allocated.
+pub(crate) struct CudaBuffer {
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+    pub(crate) ordinal: u32,
+    /// The object (a tensor: with its storage), handed to `Engine::register_cuda_owned`.
+    pub(crate) owner: Py<PyAny>,
+}
+
+/// The memory `Engine.register` registers for an object.
+pub(crate) enum Memory {
+    Host(HostBuffer),
+    Cuda(CudaBuffer),
+}
+
+/// Where `obj`'s memory is: a torch tensor (CUDA: its device memory; CPU: its bytes through
+/// `numpy()`), an object with `__cuda_array_interface__`, else the buffer protocol.
+/// Refuses non-contiguous tensors and arrays (`ValueError`) and read-only CUDA arrays
+/// (`TypeError`), as for host buffers.
+pub(crate) fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
+    let py = obj.py();
+    // A torch tensor can only exist if torch is imported: no import here.
+    let torch = py.import("sys")?.getattr("modules")?.get_item("torch").ok();
+    if let Some(torch) = torch {
+        if obj.is_instance(&torch.getattr("Tensor")?)? {
+            return tensor_memory(&torch, obj);
+        }
+    }
+    if obj.hasattr("__cuda_array_interface__")? {
+        return cuda_array_memory(obj).map(Memory::Cuda);
+    }
+    host_buffer(obj).map(Memory::Host)
+}
+
+fn tensor_memory(torch: &Bound<'_, PyAny>, t: &Bound<'_, PyAny>) -> PyResult<Memory> {
+    let py = t.py();
+    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(PyValueError::new_err(
+            "cannot register a non-contiguous tensor: a region is one range (tensor.contiguous() makes a copy)",
+        ));
+    }
+    let device = t.getattr("device")?;
+    let kind: String = device.getattr("type")?.extract()?;
+    let len =
+        t.call_method0("numel")?.extract::<usize>()? * t.call_method0("element_size")?.extract::<usize>()?;
+    match kind.as_str() {
+        "cuda" => {
+            let ordinal: Option<u32> = device.getattr("index")?.extract()?;
+            let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+            // The storage too: it keeps the memory even if the tensor is later pointed at
+            // other memory (`set_`).
+            let storage = t.call_method0("untyped_storage")?;
+            let owner = PyTuple::new(py, [t.clone(), storage])?.into_any().unbind();
+            Ok(Memory::Cuda(CudaBuffer { ptr, len, ordinal: ordinal.unwrap_or(0), owner }))
+        }
+        "cpu" => {
+            // Bytes of any dtype (bfloat16 has no NumPy type): a flat uint8 view, whose
+            // array keeps the tensor (and its storage) alive.
+            let flat = t.call_method0("detach")?.call_method1("reshape", (-1,))?;
+            let bytes = flat.call_method1("view", (torch.getattr("uint8")?,))?.call_method0("numpy")?;
+            let buf = host_buffer(&bytes)?;
+            if buf.len != len {
+                return Err(PyValueError::new_err(format!(
+                    "the tensor's numpy() view has {} bytes, not {len}",
+                    buf.len
+                )));
+            }
+            Ok(Memory::Host(buf))
+        }
+        other => Err(PyTypeError::new_err(format!(
+            "cannot register a tensor on device {other:?}: CPU and CUDA tensors only"
+        ))),
+    }
+}
+
+/// `__cuda_array_interface__` (versions 2 and 3): C-contiguous, writable; the device is
+/// the one the driver says the pointer belongs to.
+fn cuda_array_memory(obj: &Bound<'_, PyAny>) -> PyResult<CudaBuffer> {
+    let cai = obj.getattr("__cuda_array_interface__")?;
+    let cai =
+        cai.cast::<PyDict>().map_err(|_| PyTypeError::new_err("__cuda_array_interface__ is not a dict"))?;
+    let need = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        cai.get_item(k)?.ok_or_else(|| PyTypeError::new_err(format!("__cuda_array_interface__ has no {k:?}")))
+    };
+    let (ptr, readonly): (u64, bool) = need("data")?.extract()?;
+    if readonly {
+        return Err(PyTypeError::new_err(
+            "cannot register read-only CUDA memory (peers write into registered memory)",
+        ));
+    }
+    if cai.get_item("mask")?.is_some_and(|m| !m.is_none()) {
+        return Err(PyValueError::new_err("cannot register a masked CUDA array"));
+    }
+    let shape: Vec<usize> = need("shape")?.extract()?;
+    let typestr: String = need("typestr")?.extract()?;
+    let itemsize: usize = typestr
+        .get(2..)
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| PyValueError::new_err(format!("unknown typestr {typestr:?}")))?;
+    let strides: Option<Vec<isize>> = match cai.get_item("strides")? {
+        Some(s) if !s.is_none() => Some(s.extract()?),
+        _ => None,
+    };
+    if let Some(strides) = strides {
+        // C order: the last dimension moves by one item, each other by the product of
+        // the sizes after it (dimensions of size 1 may have any stride).
+        let mut want = itemsize as isize;
+        for (&n, &st) in shape.iter().zip(&strides).rev() {
+            if n > 1 && st != want {
+                return Err(PyValueError::new_err(
+                    "cannot register a non-contiguous CUDA array: a region is one range",
+                ));
+            }
+            want *= n as isize;
+        }
+    }
+    let len = shape.iter().product::<usize>() * itemsize;
+    let info = fabric_async::cuda::pointer_info(ptr).py_err()?;
+    let ordinal = info.ordinal.and_then(|o| u32::try_from(o).ok()).unwrap_or(0);
+    Ok(CudaBuffer { ptr, len, ordinal, owner: obj.clone().unbind() })
 }
 
 /// Memory registered with every NIC of an engine: from `Engine.alloc` (the engine's own,
@@ -99,6 +226,13 @@ impl Region {
     #[getter]
     fn device(&self) -> String {
         location_name(self.region.location())
+    }
+
+    /// GPU memory: how the NICs reach it, `"gpudirect"` or `"staged"` (`docs/gpu.md`);
+    /// None for host memory.
+    #[getter]
+    fn gpu_path(&self) -> Option<String> {
+        self.region.gpu_path().map(|p| p.to_string())
     }
 
     /// The object registered in place (`Engine.register`), or None for `alloc`'s memory.
@@ -212,6 +346,13 @@ impl PyRemoteRegion {
     #[getter]
     fn is_revoked(&self) -> bool {
         self.remote.is_revoked()
+    }
+
+    /// GPU memory: the path a write from this engine takes, `"cuda-ipc"` (a process on
+    /// this host), `"gpudirect"` or `"staged"`; None for host memory.
+    #[getter]
+    fn gpu_path(&self) -> Option<String> {
+        self.remote.gpu_path().map(|p| p.to_string())
     }
 
     /// The descriptor bytes.

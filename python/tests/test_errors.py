@@ -1,6 +1,9 @@
 """Bad input raises a clear exception: never a crash, a hang or corrupted memory."""
 
 import asyncio
+import gc
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -93,6 +96,43 @@ def test_bad_memory_and_arguments(pair):
         fabric.Engine("no-such-provider")
     with pytest.raises(OverflowError):
         a.write(src, -1, dst, 0, 8)
+
+
+class CudaArray:
+    """A stand-in for a CuPy/Numba array: only ``__cuda_array_interface__`` (version 3)."""
+
+    def __init__(self, ptr, shape=(1 << 20,), strides=None, readonly=False):
+        self.__cuda_array_interface__ = {
+            "data": (ptr, readonly),
+            "shape": shape,
+            "typestr": "<f4",
+            "strides": strides,
+            "version": 3,
+        }
+
+
+def test_cuda_array_interface_objects(pair):
+    a = pair[0]
+    with pytest.raises(TypeError, match="read-only"):
+        a.register(CudaArray(1 << 40, readonly=True))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        a.register(CudaArray(1 << 40, shape=(64, 64), strides=(4, 256)))
+    try:
+        a.alloc(4096, device="cuda:0")
+        refused = (fabric.NotDeviceMemory, fabric.CudaError)  # a driver that knows no such memory
+    except fabric.Unsupported:
+        refused = fabric.Unsupported  # no CUDA driver, as on CI
+    obj = CudaArray(1 << 40, shape=(1024, 1024), strides=(4096, 4))  # C-contiguous strides
+    probe = weakref.ref(obj)
+    with pytest.raises(refused):
+        a.register(obj)
+    del obj
+    deadline = time.monotonic() + 10
+    while probe() is not None:  # a refused object is not kept
+        assert time.monotonic() < deadline, "a refused object was kept"
+        a.stats()
+        gc.collect()
+        time.sleep(0.01)
 
 
 def test_awaitable_misuse(pair):

@@ -10,6 +10,11 @@ use crate::provider::{MemoryLocation, Registration};
 
 use super::Shared;
 
+/// Whatever keeps memory the engine did not allocate itself allocated (an engine
+/// `DeviceBuffer`, a caller's owner object): dropped once nothing may touch the memory.
+#[cfg(feature = "cuda")]
+pub(crate) type Keeper = Arc<dyn std::any::Any + Send + Sync>;
+
 /// Memory that a region owns. It is freed only after every NIC registration of it has been
 /// closed (by the reactor, see `Shared::retire`), never while a NIC may touch it.
 ///
@@ -33,10 +38,11 @@ enum BackingKind {
     #[cfg(feature = "cuda")]
     Pinned(#[allow(dead_code)] crate::cuda::PinnedHostBuffer),
     /// GPU memory registered with the NIC itself (GPUDirect): `ptr` is a device address.
-    /// `Some`: the engine's allocation (`alloc_in`), freed after the registration is closed;
-    /// `None`: the user's memory (`register_cuda`).
+    /// `Some`: what keeps it allocated (the engine's allocation of `alloc_in`, or the
+    /// caller's owner of `register_cuda_owned`), dropped after the registration is closed;
+    /// `None`: the caller keeps it (`register_cuda`).
     #[cfg(feature = "cuda")]
-    Device(#[allow(dead_code)] Option<Arc<crate::cuda::DeviceBuffer>>),
+    Device(#[allow(dead_code)] Option<Keeper>),
     /// Host memory the user owns (`Engine::register_host`): the owner keeps it allocated and
     /// is dropped with the backing, after every registration of it has been closed. Its
     /// range is not retired (it is not ours): see `docs/security.md`.
@@ -127,7 +133,7 @@ impl Backing {
     /// GPU memory handed to the NIC directly (GPUDirect). `ptr` is a device address, never
     /// dereferenced on the host.
     #[cfg(feature = "cuda")]
-    pub(crate) fn device(ptr: u64, len: usize, owned: Option<Arc<crate::cuda::DeviceBuffer>>) -> Backing {
+    pub(crate) fn device(ptr: u64, len: usize, owned: Option<Keeper>) -> Backing {
         let ptr = NonNull::new(ptr as *mut u8).unwrap_or(NonNull::dangling());
         Backing { ptr, len, kind: BackingKind::Device(owned) }
     }
@@ -170,9 +176,12 @@ pub(crate) struct GpuMemory {
     /// The device's primary context (`None`: emulated device memory, `_host`).
     pub(crate) ctx: Option<Arc<crate::cuda::Context>>,
     pub(crate) path: crate::pure::staging::GpuPath,
-    /// `alloc_in`'s allocation (`None`: the user's memory). Dropped with the region state,
-    /// which every operation using the region holds until its last copy or NIC access.
-    pub(crate) _owned: Option<Arc<crate::cuda::DeviceBuffer>>,
+    /// What keeps the memory allocated: `alloc_in`'s allocation, or the caller's owner of
+    /// `register_cuda_owned` (`None`: `register_cuda`, the caller keeps it). Dropped with
+    /// the region state, which every operation using the region holds until its last copy
+    /// or NIC access; a GPUDirect backing holds a second reference until its registrations
+    /// are closed, so the owner goes with whichever of the two is last.
+    pub(crate) _owned: Option<Keeper>,
     /// CUDA IPC export of the range, for peers on this host (`None` if the driver refused).
     pub(crate) ipc: Option<crate::cuda::IpcExport>,
     /// Tests without a GPU (feature `gpu-emulation`): the host memory standing in for the

@@ -388,6 +388,28 @@ async fn gpu_region_basics() {
     let e = unsafe { engine.register_cuda(dev.device_ptr() + MIB as u64, 2 * MIB, 0) }.await.unwrap_err();
     assert!(matches!(e, Error::NotDeviceMemory { .. }), "past the allocation: {e}");
 
+    // register_cuda_owned: the engine keeps the owner until nothing may touch the memory,
+    // and drops it at once when registration is refused.
+    let keep = std::sync::Arc::new(cuda::DeviceBuffer::new(&ctx, MIB).unwrap());
+    keep.copy_from_host(0, &pattern(MIB, 5)).unwrap();
+    // SAFETY: the owner is the allocation itself.
+    let owned = unsafe { engine.register_cuda_owned(keep.device_ptr(), MIB, 0, keep.clone()) }
+        .await
+        .expect("register_cuda_owned");
+    assert!(std::sync::Arc::strong_count(&keep) >= 2, "the region holds its owner");
+    assert_eq!(owned.to_vec(), pattern(MIB, 5));
+    drop(owned);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::sync::Arc::strong_count(&keep) > 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(std::sync::Arc::strong_count(&keep), 1, "the owner is dropped once the region is closed");
+    // SAFETY: refused before anything is registered.
+    let e =
+        unsafe { engine.register_cuda_owned(host.as_ptr() as u64, 4096, 0, keep.clone()) }.await.unwrap_err();
+    assert!(matches!(e, Error::NotDeviceMemory { .. }), "{e}");
+    assert_eq!(std::sync::Arc::strong_count(&keep), 1, "a refused owner is dropped");
+
     // The synchronous path refuses bytes with a staged GPU end.
     let peer_desc = r.descriptor().to_bytes();
     let me = engine.remote_region(&peer_desc).await.unwrap();

@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::provider::MemoryLocation;
 use crate::pure::descriptor::GpuRegion;
 use crate::pure::staging::GpuPath;
-use crate::shared::memory::{Backing, GpuMemory, RegionShared};
+use crate::shared::memory::{Backing, GpuMemory, Keeper, RegionShared};
 use crate::shared::queue::{OpKind, Piece, PieceDst, PieceSrc};
 
 impl Engine {
@@ -42,7 +42,7 @@ impl Engine {
         }
         let ctx = cuda::context(ordinal as usize)?;
         let buf = Arc::new(DeviceBuffer::new(&ctx, len)?);
-        self.register_device(buf.device_ptr(), len, ordinal, Some(ctx), Some(buf), None).await
+        self.register_device(buf.device_ptr(), len, ordinal, Some(ctx), DeviceOwner::Engine(buf), None).await
     }
 
     /// Registers `len` bytes of CUDA device memory at `ptr` on device `ordinal`, owned by
@@ -57,6 +57,9 @@ impl Engine {
     /// inside one allocation (checked with `cuda::pointer_info`); [`Error::Unsupported`]
     /// without a CUDA driver.
     ///
+    /// [`Engine::register_cuda_owned`] is the same with an owner that the engine keeps for
+    /// as long as it needs the memory, which is easier to get right.
+    ///
     /// # Safety
     ///
     /// The range must stay allocated until the returned region and every clone of it are
@@ -67,6 +70,55 @@ impl Engine {
     ///
     /// As for [`Engine::register`].
     pub async unsafe fn register_cuda(&self, ptr: u64, len: usize, ordinal: u32) -> Result<MemoryRegion> {
+        self.check_device_range(ptr, len, ordinal)?;
+        let ctx = cuda::context(ordinal as usize)?;
+        self.register_device(ptr, len, ordinal, Some(ctx), DeviceOwner::Caller(None), None).await
+    }
+
+    /// Registers `len` bytes of CUDA device memory at `ptr` on device `ordinal` that
+    /// `owner` keeps allocated (a PyTorch tensor or its storage, a CuPy array, a
+    /// `cudaMalloc` wrapper), in place, as [`Engine::register_cuda`] does. The engine drops
+    /// `owner` only once nothing of it may touch the memory any more: after the returned
+    /// region and all its clones are dropped, every operation that uses it has completed
+    /// (its last copy-engine copy or NIC access) and every NIC registration of it has been
+    /// closed. This is [`Engine::register_host`] for device memory; the Python package
+    /// registers CUDA tensors this way.
+    ///
+    /// `owner` is dropped on whichever thread lets go last (often the reactor's), and
+    /// also when registration fails.
+    ///
+    /// A peer on this host that writes through CUDA IPC maps the whole allocation that
+    /// contains the range (`docs/gpu.md`); as with host memory registered in place, the
+    /// range is not reserved once the region is freed (`docs/security.md`).
+    ///
+    /// Errors: as for [`Engine::register_cuda`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be device memory of `ordinal` that stays allocated, and is
+    /// not moved or freed by other means, for as long as `owner` lives. (The range itself
+    /// is checked against the driver's view of the allocation.)
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Engine::register`]: a registration that completes after the future was
+    /// dropped is closed again, and `owner` dropped after that.
+    pub async unsafe fn register_cuda_owned(
+        &self,
+        ptr: u64,
+        len: usize,
+        ordinal: u32,
+        owner: impl std::any::Any + Send + Sync,
+    ) -> Result<MemoryRegion> {
+        let owner: Keeper = Arc::new(owner);
+        self.check_device_range(ptr, len, ordinal)?;
+        let ctx = cuda::context(ordinal as usize)?;
+        self.register_device(ptr, len, ordinal, Some(ctx), DeviceOwner::Caller(Some(owner)), None).await
+    }
+
+    /// `register_cuda`'s checks: `ptr..+len` is non-empty device memory of `ordinal`
+    /// inside one allocation.
+    fn check_device_range(&self, ptr: u64, len: usize, ordinal: u32) -> Result<()> {
         let bad = |reason: String| Error::NotDeviceMemory { ptr, len, ordinal, reason };
         if len == 0 {
             return Err(bad("an empty range".into()));
@@ -79,14 +131,10 @@ impl Engine {
             return Err(bad(format!("it belongs to device {:?}", info.ordinal)));
         }
         match info.allocation {
-            Some(a) if a.contains(ptr, len) => {}
-            Some(a) => {
-                return Err(bad(format!("it runs past its allocation {:#x}+{}", a.base, a.len)));
-            }
-            None => return Err(bad("the driver does not know its allocation".into())),
+            Some(a) if a.contains(ptr, len) => Ok(()),
+            Some(a) => Err(bad(format!("it runs past its allocation {:#x}+{}", a.base, a.len))),
+            None => Err(bad("the driver does not know its allocation".into())),
         }
-        let ctx = cuda::context(ordinal as usize)?;
-        self.register_device(ptr, len, ordinal, Some(ctx), None, None).await
     }
 
     /// The path GPU memory of device `ordinal` takes on this engine's NICs: the path of its
@@ -110,12 +158,16 @@ impl Engine {
         len: usize,
         ordinal: u32,
         ctx: Option<Arc<cuda::Context>>,
-        owned: Option<Arc<DeviceBuffer>>,
+        owner: DeviceOwner,
         host: Option<Backing>,
     ) -> Result<MemoryRegion> {
         let location = MemoryLocation::Cuda { ordinal };
+        let keep: Option<Keeper> = match &owner {
+            DeviceOwner::Engine(b) => Some(b.clone()),
+            DeviceOwner::Caller(k) => k.clone(),
+        };
         let direct = match &ctx {
-            Some(_) => self.register_raw(Backing::device(ptr, len, owned.clone()), location).await,
+            Some(_) => self.register_raw(Backing::device(ptr, len, keep.clone()), location).await,
             None => Err(Error::Unsupported("emulated device memory is always staged".into())),
         };
         let (regs, backing, path) = match direct {
@@ -133,10 +185,10 @@ impl Engine {
         };
         tracing::debug!(ordinal, len, path = %path, "registered a GPU region");
         crate::sync::lock(&self.shared().gpu.paths).entry(ordinal).or_insert(path);
-        let ipc = match (&owned, &ctx) {
+        let ipc = match (&owner, &ctx) {
             (_, None) => Err(Error::Unsupported("emulated device memory".into())),
-            (Some(b), _) => b.ipc_export(0, len),
-            (None, _) => cuda::ipc_export(ptr, len),
+            (DeviceOwner::Engine(b), _) => b.ipc_export(0, len),
+            (DeviceOwner::Caller(_), _) => cuda::ipc_export(ptr, len),
         }
         .map_err(|e| tracing::debug!(error = %e, "no CUDA IPC export for a GPU region"))
         .ok();
@@ -147,7 +199,7 @@ impl Engine {
             len,
             ctx,
             path,
-            _owned: owned,
+            _owned: keep,
             ipc,
             _host: host,
             blocking: Default::default(),
@@ -171,8 +223,18 @@ impl Engine {
     pub async fn alloc_emulated_staged(&self, len: usize) -> Result<MemoryRegion> {
         let host = Backing::zeroed(len, 4096)?;
         let ptr = host.addr();
-        self.register_device(ptr, len, cuda::EMULATED_ORDINAL, None, None, Some(host)).await
+        self.register_device(ptr, len, cuda::EMULATED_ORDINAL, None, DeviceOwner::Caller(None), Some(host))
+            .await
     }
+}
+
+/// Who keeps a GPU region's device memory allocated.
+enum DeviceOwner {
+    /// The engine's own allocation (`alloc_in`).
+    Engine(Arc<DeviceBuffer>),
+    /// The caller: through an owner the engine keeps (`register_cuda_owned`), or by
+    /// `register_cuda`'s contract (`None`).
+    Caller(Option<Keeper>),
 }
 
 /// Host bytes a staged GPU region registers: its keys (and where imm-only writes land).
