@@ -17,6 +17,9 @@
 #   3. bench/rtt.py on shm in busy_poll and inline mode, beside `fabric-bench rtt --provider shm`
 #   4. bench/bw.py on host memory and on CUDA tensors, with NIXL's Python API beside it
 # Everything goes to $OUT/py.log (and stdout). Exit status: pytest's, else the first failure.
+# STEPS (default "pytest examples rtt bw") picks steps; PYTEST_ARGS (default python/tests)
+# what pytest runs; BW_DEVICES ("host cuda"), BW_MODES ("event", the engine's default) and
+# BW_WRAP (a prefix such as "taskset -c 0-15") shape bw.py's runs.
 set -u
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -77,19 +80,28 @@ PY
 ngpu=$($py -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$ngpu" -ge 2 ]; then src=cuda:0 dst=cuda:1; else src=cuda:0 dst=cuda:0; fi
 
-step 210 "pytest python/tests" $py -m pytest -q -p no:cacheprovider -rs --durations=8 python/tests
-pytest_rc=$status
+steps=${STEPS:-pytest examples rtt bw}
+has() { [[ " $steps " == *" $1 "* ]]; }
+pytest_rc=0
+if has pytest; then
+  # shellcheck disable=SC2086
+  step 210 "pytest ${PYTEST_ARGS:-python/tests}" $py -m pytest -q -p no:cacheprovider -rs --durations=8 \
+    ${PYTEST_ARGS:-python/tests}
+  pytest_rc=$status
+fi
 
-step 50 "kv_transfer $src -> $dst" $py python/examples/kv_transfer.py --provider shm --decoders 2 \
+has examples && step 50 "kv_transfer $src -> $dst" $py python/examples/kv_transfer.py --provider shm --decoders 2 \
   --requests 40 --layers 8 --blocks 256 --block-kib 64 --device $src --decode-device $dst
-step 50 "rl_weights $src -> $dst" $py python/examples/rl_weights.py --provider shm --workers 2 \
+has examples && step 50 "rl_weights $src -> $dst" $py python/examples/rl_weights.py --provider shm --workers 2 \
   --model-mib 256 --tensors 64 --versions 3 --device $src --worker-device $dst
 
 bench=${FABRIC_BENCH:-$ship/fabric-bench}
-for mode in busy_poll inline; do
+has rtt && for mode in busy_poll inline; do
   step 40 "rtt.py shm $mode" $py python/bench/rtt.py --provider shm --mode $mode --iters 10000 --warmup 1000
 done
-if [ -x "$bench" ]; then
+if ! has rtt; then
+  :
+elif [ -x "$bench" ]; then
   step 60 "fabric-bench rtt --provider shm (Rust)" "$bench" rtt --provider shm --rounds 3
 else
   echo "== fabric-bench rtt: skipped (no release fabric-bench at $bench; FABRIC_BENCH=path)"
@@ -102,10 +114,13 @@ else
   echo "== NIXL: no site folder at $nixl (NIXL_SITE=path): bw.py runs fabric alone"
   bwpath=$PYTHONPATH
 fi
-for dev in host cuda; do
-  # NIXL's INFO lines are noise here; its errors still show.
-  step 100 "bw.py $dev (fabric vs NIXL)" env PYTHONPATH="$bwpath" NIXL_LOG_LEVEL=WARN \
-    $py python/bench/bw.py --provider shm --mode busy_poll --device $dev
+has bw && for dev in ${BW_DEVICES:-host cuda}; do
+  for mode in ${BW_MODES:-event}; do
+    # NIXL's INFO lines are noise here; its errors still show.
+    # shellcheck disable=SC2086
+    step 100 "bw.py $dev $mode ${BW_WRAP:-} (fabric vs NIXL)" env PYTHONPATH="$bwpath" NIXL_LOG_LEVEL=WARN \
+      ${BW_WRAP:-} $py python/bench/bw.py --provider shm --mode $mode --device $dev
+  done
 done
 
 echo "== done in $(since): pytest exit status $pytest_rc, first failure $status"

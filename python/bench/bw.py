@@ -7,10 +7,12 @@ answers with an 8 B ``write_imm``. NIXL (UCX backend): two agents in two process
 exchange metadata through a pipe; the initiator posts one transfer request of ``--window``
 blocks of SIZE bytes (all at offset 0) at a time, polls ``check_xfer_state`` until DONE,
 then posts the next. Both move about ``--bytes`` per burst; each figure is the median of
-``--rounds`` bursts after a warm-up. Host memory by default; ``--device cuda`` uses torch
-CUDA tensors registered in place, GPU0 -> GPU1 when there are two GPUs (else GPU0 -> GPU0).
+``--rounds`` bursts after a warm-up, and ``--passes`` sweeps alternate the two libraries
+(the ratio: the median of the passes' ratios, their range beside it). Host memory by
+default; ``--device cuda`` uses torch CUDA tensors registered in place, GPU0 -> GPU1 when
+there are two GPUs (else GPU0 -> GPU0).
 
-    python python/bench/bw.py --provider shm --mode busy_poll
+    python python/bench/bw.py --provider shm
     python python/bench/bw.py --provider shm --device cuda
 
 NIXL comes from the nixl-cu13 wheel (module ``nixl_cu13``) or ``nixl``, found on
@@ -293,12 +295,13 @@ def size_arg(s):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--provider", default="shm")
-    ap.add_argument("--mode", default="busy_poll", help="fabric's reactor: event, adaptive, busy_poll, inline")
+    ap.add_argument("--mode", default="event", help="fabric's reactor: event, adaptive, busy_poll, inline")
     ap.add_argument("--device", default="host", choices=["host", "cuda"])
     ap.add_argument("--sizes", default="64KiB,1MiB,4MiB,16MiB,64MiB", help="comma-separated, e.g. 64KiB,1MiB")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--bytes", type=size_arg, default=1 << 30, help="bytes per burst (about)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="bursts per size and pass (the median)")
+    ap.add_argument("--passes", type=int, default=3, help="sweeps per library, alternating")
     ap.add_argument("--no-nixl", action="store_true")
     args = ap.parse_args()
     args.sizes = [size_arg(s) for s in args.sizes.split(",")]
@@ -312,22 +315,35 @@ def main():
             print("skipped: --device cuda: no CUDA device (torch.cuda.is_available() is False)")
             return 0
     src_dev, dst_dev = devices(args)
-    ours = fabric_side(args, src_dev, dst_dev)
-    if args.no_nixl:
-        theirs, why = None, "--no-nixl"
-    else:
-        theirs, why = nixl_side(args, src_dev, dst_dev)
+    # Passes alternate the two libraries (fabric, NIXL, fabric, ...), each a sweep of every
+    # size with fresh processes: host-memory figures here move by a third between runs, so
+    # the ratio is the median of each pass's ratio, taken side by side.
+    ours, theirs, why = [], [], None
+    for _ in range(args.passes):
+        ours.append(fabric_side(args, src_dev, dst_dev))
+        if args.no_nixl:
+            why = "--no-nixl"
+        elif why is None:
+            t, why = nixl_side(args, src_dev, dst_dev)
+            if t is not None:
+                theirs.append(t)
     print(
         f"bandwidth from Python, {src_dev} -> {dst_dev}, window {args.window}, about "
-        f"{human(args.bytes)} per burst, median of {args.rounds}: fabric over {args.provider} "
-        f"({args.mode}, write_imm) against NIXL (UCX, one request of {args.window} blocks at a time)"
+        f"{human(args.bytes)} per burst, median of {args.rounds} per pass, {args.passes} passes "
+        f"alternating: fabric over {args.provider} ({args.mode}, write_imm) against NIXL (UCX, "
+        f"one request of {args.window} blocks at a time)"
     )
-    print(f"{'size':>8} {'fabric GB/s':>12} {'NIXL GB/s':>10} {'fabric/NIXL':>12}")
+    print(f"{'size':>8} {'fabric GB/s':>12} {'NIXL GB/s':>10} {'fabric/NIXL':>12}  per-pass ratios")
     for size in args.sizes:
-        f = ours[size]
-        n = theirs.get(size) if theirs else None
-        nixl, ratio = (f"{n:.2f}", f"{f / n:.2f}x") if n else ("-", "-")
-        print(f"{human(size):>8} {f:12.2f} {nixl:>10} {ratio:>12}")
+        f = statistics.median(o[size] for o in ours)
+        if len(theirs) == len(ours):
+            n = statistics.median(t[size] for t in theirs)
+            ratios = sorted(o[size] / t[size] for o, t in zip(ours, theirs))
+            r = statistics.median(ratios)
+            span = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+            print(f"{human(size):>8} {f:12.2f} {n:10.2f} {r:11.2f}x  {span}")
+        else:
+            print(f"{human(size):>8} {f:12.2f} {'-':>10} {'-':>12}")
     if why:
         print(f"NIXL skipped: {why}")
     return 0

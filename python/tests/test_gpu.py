@@ -153,7 +153,14 @@ def test_tensors_between_processes(path, spawn):
 @pytest.mark.parametrize("path", PATHS)
 def test_deleted_tensor_still_sends_every_byte(path, spawn):
     """The tensor's every name is deleted while a write from it is in flight: the region
-    keeps it (its memory is not handed to the next tensor), and lets it go afterwards."""
+    keeps it (its memory is not handed to the next tensor), and lets it go afterwards.
+
+    Staged (`nic`), a stopped target keeps the write in flight (it cannot pull), and the
+    tensor with it. Through CUDA IPC the writer's copy engine needs nothing of the target: the
+    copy is done within microseconds and the source is let go then, while the write's
+    imm-only signal may still wait on the stopped target; so there the test checks that the
+    bytes are right whatever the allocator did with the memory after, and that the tensor is
+    released."""
     size = 64 << 20
     peer = spawn(gpu_peers.gpu_target, PROVIDER, TARGET, size)
     address, dst_desc, _, _ = peer.recv(timeout=60)
@@ -175,7 +182,8 @@ def test_deleted_tensor_still_sends_every_byte(path, spawn):
         del t, src
         gc.collect()
         engine.stats()  # runs deferred decrefs, if any were due
-        assert probe() is not None, "freed while a write from it was in flight"
+        if in_flight and path == "nic":
+            assert probe() is not None, "freed while a write from it was in flight"
         # Were the memory freed, the caching allocator would hand it to this tensor.
         junk = torch.zeros(size, dtype=torch.uint8, device=WRITER)
         torch.cuda.synchronize()
