@@ -26,6 +26,8 @@ fn all_zero(r: &MemoryRegion) -> bool {
 /// Rounds per provider, each with a fresh writer (a stale write may leave the writer's
 /// peer marked failed, see `docs/security.md`, and each round must reach the owner again).
 const ROUNDS: usize = 3;
+/// How long a write without delivery-complete may take to be placed after its completion.
+const SETTLE: Duration = Duration::from_secs(1);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_descriptor_never_lands_in_a_reused_region() {
@@ -51,6 +53,12 @@ async fn stale_descriptor_never_lands_in_a_reused_region() {
             let first_addr = first.as_ptr() as u64;
             let stale = writer.remote_region(&first.descriptor().to_bytes()).await.unwrap();
             bounded(writer.write(&src, 0, &stale, 0, 64)).await.expect("a write to a live region");
+            // Without delivery-complete writes (shm) the completion means the write was
+            // handed over, not placed (docs/transfers.md): wait for the bytes, bounded.
+            let t = std::time::Instant::now();
+            while first.to_vec()[..64] != [0xA5; 64] && !writer.delivery_complete() && t.elapsed() < SETTLE {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             assert_eq!(first.to_vec()[..64], [0xA5; 64], "{p}: the live write landed");
             drop(first);
 
@@ -68,12 +76,16 @@ async fn stale_descriptor_never_lands_in_a_reused_region() {
                 assert!(all_zero(r), "{p} {len}: round {round}: the stale write landed in new region {j}");
             }
             // Revoked by the owner before it was posted (`Stale`), or refused at the target
-            // while racing the revocation (docs/faults.md).
+            // while racing the revocation (docs/faults.md). libfabric >= 1.18's shm refuses a
+            // racing write that does not take its CMA path without telling the writer: it
+            // completes `Ok` and lands nowhere (checked above; docs/faults.md, "libfabric
+            // versions").
+            let silent = p.starts_with("shm") && fabric_runtime::provider::libfabric::version() >= (1, 18);
             assert!(
                 matches!(
                     r,
                     Err(Error::Stale { .. } | Error::RemoteAccess { .. } | Error::ConnectionLost { .. })
-                ),
+                ) || (silent && r.is_ok()),
                 "{p} {len}: round {round}: a write through a stale descriptor: {r:?}"
             );
         }

@@ -61,5 +61,13 @@ mod shm;
 pub use config::{LibfabricConfig, DEFAULT_MAX_MSG_SIZE};
 pub use domain::LibfabricDomain;
 
+/// The version of the libfabric library loaded (`fi_version()`), as (major, minor): behaviour
+/// differs between releases (docs/faults.md, "libfabric versions").
+pub fn version() -> (u32, u32) {
+    // SAFETY: fi_version takes nothing and returns the library's version.
+    let v = unsafe { libfabric_sys::fi_version() };
+    (v >> 16, v & 0xffff)
+}
+
 /// Bytes of immediate data the engine needs (a `u32`).
 const IMM_BYTES: usize = 4;

@@ -241,9 +241,7 @@ fn spin_unlocked_value() -> i32 {
 /// Whether the libfabric loaded is older than 1.18, whose shm took the peer's region lock in
 /// every post (1.18 replaced that queue by a lock-free one).
 fn shm_post_takes_peer_lock() -> bool {
-    // SAFETY: fi_version takes nothing and returns the library's version.
-    let v = unsafe { sys::fi_version() };
-    (v >> 16, v & 0xffff) < (1, 18)
+    super::version() < (1, 18)
 }
 
 /// The peer locks the doctor watches, for every domain of this process; `running`: whether
