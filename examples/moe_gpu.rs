@@ -204,6 +204,8 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
     let rows: usize = sets.iter().map(|s| rows_sent(&c, &s.all[rank])).sum::<usize>() / SETS;
     let stream = Stream::new(&ctx)?;
     let out = DeviceBuffer::new(&ctx, a2a.expert_out_len())?;
+    // Its zero-fill ran on the legacy stream, which `stream` does not wait for.
+    ctx.synchronize()?;
     let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
     for step in 0..cli.warmup + cli.steps {
         let set = &sets[step % SETS];

@@ -122,6 +122,11 @@ impl AllToAll {
         private.copy_from_host(layout.off_peers as usize, &bases)?;
         let blocks =
             ctx.multiprocessor_count()?.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
+        // The zero-fills and the copy above went to the legacy default stream, which the
+        // caller's (non-blocking) streams do not wait for, and a blocking copy from pageable
+        // memory may return before its DMA has landed: finish them before any kernel or
+        // peer can touch the buffers.
+        ctx.synchronize()?;
         // Nobody writes into a window before every rank has mapped every window.
         let key = format!("{}/moe-ready", config.tag);
         all_gather(world, &key, config.rank, config.ranks, Vec::new()).await?;

@@ -226,6 +226,8 @@ async fn run_case(
             .map_err(s)?;
         let results =
             DeviceBuffer::new(&ctx, case.steps * case.tokens * row_bytes).map_err(|e| e.to_string())?;
+        // Its zero-fill (and `out`'s) ran on the legacy stream, which `stream` does not wait for.
+        ctx.synchronize().map_err(|e| e.to_string())?;
         for (step, d) in dev.iter().enumerate() {
             // SAFETY: `d`, `out` and `results` live until the stream is synchronized below;
             // the combined rows are copied out of `a2a` before the next step reuses them.
