@@ -27,7 +27,11 @@ for d in site.getsitepackages():
             print(p); raise SystemExit' 2>/dev/null)
   [ -n "$f" ] && export FABRIC_NVRTC=$f && echo "FABRIC_NVRTC=$f"
 fi
-show() { grep -E "^test |^moe |panicked|test result|skipped|rank [01]|Error|error|left|right" | grep -v "moe_child" | head -60; }
+# Test lines, the per-case lines, skips and results; a panic with the line of its message.
+show() {
+  awk '/panicked/ { print; if ((getline l) > 0) print l; next }
+       /^test |^moe |test result|skipped|rank [01]|[Ee]rror|left:|right:/ && !/moe_child/ { print }' | head -60
+}
 if [ "$n" -ge 2 ]; then
   echo "== moe_gpu tests, ranks on GPU 0 and GPU 1 (and both on GPU 0) ($(since))"
   FABRIC_REQUIRE_GPUS=2 timeout -k 5 80 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
