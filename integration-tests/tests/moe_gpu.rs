@@ -9,6 +9,9 @@
 //!   (the per-step sequence flags and the reuse of every buffer), all 50 combines checked;
 //! - `moe_uneven_routing`: every token of both ranks to expert 0, and the same past a
 //!   bounded capacity (reported as `CapacityExceeded`);
+//! - `moe_cuda_graph_replay`: a full step (GPU barrier, dispatch, experts, combine) captured
+//!   in a CUDA graph, replayed with new inputs in the same buffers, alternating with eager
+//!   steps: every step checked, and the step time of both printed;
 //! - `moe_two_ranks_share_one_gpu`: both ranks on device 0 (CUDA IPC between processes of
 //!   one GPU), whatever the machine has.
 //!
@@ -84,6 +87,8 @@ struct Case {
     capacity: Option<usize>,
     /// Launch every step back to back, checking all of them at the end.
     pipelined: bool,
+    /// Capture a step in a CUDA graph and replay it, alternating with eager steps.
+    graph: bool,
 }
 
 const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Routing, steps: usize) -> Case {
@@ -97,6 +102,7 @@ const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Rout
         tokens: TOKENS,
         capacity: None,
         pipelined: false,
+        graph: false,
     }
 }
 
@@ -121,6 +127,7 @@ fn cases(kind: &str) -> Vec<Case> {
             case(128, 1, 4, Routing::OneExpert, 2),
             Case { capacity: Some(64), ..case(128, 2, 4, Routing::OneExpert, 1) },
         ],
+        "graph" => vec![Case { graph: true, ..case(7168, 8, 8, RANDOM, 40) }],
         "shared" => vec![case(128, 4, 4, MASKED, 3), Case { idx64: true, ..case(7168, 8, 8, RANDOM, 2) }],
         other => panic!("no case list {other}"),
     }
@@ -144,17 +151,25 @@ impl DeviceInputs {
         let x = DeviceBuffer::new(ctx, c.max_tokens * c.hidden * 2)?;
         let idx = DeviceBuffer::new(ctx, c.max_tokens * c.topk * 8)?;
         let weights = DeviceBuffer::new(ctx, c.max_tokens * c.topk * 4)?;
-        x.copy_from_host(0, &bytes_of(&inp.x, u16::to_le_bytes))?;
-        if idx64 {
-            idx.copy_from_host(0, &bytes_of(&inp.topk_idx, i64::to_le_bytes))?;
+        let d = DeviceInputs { x, idx, weights, idx64, tokens: inp.tokens };
+        d.write(ctx, inp)?;
+        Ok(d)
+    }
+
+    /// Overwrites the buffers with `inp` (same token count), blocking until it has landed.
+    fn write(&self, ctx: &cuda::Context, inp: &Inputs) -> Result<(), MoeError> {
+        self.x.copy_from_host(0, &bytes_of(&inp.x, u16::to_le_bytes))?;
+        if self.idx64 {
+            self.idx.copy_from_host(0, &bytes_of(&inp.topk_idx, i64::to_le_bytes))?;
         } else {
-            idx.copy_from_host(0, &bytes_of(&inp.topk_idx, |e| (e as i32).to_le_bytes()))?;
+            self.idx.copy_from_host(0, &bytes_of(&inp.topk_idx, |e| (e as i32).to_le_bytes()))?;
         }
-        weights.copy_from_host(0, &bytes_of(&inp.topk_weights, f32::to_le_bytes))?;
+        self.weights.copy_from_host(0, &bytes_of(&inp.topk_weights, f32::to_le_bytes))?;
         // A copy from pageable memory may return before its DMA has landed, and the stages
-        // run on a non-blocking stream that does not wait for it.
+        // run on a non-blocking stream that does not wait for it (nor for the zero-fills of
+        // DeviceBuffer::new).
         ctx.synchronize()?;
-        Ok(DeviceInputs { x, idx, weights, idx64, tokens: inp.tokens })
+        Ok(())
     }
 
     fn input(&self) -> DispatchInput {
@@ -215,7 +230,9 @@ async fn run_case(
         (0..2).map(|r| reference::inputs(&c, case.routing, SEED + ci as u64, r, step, case.tokens)).collect()
     };
     let row_bytes = case.hidden * 2;
-    if case.pipelined {
+    if case.graph {
+        graph_steps(&a2a, &c, &ctx, &stream, &out, case, ci, rank).map_err(|e| e.to_string())?;
+    } else if case.pipelined {
         // Every step's inputs and a copy of every step's combined rows, so that nothing is
         // overwritten while the steps run back to back.
         let inputs: Vec<Vec<Inputs>> = (0..case.steps).map(all_inputs).collect();
@@ -290,6 +307,93 @@ async fn run_case(
     }
     drop(stream);
     a2a.close(store).await.map_err(s)
+}
+
+/// One step on `stream`: a GPU barrier, clock 0, dispatch, toy experts, combine, clock 1.
+///
+/// # Safety
+///
+/// `d` and `out` must outlive the step's execution (and every replay of a graph it was
+/// captured into).
+unsafe fn step(
+    a2a: &AllToAll,
+    stream: &Stream,
+    d: &DeviceInputs,
+    out: &DeviceBuffer,
+) -> Result<(), MoeError> {
+    a2a.barrier(stream)?;
+    a2a.clock(stream, 0)?;
+    // SAFETY: the caller's contract.
+    unsafe {
+        a2a.dispatch(stream, &d.input())?;
+        a2a.toy_experts(stream, out.device_ptr())?;
+        a2a.combine(stream, out.device_ptr())?;
+    }
+    a2a.clock(stream, 1)
+}
+
+/// A step captured in a CUDA graph (once), then `steps` steps alternating eager launches and
+/// replays, new inputs in the same buffers each time, every one checked; prints the step
+/// times of both (GPU clock, from the barrier to the combine's end).
+#[allow(clippy::too_many_arguments)]
+fn graph_steps(
+    a2a: &AllToAll,
+    c: &Config,
+    ctx: &Arc<cuda::Context>,
+    stream: &Stream,
+    out: &DeviceBuffer,
+    case: Case,
+    ci: usize,
+    rank: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let inputs = |step: usize| -> Vec<Inputs> {
+        (0..2).map(|r| reference::inputs(c, case.routing, SEED + ci as u64, r, step, case.tokens)).collect()
+    };
+    let first = inputs(0);
+    let d = DeviceInputs::upload(ctx, c, &first[rank], case.idx64)?;
+    // SAFETY: `d` and `out` outlive every launch and replay below (synchronized each step).
+    unsafe { step(a2a, stream, &d, out)? };
+    stream.synchronize()?;
+    stream.begin_capture()?;
+    // SAFETY: as above; captured, not run (a failed capture still has to be ended).
+    let captured = unsafe { step(a2a, stream, &d, out) };
+    let graph = stream.end_capture()?;
+    captured?;
+    let (mut eager, mut replay) = (Vec::new(), Vec::new());
+    for i in 1..=case.steps {
+        let all = inputs(i);
+        d.write(ctx, &all[rank])?;
+        if i % 2 == 0 {
+            // SAFETY: as above.
+            unsafe { graph.launch(stream)? };
+        } else {
+            // SAFETY: as above.
+            unsafe { step(a2a, stream, &d, out)? };
+        }
+        stream.synchronize()?;
+        a2a.check()?;
+        let got = a2a.read_received()?;
+        check_received(c, &all, rank, &got.sources, &got.rows).map_err(|e| format!("step {i}: {e}"))?;
+        check_combined(c, &all[rank], rank, &a2a.read_combined(case.tokens)?)
+            .map_err(|e| format!("step {i}: {e}"))?;
+        let took = a2a.clock_ns(1).saturating_sub(a2a.clock_ns(0));
+        if i % 2 == 0 {
+            replay.push(took)
+        } else {
+            eager.push(took)
+        }
+    }
+    let p50 = |v: &mut Vec<u64>| {
+        v.sort_unstable();
+        v[v.len() / 2] as f64 / 1e3
+    };
+    println!(
+        "moe graph: rank {rank}: step (barrier to combined) p50 eager {:.1} us, CUDA graph replay {:.1} us ({} each, every step checked)",
+        p50(&mut eager),
+        p50(&mut replay),
+        eager.len()
+    );
+    Ok(())
 }
 
 /// The second rank: this binary, running `moe_child`.
@@ -379,6 +483,16 @@ async fn moe_uneven_routing() {
         return;
     }
     two_ranks("moe_uneven_routing", "uneven", spread()).await;
+}
+
+/// A full step captured in a CUDA graph and replayed with new inputs in the same buffers:
+/// the same results as eager launches (all checked), and the step time of both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_cuda_graph_replay() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_cuda_graph_replay") {
+        return;
+    }
+    two_ranks("moe_cuda_graph_replay", "graph", spread()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
