@@ -25,7 +25,9 @@ for d in site.getsitepackages():
                     + glob.glob(os.path.join(d, "nvidia", "*", "*", "lib", "libnvrtc.so.*"))):
         if "builtins" not in p and ".alt." not in p:
             print(p); raise SystemExit' 2>/dev/null)
-  [ -n "$f" ] && export FABRIC_NVRTC=$f && echo "FABRIC_NVRTC=$f"
+  # NVRTC opens libnvrtc-builtins by name: its folder goes on the search path too.
+  [ -n "$f" ] && export FABRIC_NVRTC=$f LD_LIBRARY_PATH="$(dirname "$f")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    && echo "FABRIC_NVRTC=$f"
 fi
 # Test lines, the per-case lines, skips and results; a panic with the line of its message.
 show() {
