@@ -36,12 +36,12 @@ show() {
 }
 if [ "$n" -ge 2 ]; then
   echo "== moe_gpu tests, ranks on GPU 0 and GPU 1 (and both on GPU 0) ($(since))"
-  FABRIC_REQUIRE_GPUS=2 timeout -k 5 80 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
+  FABRIC_REQUIRE_GPUS=2 timeout -k 5 75 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
 fi
 echo "== moe_gpu tests on one GPU (CUDA_VISIBLE_DEVICES=0) ($(since))"
-CUDA_VISIBLE_DEVICES=0 timeout -k 5 70 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 65 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
 echo "== example moe_gpu, decode shape ($(since))"
 timeout -k 5 45 ./moe_gpu --steps "${STEPS:-200}" 2>&1 | grep -v "^\s*$" | head -20
 echo "== NCCL all_to_all_single of the same bytes ($(since))"
-timeout -k 5 50 python3 moe_gpu_nccl.py --steps "${STEPS:-200}" 2>&1 | grep -Ev "^\s*$|Warning|warn\(" | tail -8
+timeout -k 5 45 python3 moe_gpu_nccl.py --steps "${STEPS:-200}" 2>&1 | grep -Ev "^\s*$|Warning|warn\(" | tail -8
 echo "== done in $(since)"
