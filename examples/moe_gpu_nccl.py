@@ -52,10 +52,11 @@ def worker(rank, args, port, queue):
         end.synchronize()
         if step >= args.warmup:
             times.append(start.elapsed_time(end) * 1000.0)
-    # Every rank got every other rank's block for it.
-    want = [torch.empty(args.tokens, args.hidden, dtype=torch.bfloat16, device="cuda") for _ in range(args.ranks)]
-    dist.all_gather(want, x[rank * args.tokens:(rank + 1) * args.tokens].contiguous())
-    ok = all(torch.equal(out[r * args.tokens:(r + 1) * args.tokens], want[r]) for r in range(args.ranks))
+    # Every rank got every rank's block for it: block r of `out` is block `rank` of rank r's x.
+    every = [torch.empty_like(x) for _ in range(args.ranks)]
+    dist.all_gather(every, x)
+    mine = slice(rank * args.tokens, (rank + 1) * args.tokens)
+    ok = all(torch.equal(out[r * args.tokens:(r + 1) * args.tokens], every[r][mine]) for r in range(args.ranks))
     mib = rows * args.hidden * 2 / (1 << 20)
     queue.put((rank, f"nccl all_to_all_single: rank {rank} (cuda:{rank}): p50 {pct(times, 0.5):7.1f} us  "
                      f"p90 {pct(times, 0.9):7.1f} us   ({rows} rows = {mib:.2f} MiB per rank per step, "
