@@ -5,6 +5,8 @@
 //! - `shapes.rs`: the transfer shapes over several NICs and the arrivals each produces.
 //! - `topology.rs`: this machine's GPUs, RDMA NICs and NUMA nodes, and what fabric gives each GPU.
 //! - `moe.rs`: MoE dispatch/combine across R processes, busy-poll and Inline against Event.
+//! - `moe_gpu.rs`: MoE dispatch/combine on GPUs with `fabric-moe` (NVLink kernels), timed on
+//!   the GPU; `moe_gpu_nccl.py` times NCCL's `all_to_all_single` of the same bytes.
 //! - `kv_transfer/` (`main.rs`, `prefill.rs`, `decode.rs`): prefill/decode disaggregation, paged KV-cache blocks, decode workers
 //!   joining and leaving mid-run.
 //! - `rl_weights.rs`: a trainer streaming weight versions to inference workers.

@@ -197,6 +197,13 @@ impl Context {
         self.compute_capability
     }
 
+    /// How many streaming multiprocessors the device has (132 on H100 SXM and H200): how
+    /// many blocks a kernel that should occupy the whole GPU launches.
+    pub fn multiprocessor_count(&self) -> Result<u32> {
+        Ok(attribute(self.device, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1)
+            as u32)
+    }
+
     /// Total device memory in bytes.
     pub fn total_memory(&self) -> Result<usize> {
         let mut bytes = 0usize;

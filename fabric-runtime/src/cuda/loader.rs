@@ -83,6 +83,15 @@ const DRIVER_SYMBOLS: &[&str] = &[
 /// Driver entry points that only some drivers have; checked right before their call with
 /// [`has_driver_symbol`].
 pub(crate) const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
+/// CUDA graphs (`graph.rs`): stream capture and replay, CUDA 11.4 and later.
+pub(crate) const GRAPH_SYMBOLS: &[&str] = &[
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuGraphInstantiateWithFlags",
+    "cuGraphLaunch",
+    "cuGraphExecDestroy",
+    "cuGraphDestroy",
+];
 
 /// NVRTC entry points called by this module.
 const NVRTC_SYMBOLS: &[&str] = &[

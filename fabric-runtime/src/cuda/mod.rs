@@ -41,6 +41,7 @@
 
 mod driver;
 mod emulation;
+mod graph;
 mod ipc;
 mod kernels;
 mod loader;
@@ -51,6 +52,7 @@ mod stream;
 pub use driver::{available, context, driver, Context, Driver};
 #[doc(hidden)]
 pub use emulation::{emulated_copy, is_emulated, EMULATED_ORDINAL};
+pub use graph::Graph;
 pub use ipc::{ipc_export, IpcExport, IpcMapping, IpcMemHandle};
 pub use kernels::{pattern_byte, Kernels, SPIN_RELEASED, SPIN_TIMED_OUT};
 pub use memory::{

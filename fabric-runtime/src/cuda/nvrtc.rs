@@ -240,6 +240,42 @@ impl KernelArgs {
     }
 }
 
+impl Function {
+    /// Launches this kernel on the raw stream `stream` (a `CUstream` as an integer, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream), with this
+    /// function's context made current for the call. Only `cuLaunchKernel` is called, so the
+    /// launch may be captured in a CUDA graph.
+    ///
+    /// # Safety
+    ///
+    /// As [`Stream::launch`]; besides, `stream` must be a live stream of this function's
+    /// device (or 0) for the duration of the call.
+    pub unsafe fn launch_raw(&self, stream: u64, cfg: LaunchConfig, args: &KernelArgs) -> Result<()> {
+        let _cur = self.module.ctx.enter()?;
+        let mut slots = args.slots.clone();
+        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
+        let (g, b) = (cfg.grid, cfg.block);
+        // SAFETY: `params` points at one live 8-byte slot per parameter for the duration of
+        // the call (the driver copies them); the caller guarantees the kernel's view of them
+        // and that `stream` is a stream of this device.
+        check("cuLaunchKernel", unsafe {
+            cu::cuLaunchKernel(
+                self.raw,
+                g.0,
+                g.1,
+                g.2,
+                b.0,
+                b.1,
+                b.2,
+                cfg.shared_mem_bytes,
+                stream as usize as cu::CUstream,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
+    }
+}
+
 impl Stream {
     /// Launches `f` on this stream.
     ///
@@ -251,25 +287,7 @@ impl Stream {
     /// [`Function`]).
     pub unsafe fn launch(&self, f: &Function, cfg: LaunchConfig, args: &KernelArgs) -> Result<()> {
         let _cur = self.context().enter()?;
-        let mut slots = args.slots.clone();
-        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| (s as *mut u64).cast()).collect();
-        let (g, b) = (cfg.grid, cfg.block);
-        // SAFETY: `params` points at one live 8-byte slot per parameter for the duration of
-        // the call (the driver copies them); the caller guarantees the kernel's view of them.
-        check("cuLaunchKernel", unsafe {
-            cu::cuLaunchKernel(
-                f.raw,
-                g.0,
-                g.1,
-                g.2,
-                b.0,
-                b.1,
-                b.2,
-                cfg.shared_mem_bytes,
-                self.raw(),
-                params.as_mut_ptr(),
-                ptr::null_mut(),
-            )
-        })
+        // SAFETY: the caller's contract; this stream is live and of the context made current.
+        unsafe { f.launch_raw(self.handle(), cfg, args) }
     }
 }

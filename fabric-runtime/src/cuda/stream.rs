@@ -78,6 +78,13 @@ impl Stream {
         self.raw
     }
 
+    /// The raw `CUstream` as an integer, for launchers that take one
+    /// ([`Function::launch_raw`](super::Function::launch_raw)) and for other libraries
+    /// (PyTorch's `torch.cuda.ExternalStream`). Valid while this `Stream` lives.
+    pub fn handle(&self) -> u64 {
+        self.raw as usize as u64
+    }
+
     /// A new event, recorded at the current end of this stream: it completes when everything
     /// queued so far has.
     pub fn record(&self) -> Result<Event> {

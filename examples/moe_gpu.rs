@@ -1,0 +1,288 @@
+//! MoE dispatch and combine on GPUs with `fabric-moe`, across R processes of one host, every
+//! step checked, dispatch and combine timed on the GPU.
+//!
+//! ```text
+//! cargo run --release --example moe_gpu -- [--ranks 2] [--steps 200] [--tokens 128]
+//!                                          [--hidden 7168] [--experts 256] [--topk 8]
+//! ```
+//!
+//! Defaults are DeepSeek-V3's decode shape: 128 tokens per rank, hidden 7168 (bf16), 256
+//! experts, top-8. Rank 0 starts the other ranks (copies of this program; they meet through
+//! a `TcpStore` on 127.0.0.1); rank `r` uses GPU `r % devices` (two ranks share a GPU when
+//! there is one). Each step, on every rank's stream, with no host wait inside:
+//!
+//! ```text
+//! barrier (GPU) ─ clock ─ dispatch_send ─ dispatch_recv ─ clock ─ toy experts ─ clock ─ combine_send ─ combine_recv ─ clock
+//! ```
+//!
+//! then the host checks every received row and every combined element against the
+//! reference computed from the same seeds (`fabric_moe::reference`), and takes the times
+//! between the GPU clocks: dispatch and combine each from a common start (the barrier) to
+//! the moment this rank has everything, as an NCCL all-to-all is timed between CUDA events.
+//! The first `--warmup` steps are not counted. `examples/moe_gpu_nccl.py` times NCCL's
+//! `all_to_all_single` of the same bytes for comparison (`scripts/moe-gpu-run.sh` runs both).
+//!
+//! Without a CUDA driver or device it prints one `moe_gpu: skipped: ...` line and exits 0.
+
+use std::time::Duration;
+
+use clap::Parser;
+use fabric_async::bootstrap::{all_gather, Rendezvous, TcpStore, TcpStoreServer};
+use fabric_async::cuda::{self, DeviceBuffer, Stream};
+use fabric_async::Engine;
+use fabric_examples::{exit_with_parent, positive, spawn_self, wait_child, BoxError};
+use fabric_moe::reference::{self, check_combined, check_received, Inputs, Routing};
+use fabric_moe::{AllToAll, Config, DispatchInput, TopkIdx};
+
+/// Distinct input sets, uploaded once and used in turn (step `s` uses set `s % SETS`).
+const SETS: usize = 8;
+const SEED: u64 = 0x6d6f_655f_6770;
+
+/// MoE dispatch/combine with fabric-moe across --ranks processes on the GPUs of this host.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "moe_gpu", args_override_self = true)]
+struct Cli {
+    /// Ranks (processes); rank r uses GPU r % devices.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = positive)]
+    ranks: usize,
+    /// Timed steps (after the warm-up).
+    #[arg(long, value_name = "N", default_value_t = 200, value_parser = positive)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    warmup: usize,
+    /// Tokens per rank per step.
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = positive)]
+    tokens: usize,
+    /// Elements (bf16) per token.
+    #[arg(long, value_name = "N", default_value_t = 7168, value_parser = positive)]
+    hidden: usize,
+    /// Experts in all (a multiple of --ranks).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = positive)]
+    experts: usize,
+    /// Experts per token.
+    #[arg(long, value_name = "K", default_value_t = 8, value_parser = positive)]
+    topk: usize,
+    /// Rows each expert can receive per step (default: every token of every rank).
+    #[arg(long, value_name = "ROWS")]
+    capacity: Option<usize>,
+    /// Internal: this process's rank, started by rank 0 whose TcpStore is at --store.
+    #[arg(long, hide = true, default_value_t = 0)]
+    rank: usize,
+    /// Internal: rank 0's TcpStore.
+    #[arg(long, hide = true)]
+    store: Option<String>,
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    if cli.experts % cli.ranks != 0 || cli.topk > cli.experts {
+        eprintln!(
+            "moe_gpu: --experts {} must be a multiple of --ranks {} and at least --topk",
+            cli.experts, cli.ranks
+        );
+        std::process::exit(2);
+    }
+    if cli.rank == 0 {
+        match cuda::available() {
+            Ok(n) if n > 0 => {}
+            Ok(_) => skip("no CUDA device (the driver sees none)"),
+            Err(e) => skip(&format!("no CUDA driver ({e})")),
+        }
+    }
+    if let Err(e) = run(cli).await {
+        eprintln!("moe_gpu failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn skip(why: &str) -> ! {
+    println!("moe_gpu: skipped: {why}");
+    std::process::exit(0);
+}
+
+async fn run(cli: Cli) -> Result<(), BoxError> {
+    let (_server, addr, mut children) = match &cli.store {
+        Some(a) => {
+            exit_with_parent("moe_gpu");
+            (None, a.parse()?, Vec::new())
+        }
+        None => {
+            let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
+            let addr = server.local_addr();
+            let mut children = Vec::new();
+            for r in 1..cli.ranks {
+                children.push(spawn_self(rank_args(&cli, r, addr))?);
+            }
+            (Some(server), addr, children)
+        }
+    };
+    let store = TcpStore::connect(addr).await?.with_timeout(Duration::from_secs(120));
+    let result = run_rank(&cli, &store).await;
+    if let Err(e) = &result {
+        eprintln!("moe_gpu rank {}: {e}", cli.rank);
+    }
+    let mut failed = result.is_err();
+    for c in children.iter_mut() {
+        failed |= !wait_child(c, Duration::from_secs(60)).await?.success();
+    }
+    if failed {
+        return Err("a rank failed (see above)".into());
+    }
+    Ok(())
+}
+
+fn rank_args(cli: &Cli, rank: usize, store: std::net::SocketAddr) -> Vec<String> {
+    let mut a = vec!["--rank".to_string(), rank.to_string(), "--store".into(), store.to_string()];
+    for (k, v) in [
+        ("--ranks", cli.ranks),
+        ("--steps", cli.steps),
+        ("--warmup", cli.warmup),
+        ("--tokens", cli.tokens),
+        ("--hidden", cli.hidden),
+        ("--experts", cli.experts),
+        ("--topk", cli.topk),
+    ] {
+        a.extend([k.to_string(), v.to_string()]);
+    }
+    if let Some(c) = cli.capacity {
+        a.extend(["--capacity".to_string(), c.to_string()]);
+    }
+    a
+}
+
+/// One input set of this rank on its device, and every rank's inputs for the checks.
+struct Set {
+    all: Vec<Inputs>,
+    x: DeviceBuffer,
+    idx: DeviceBuffer,
+    weights: DeviceBuffer,
+}
+
+fn upload(ctx: &std::sync::Arc<cuda::Context>, c: &Config, all: Vec<Inputs>) -> Result<Set, BoxError> {
+    let mine = &all[c.rank];
+    let x = DeviceBuffer::new(ctx, c.max_tokens * c.hidden * 2)?;
+    let idx = DeviceBuffer::new(ctx, c.max_tokens * c.topk * 8)?;
+    let weights = DeviceBuffer::new(ctx, c.max_tokens * c.topk * 4)?;
+    x.copy_from_host(0, &mine.x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>())?;
+    idx.copy_from_host(0, &mine.topk_idx.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>())?;
+    weights.copy_from_host(0, &mine.topk_weights.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>())?;
+    Ok(Set { all, x, idx, weights })
+}
+
+async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
+    let (rank, ranks) = (cli.rank, cli.ranks);
+    let engine = Engine::builder().provider("tcp").build()?;
+    let mut c = Config::new(ranks, rank, cli.experts / ranks, cli.tokens, cli.hidden, cli.topk);
+    c.expert_capacity = cli.capacity;
+    let a2a = AllToAll::new(&engine, store, c.clone()).await?;
+    let ctx = cuda::context(a2a.device())?;
+    if rank == 0 {
+        println!(
+            "moe_gpu: {ranks} ranks ({}), {} tokens x {} bf16 per rank, {} experts, top-{}, {} steps (+{} warm-up)",
+            ctx.name(),
+            cli.tokens,
+            cli.hidden,
+            cli.experts,
+            cli.topk,
+            cli.steps,
+            cli.warmup
+        );
+    }
+    let sets: Vec<Set> = (0..SETS)
+        .map(|s| {
+            let all = (0..ranks)
+                .map(|r| reference::inputs(&c, Routing::Random { masked: false }, SEED, r, s, cli.tokens))
+                .collect();
+            upload(&ctx, &c, all)
+        })
+        .collect::<Result<_, _>>()?;
+    // Copies from pageable memory may return before their DMA lands; the stream below does
+    // not wait for them.
+    ctx.synchronize()?;
+    let rows: usize = sets.iter().map(|s| rows_sent(&c, &s.all[rank])).sum::<usize>() / SETS;
+    let stream = Stream::new(&ctx)?;
+    let out = DeviceBuffer::new(&ctx, a2a.expert_out_len())?;
+    // Its zero-fill ran on the legacy stream, which `stream` does not wait for.
+    ctx.synchronize()?;
+    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
+    for step in 0..cli.warmup + cli.steps {
+        let set = &sets[step % SETS];
+        let input = DispatchInput {
+            x: set.x.device_ptr(),
+            topk_idx: TopkIdx::I64(set.idx.device_ptr()),
+            topk_weights: set.weights.device_ptr(),
+            num_tokens: cli.tokens,
+        };
+        a2a.barrier(&stream)?;
+        a2a.clock(&stream, 0)?;
+        // SAFETY: the set's buffers and `out` outlive the step (synchronized below).
+        unsafe { a2a.dispatch(&stream, &input)? };
+        a2a.clock(&stream, 1)?;
+        // SAFETY: as above.
+        unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
+        a2a.barrier(&stream)?;
+        a2a.clock(&stream, 2)?;
+        // SAFETY: as above.
+        unsafe { a2a.combine(&stream, out.device_ptr())? };
+        a2a.clock(&stream, 3)?;
+        stream.synchronize()?;
+        a2a.check()?;
+        let got = a2a.read_received()?;
+        check_received(&c, &set.all, rank, &got.sources, &got.rows)
+            .map_err(|e| format!("step {step}: {e}"))?;
+        check_combined(&c, &set.all[rank], rank, &a2a.read_combined(cli.tokens)?)
+            .map_err(|e| format!("step {step}: {e}"))?;
+        if step >= cli.warmup {
+            dispatch.push(a2a.clock_ns(1).saturating_sub(a2a.clock_ns(0)));
+            combine.push(a2a.clock_ns(3).saturating_sub(a2a.clock_ns(2)));
+        }
+    }
+    drop(stream);
+    // Rank 0 prints every rank's figures.
+    let mine = format!(
+        "moe_gpu: rank {rank} (cuda:{}): dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {:.2} MiB sent per step, every step checked)",
+        a2a.device(),
+        pct(&mut dispatch, 0.5),
+        pct(&mut dispatch, 0.9),
+        pct(&mut combine, 0.5),
+        pct(&mut combine, 0.9),
+        (rows * cli.hidden * 2) as f64 / (1 << 20) as f64,
+    );
+    let lines =
+        all_gather(store as &dyn Rendezvous, "moe_gpu/report", rank, ranks, mine.into_bytes()).await?;
+    if rank == 0 {
+        for l in lines {
+            println!("{}", String::from_utf8_lossy(&l));
+        }
+    }
+    a2a.close(store).await?;
+    Ok(())
+}
+
+/// Rows this rank sends in one step: one per token and destination rank holding one of its
+/// experts.
+fn rows_sent(c: &Config, inp: &Inputs) -> usize {
+    (0..inp.tokens)
+        .map(|t| {
+            let mut ranks: Vec<usize> = inp.topk_idx[t * c.topk..(t + 1) * c.topk]
+                .iter()
+                .filter(|&&e| e >= 0)
+                .map(|&e| e as usize / c.experts_per_rank)
+                .collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            ranks.len()
+        })
+        .sum()
+}
+
+/// The `q` quantile of `v` (ns) in µs, nearest rank.
+fn pct(v: &mut [u64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1e3
+}

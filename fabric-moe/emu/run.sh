@@ -1,0 +1,35 @@
+#!/bin/bash
+# Runs fabric-moe's kernels on the CPU (no GPU, no CUDA toolkit: a C++20 compiler): the
+# three PTX helpers of kernels.cu (globaltimer, acquire load, release store) are swapped for
+# host equivalents, everything else is compiled as written against shim.h, and main.cpp
+# checks dispatch and combine of several steps. What it cannot check: the GPU's memory
+# model across NVLink, CUDA IPC, launches. Usage: fabric-moe/emu/run.sh
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 - "$here/../src/kernels.cu" "$work/kernels_emu.h" <<'PY'
+import sys
+src = open(sys.argv[1]).read()
+def replace_body(signature, body):
+    global src
+    i = src.index(signature)
+    j = src.index("{", i)
+    depth, k = 0, j
+    while True:
+        depth += {"{": 1, "}": -1}.get(src[k], 0)
+        if depth == 0:
+            break
+        k += 1
+    src = src[:j] + "{" + body + "}" + src[k + 1:]
+replace_body("__device__ __forceinline__ u64 now_ns()",
+             " return std::chrono::duration_cast<std::chrono::nanoseconds>("
+             "std::chrono::steady_clock::now().time_since_epoch()).count(); ")
+replace_body("__device__ __forceinline__ u64 ld_acquire_sys(const u64* p)", " return __atomic_load_n(p, __ATOMIC_ACQUIRE); ")
+replace_body("__device__ __forceinline__ void st_release_sys(u64* p, u64 v)", " __atomic_store_n(p, v, __ATOMIC_RELEASE); ")
+src = src.replace("#pragma unroll", "").replace('extern "C" __global__', "__global__")
+open(sys.argv[2], "w").write('#include "shim.h"\n' + src)
+PY
+cp "$here/shim.h" "$here/main.cpp" "$work/"
+${CXX:-g++} -std=c++20 -O1 -pthread -o "$work/emu" "$work/main.cpp"
+"$work/emu"

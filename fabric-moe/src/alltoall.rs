@@ -1,0 +1,545 @@
+//! [`AllToAll`]: the buffers of one MoE all-to-all, its kernels, and the stages a step is
+//! made of. Every stage is launched on the caller's stream and returns at once; nothing in
+//! a launch waits for the GPU or touches another stream, so a whole step can be captured in
+//! a CUDA graph.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use fabric_async::bootstrap::{all_gather, Rendezvous};
+use fabric_async::cuda::{self, Context, DeviceBuffer, KernelArgs, PinnedHostBuffer};
+use fabric_async::Engine;
+
+use crate::config::{Config, DispatchInput};
+use crate::error::{MoeError, Result};
+use crate::kernels::{launch, CudaStream, Kernels, THREADS};
+use crate::layout::Layout;
+use crate::nvlink::{self, Peers};
+
+/// Slots of the GPU clock that [`AllToAll::clock`] writes.
+pub const CLOCK_SLOTS: usize = 256;
+
+/// An MoE dispatch/combine between `ranks` processes of one host, over NVLink (CUDA IPC).
+///
+/// A step is [`dispatch_send`](Self::dispatch_send) → [`dispatch_recv`](Self::dispatch_recv)
+/// → (the experts, reading [`recv_x`](Self::recv_x), writing their outputs in the same
+/// layout) → [`combine_send`](Self::combine_send) → [`combine_recv`](Self::combine_recv),
+/// every rank running the same stages in the same order. [`dispatch`](Self::dispatch) and
+/// [`combine`](Self::combine) launch both halves.
+///
+/// # Layouts
+///
+/// After `dispatch_recv`, local expert `le` (global id `rank * experts_per_rank + le`) has
+/// `n = recv_count[le]` rows at `recv_x[le][0..n]` (`[experts_per_rank, capacity, hidden]`),
+/// and `src_info[le][i] = src_rank * max_tokens + token` says where row `i` came from. The
+/// order of rows within an expert is the order they were placed in (not fixed from step to
+/// step). `combine_send` reads `expert_out` in that same layout, and `combine_recv` leaves
+/// `combined[t] = sum over k of topk_weights[t][k] * expert_out(topk_idx[t][k], t)` for
+/// every token `t` of the dispatch (zeros for a token whose ids are all negative).
+///
+/// # Ordering between steps
+///
+/// Each stage reuses buffers of the step before, and peers write into this rank's window:
+/// a step's `combine_recv` must be launched before the next `dispatch_send` on the stream
+/// (as a step does), and the experts must finish reading `recv_x` before the next
+/// `dispatch_recv`. Two micro-batches in flight at once need two `AllToAll`s (two tags).
+pub struct AllToAll {
+    /// Mappings of the peers' windows; unmapped before our own buffers are freed.
+    peers: Peers,
+    kernels: Kernels,
+    /// What peers write into (exported).
+    window: DeviceBuffer,
+    /// This rank's state, routing, and outputs.
+    private: DeviceBuffer,
+    /// Error word the kernels write (pinned, device-mapped).
+    status: PinnedHostBuffer,
+    /// GPU clock stamps ([`clock`](Self::clock)).
+    clocks: PinnedHostBuffer,
+    layout: Layout,
+    config: Config,
+    device: usize,
+    blocks: u32,
+    /// For the proxy transport between hosts (a later phase); kept so that the API does not
+    /// change when it comes.
+    _engine: Engine,
+    /// Dropped last: every buffer above holds it too.
+    ctx: Arc<Context>,
+}
+
+impl fmt::Debug for AllToAll {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AllToAll")
+            .field("rank", &self.config.rank)
+            .field("ranks", &self.config.ranks)
+            .field("device", &self.device)
+            .field("window_bytes", &self.layout.window_len)
+            .field("private_bytes", &self.layout.private_len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the host reads back after a dispatch ([`AllToAll::read_received`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Received {
+    /// Per local expert: `(source rank, source token)` of each row, in row order.
+    pub sources: Vec<Vec<(usize, usize)>>,
+    /// Per local expert: its rows, `count * hidden` raw 16-bit values.
+    pub rows: Vec<Vec<u16>>,
+}
+
+impl AllToAll {
+    /// Allocates every buffer (once: nothing is allocated per step), compiles the kernels
+    /// for this rank's device, and meets the other ranks through `world`: each publishes the
+    /// CUDA IPC handle of its window and maps everybody else's. Every rank must call it with
+    /// the same shape (and tag); it returns when all have published.
+    ///
+    /// `engine` is this rank's transfer engine; the NVLink transport does not use it (the
+    /// proxy transport between hosts, a later phase, will).
+    ///
+    /// Errors: [`MoeError::Config`] (a bad or disagreeing config),
+    /// [`MoeError::Cuda`] (no driver or device: `Unsupported`; NVRTC missing; IPC refused),
+    /// [`MoeError::OtherHost`], [`MoeError::Bootstrap`].
+    pub async fn new(engine: &Engine, world: &dyn Rendezvous, config: Config) -> Result<AllToAll> {
+        config.validate()?;
+        let devices = cuda::available()?;
+        if devices == 0 {
+            return Err(fabric_async::Error::Unsupported("no CUDA device".into()).into());
+        }
+        let device = config.device.unwrap_or(config.rank % devices);
+        let ctx = cuda::context(device)?;
+        let layout = Layout::new(&config);
+        let kernels = Kernels::load(&ctx)?;
+        let len = |n: u64| {
+            usize::try_from(n).map_err(|_| MoeError::Config(format!("{n} bytes do not fit this machine")))
+        };
+        let window = DeviceBuffer::new(&ctx, len(layout.window_len)?)?;
+        let private = DeviceBuffer::new(&ctx, len(layout.private_len)?)?;
+        let status = PinnedHostBuffer::new(&ctx, 64)?;
+        let clocks = PinnedHostBuffer::new(&ctx, 8 * CLOCK_SLOTS)?;
+        let peers = nvlink::connect(world, &config, &ctx, &window).await?;
+        let bases: Vec<u8> = peers.bases.iter().flat_map(|b| b.to_le_bytes()).collect();
+        private.copy_from_host(layout.off_peers as usize, &bases)?;
+        let blocks =
+            ctx.multiprocessor_count()?.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
+        // The zero-fills and the copy above went to the legacy default stream, which the
+        // caller's (non-blocking) streams do not wait for, and a blocking copy from pageable
+        // memory may return before its DMA has landed: finish them before any kernel or
+        // peer can touch the buffers.
+        ctx.synchronize()?;
+        // Nobody writes into a window before every rank has mapped every window.
+        let key = format!("{}/moe-ready", config.tag);
+        all_gather(world, &key, config.rank, config.ranks, Vec::new()).await?;
+        Ok(AllToAll {
+            peers,
+            kernels,
+            window,
+            private,
+            status,
+            clocks,
+            layout,
+            config,
+            device,
+            blocks,
+            _engine: engine.clone(),
+            ctx,
+        })
+    }
+
+    /// The config this all-to-all was built with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The CUDA device (ordinal) of this rank.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Rows per local expert in [`recv_x`](Self::recv_x) and in `expert_out`.
+    pub fn capacity(&self) -> usize {
+        self.layout.capacity as usize
+    }
+
+    fn private_ptr(&self, off: u64) -> u64 {
+        self.private.device_ptr() + off
+    }
+
+    /// Device address of the dispatched rows, `[experts_per_rank, capacity, hidden]`.
+    pub fn recv_x(&self) -> u64 {
+        self.private_ptr(self.layout.off_x_expert)
+    }
+
+    /// Device address of the rows per local expert, `[experts_per_rank]` i32.
+    pub fn recv_count(&self) -> u64 {
+        self.private_ptr(self.layout.off_expert_count)
+    }
+
+    /// Device address of where each row came from, `[experts_per_rank, capacity]` i32
+    /// (`src_rank * max_tokens + token`).
+    pub fn src_info(&self) -> u64 {
+        self.private_ptr(self.layout.off_src_info)
+    }
+
+    /// Device address of the combined rows, `[max_tokens, hidden]` (the first `num_tokens`
+    /// of the step are written).
+    pub fn combined(&self) -> u64 {
+        self.private_ptr(self.layout.off_combined)
+    }
+
+    /// Bytes of an `expert_out` buffer for [`combine_send`](Self::combine_send): the size of
+    /// [`recv_x`](Self::recv_x).
+    pub fn expert_out_len(&self) -> usize {
+        (self.config.experts_per_rank as u64 * self.layout.capacity * self.layout.row_bytes) as usize
+    }
+
+    fn check_stream(&self, stream: CudaStream<'_>) -> Result<()> {
+        match stream.ordinal() {
+            Some(o) if o != self.device => Err(MoeError::Argument(format!(
+                "a stream of cuda:{o} for an all-to-all on cuda:{}",
+                self.device
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn common(&self) -> (u64, u64) {
+        (self.private_ptr(self.layout.off_state), self.status.device_ptr())
+    }
+
+    /// Routes this step's tokens by destination rank and writes each token once to every
+    /// rank that holds one of its experts (with its expert ids and weights), straight into
+    /// that rank's window; then raises this step's dispatch flag at every rank (also those
+    /// that get no token: the flag carries the count).
+    ///
+    /// # Safety
+    ///
+    /// `input`'s addresses must be device memory of this rank's device holding
+    /// `num_tokens` rows of `x` (`hidden` bf16 each), `topk_idx` (`topk` ids each) and
+    /// `topk_weights` (`topk` f32 each), not written until the launched kernels complete
+    /// (the stream's next work). `stream` must be a live stream of this device.
+    pub unsafe fn dispatch_send<'s>(
+        &self,
+        stream: impl Into<CudaStream<'s>>,
+        input: &DispatchInput,
+    ) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        if input.num_tokens > self.config.max_tokens {
+            return Err(MoeError::Argument(format!(
+                "{} tokens, max_tokens is {}",
+                input.num_tokens, self.config.max_tokens
+            )));
+        }
+        let (c, l) = (&self.config, &self.layout);
+        let (state, status) = self.common();
+        let (idx, idx64) = input.topk_idx.parts();
+        let route = KernelArgs::new()
+            .u64(idx)
+            .u32(idx64)
+            .u32(input.num_tokens as u32)
+            .u32(c.topk as u32)
+            .u32(c.ranks as u32)
+            .u32(c.experts_per_rank as u32)
+            .u64(self.private_ptr(l.off_send_slot))
+            .u64(self.private_ptr(l.off_send_count))
+            .u64(self.private_ptr(l.off_expert_count))
+            .u64(state)
+            .u64(status);
+        // SAFETY: moe_route(const void*, u32, u32, u32, u32, u32, int*, int*, int*, u64*,
+        // u64*): reads num_tokens * topk ids (the caller's contract), writes send_slot
+        // (max_tokens * ranks), send_count (ranks), expert_count (experts_per_rank) and the
+        // state, all inside `private` (layout.rs), and the status word. One block of 1024.
+        unsafe { launch(&self.kernels.route, stream, 1, 1024, route)? };
+        let send = KernelArgs::new()
+            .u64(input.x)
+            .u64(idx)
+            .u32(idx64)
+            .u64(input.topk_weights)
+            .u64(self.private_ptr(l.off_send_slot))
+            .u64(self.private_ptr(l.off_send_count))
+            .u64(self.private_ptr(l.off_peers))
+            .u64(state)
+            .u32(c.rank as u32)
+            .u32(c.ranks as u32)
+            .u32(c.max_tokens as u32)
+            .u32(c.topk as u32)
+            .u32(l.row_bytes as u32)
+            .u64(l.off_dflag)
+            .u64(l.off_meta)
+            .u64(l.off_rx);
+        // SAFETY: moe_dispatch_send's parameters in order. It reads the caller's rows, ids and
+        // weights of the tokens routed above, and writes, in each peer's window (mapped for
+        // the life of `self`, same layout), only this rank's section of meta and rx and this
+        // rank's flag.
+        unsafe { launch(&self.kernels.dispatch_send, stream, self.blocks, THREADS, send) }
+    }
+
+    /// Waits (on the GPU) for every rank's dispatch flag of this step, then places the
+    /// received rows by local expert in [`recv_x`](Self::recv_x), with
+    /// [`recv_count`](Self::recv_count) and [`src_info`](Self::src_info). A wait longer than
+    /// the config's timeout ends the kernel and is reported by [`check`](Self::check).
+    pub fn dispatch_recv<'s>(&self, stream: impl Into<CudaStream<'s>>) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        let (c, l) = (&self.config, &self.layout);
+        let (state, status) = self.common();
+        let args = KernelArgs::new()
+            .u64(self.window.device_ptr())
+            .u64(self.private_ptr(l.off_x_expert))
+            .u64(self.private_ptr(l.off_expert_count))
+            .u64(self.private_ptr(l.off_src_info))
+            .u64(self.private_ptr(l.off_recv_pos))
+            .u64(self.private_ptr(l.off_recv_count))
+            .u64(state)
+            .u64(status)
+            .u32(c.rank as u32)
+            .u32(c.ranks as u32)
+            .u32(c.max_tokens as u32)
+            .u32(c.topk as u32)
+            .u32(c.experts_per_rank as u32)
+            .u32(l.capacity as u32)
+            .u32(l.row_bytes as u32)
+            .u64(l.off_dflag)
+            .u64(l.off_meta)
+            .u64(l.off_rx)
+            .u64(timeout_ns(c));
+        // SAFETY: moe_dispatch_recv's parameters in order; it reads this rank's window and
+        // writes x_expert (positions checked against the capacity), counts, src_info,
+        // recv_pos and recv_count, all inside buffers `self` owns until Drop synchronizes.
+        unsafe { launch(&self.kernels.dispatch_recv, stream, self.blocks, THREADS, args) }
+    }
+
+    /// [`dispatch_send`](Self::dispatch_send) then [`dispatch_recv`](Self::dispatch_recv).
+    ///
+    /// # Safety
+    ///
+    /// As [`dispatch_send`](Self::dispatch_send).
+    pub unsafe fn dispatch<'s>(
+        &self,
+        stream: impl Into<CudaStream<'s>>,
+        input: &DispatchInput,
+    ) -> Result<()> {
+        let stream = stream.into();
+        // SAFETY: the caller's contract.
+        unsafe { self.dispatch_send(stream, input)? };
+        self.dispatch_recv(stream)
+    }
+
+    /// For every row received in this step's dispatch, the weighted sum of its local
+    /// experts' outputs (f32, then bf16), written straight into the source rank's window;
+    /// then raises this step's combine flag at every rank.
+    ///
+    /// # Safety
+    ///
+    /// `expert_out` must be device memory of this device of
+    /// [`expert_out_len`](Self::expert_out_len) bytes in the layout of
+    /// [`recv_x`](Self::recv_x) (it may be `recv_x` itself: identity experts), not written
+    /// until the kernel completes. `stream` must be a live stream of this device.
+    pub unsafe fn combine_send<'s>(&self, stream: impl Into<CudaStream<'s>>, expert_out: u64) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        let (c, l) = (&self.config, &self.layout);
+        let (state, _) = self.common();
+        let args = KernelArgs::new()
+            .u64(expert_out)
+            .u64(self.window.device_ptr())
+            .u64(self.private_ptr(l.off_recv_pos))
+            .u64(self.private_ptr(l.off_recv_count))
+            .u64(self.private_ptr(l.off_peers))
+            .u64(state)
+            .u32(c.rank as u32)
+            .u32(c.ranks as u32)
+            .u32(c.max_tokens as u32)
+            .u32(c.topk as u32)
+            .u32(c.experts_per_rank as u32)
+            .u32(l.capacity as u32)
+            .u32(c.hidden as u32)
+            .u64(l.off_cflag)
+            .u64(l.off_meta)
+            .u64(l.off_cx);
+        // SAFETY: moe_combine_send's parameters in order; reads expert_out at positions
+        // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
+        // writes this rank's section of cx and its flag in each peer's window.
+        unsafe { launch(&self.kernels.combine_send, stream, self.blocks, THREADS, args) }
+    }
+
+    /// Waits for every rank's combine flag of this step, then writes
+    /// [`combined`](Self::combined): each token's partial sums from the ranks it was sent
+    /// to, added in f32, as bf16.
+    pub fn combine_recv<'s>(&self, stream: impl Into<CudaStream<'s>>) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        let (c, l) = (&self.config, &self.layout);
+        let (state, status) = self.common();
+        let args = KernelArgs::new()
+            .u64(self.private_ptr(l.off_combined))
+            .u64(self.window.device_ptr())
+            .u64(self.private_ptr(l.off_send_slot))
+            .u64(state)
+            .u64(status)
+            .u32(c.ranks as u32)
+            .u32(c.max_tokens as u32)
+            .u32(c.hidden as u32)
+            .u64(l.off_cflag)
+            .u64(l.off_cx)
+            .u64(timeout_ns(c));
+        let blocks = self.blocks.min(c.max_tokens.div_ceil(8) as u32).max(1);
+        // SAFETY: moe_combine_recv's parameters in order; reads this rank's window and
+        // send_slot, writes the first num_tokens rows of `combined`, all owned by `self`.
+        unsafe { launch(&self.kernels.combine_recv, stream, blocks, THREADS, args) }
+    }
+
+    /// [`combine_send`](Self::combine_send) then [`combine_recv`](Self::combine_recv).
+    ///
+    /// # Safety
+    ///
+    /// As [`combine_send`](Self::combine_send).
+    pub unsafe fn combine<'s>(&self, stream: impl Into<CudaStream<'s>>, expert_out: u64) -> Result<()> {
+        let stream = stream.into();
+        // SAFETY: the caller's contract.
+        unsafe { self.combine_send(stream, expert_out)? };
+        self.combine_recv(stream)
+    }
+
+    /// A barrier of all ranks on the GPU: the kernel raises this rank's flag at every peer
+    /// and waits for theirs. For timing a step from a common start.
+    pub fn barrier<'s>(&self, stream: impl Into<CudaStream<'s>>) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        let (state, status) = self.common();
+        let args = KernelArgs::new()
+            .u64(self.window.device_ptr())
+            .u64(self.private_ptr(self.layout.off_peers))
+            .u64(state)
+            .u64(status)
+            .u32(self.config.rank as u32)
+            .u32(self.config.ranks as u32)
+            .u64(self.layout.off_bflag)
+            .u64(timeout_ns(&self.config));
+        let threads = (self.config.ranks as u32).div_ceil(32) * 32;
+        // SAFETY: moe_barrier's parameters in order; writes this rank's barrier flag in each
+        // window (mapped for the life of `self`) and the state word.
+        unsafe { launch(&self.kernels.barrier, stream, 1, threads, args) }
+    }
+
+    /// Writes the GPU's clock (ns, `%globaltimer`) into slot `slot` when the stream gets
+    /// there; read it with [`clock_ns`](Self::clock_ns) once the stream is done.
+    pub fn clock<'s>(&self, stream: impl Into<CudaStream<'s>>, slot: usize) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        if slot >= CLOCK_SLOTS {
+            return Err(MoeError::Argument(format!("clock slot {slot} of {CLOCK_SLOTS}")));
+        }
+        let args = KernelArgs::new().u64(self.clocks.device_ptr() + 8 * slot as u64);
+        // SAFETY: moe_clock(u64*) writes one word, inside `clocks` (checked), which lives
+        // until Drop synchronizes.
+        unsafe { launch(&self.kernels.clock, stream, 1, 1, args) }
+    }
+
+    /// The value [`clock`](Self::clock) wrote into `slot` (0 if never).
+    pub fn clock_ns(&self, slot: usize) -> u64 {
+        self.clocks.atomic_u64s().get(slot).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
+    /// Stand-in experts for tests and examples: local expert `le` (global id `e`) outputs
+    /// each of its rows times `1 + (e % 8) / 8`, rounded to bf16 (see
+    /// [`reference::toy_expert`](crate::reference::toy_expert)), into `expert_out`.
+    ///
+    /// # Safety
+    ///
+    /// As [`combine_send`](Self::combine_send) for `expert_out`, which this writes.
+    pub unsafe fn toy_experts<'s>(&self, stream: impl Into<CudaStream<'s>>, expert_out: u64) -> Result<()> {
+        let stream = stream.into();
+        self.check_stream(stream)?;
+        let (c, l) = (&self.config, &self.layout);
+        let args = KernelArgs::new()
+            .u64(self.private_ptr(l.off_x_expert))
+            .u64(expert_out)
+            .u64(self.private_ptr(l.off_expert_count))
+            .u32(c.rank as u32)
+            .u32(c.experts_per_rank as u32)
+            .u32(l.capacity as u32)
+            .u32(c.hidden as u32);
+        // SAFETY: moe_toy_experts' parameters in order; reads x_expert and the counts
+        // (owned), writes the rows below each count in expert_out (the caller's contract).
+        unsafe { launch(&self.kernels.toy_experts, stream, self.blocks, THREADS, args) }
+    }
+
+    /// Errors the kernels reported since `new` (a wait that timed out, a capacity overflow,
+    /// an expert id out of range). Reads one word of pinned memory: cheap, never blocks.
+    pub fn check(&self) -> Result<()> {
+        let word = self.status.atomic_u64s()[0].load(Ordering::Acquire);
+        let detail = (word & 0xffff_ffff) as usize;
+        match word >> 32 {
+            0 => Ok(()),
+            1 => Err(MoeError::Timeout { stage: "dispatch_recv" }),
+            2 => Err(MoeError::Timeout { stage: "combine_recv" }),
+            3 => Err(MoeError::CapacityExceeded { expert: detail }),
+            4 => Err(MoeError::BadExpert { token: detail }),
+            5 => Err(MoeError::Timeout { stage: "barrier" }),
+            k => Err(MoeError::Argument(format!("unknown kernel status {k}:{detail}"))),
+        }
+    }
+
+    /// Reads the dispatch's results to the host (cold path: tests, examples). Call it only
+    /// once the stream the stages ran on is synchronized: the copies are blocking copies on
+    /// the legacy default stream, which does not wait for other streams.
+    pub fn read_received(&self) -> Result<Received> {
+        let (c, l) = (&self.config, &self.layout);
+        let counts = self.read_i32s(l.off_expert_count, c.experts_per_rank)?;
+        let mut out = Received { sources: Vec::new(), rows: Vec::new() };
+        for (le, &n) in counts.iter().enumerate() {
+            let n = (n.max(0) as usize).min(self.capacity());
+            let info = self.read_i32s(l.off_src_info + 4 * le as u64 * l.capacity, n)?;
+            let t = c.max_tokens;
+            out.sources.push(info.iter().map(|&v| (v as usize / t, v as usize % t)).collect());
+            let mut rows = vec![0u8; n * l.row_bytes as usize];
+            let off = l.off_x_expert + le as u64 * l.capacity * l.row_bytes;
+            self.private.copy_to_host(off as usize, &mut rows)?;
+            out.rows.push(rows.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect());
+        }
+        Ok(out)
+    }
+
+    /// The first `num_tokens` combined rows, as raw bf16 (cold path; as
+    /// [`read_received`](Self::read_received), after synchronizing).
+    pub fn read_combined(&self, num_tokens: usize) -> Result<Vec<u16>> {
+        let n = num_tokens.min(self.config.max_tokens) * self.layout.row_bytes as usize;
+        let mut bytes = vec![0u8; n];
+        self.private.copy_to_host(self.layout.off_combined as usize, &mut bytes)?;
+        Ok(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())
+    }
+
+    fn read_i32s(&self, off: u64, n: usize) -> Result<Vec<i32>> {
+        let mut bytes = vec![0u8; 4 * n];
+        self.private.copy_to_host(off as usize, &mut bytes)?;
+        Ok(bytes.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    }
+
+    /// Ends the all-to-all in step with the other ranks: waits for this device's work and
+    /// for every rank to get there (nobody writes any more), unmaps the peers' windows,
+    /// waits for every rank to have done so, then frees everything. CUDA requires that
+    /// memory exported through IPC is not freed while another process has it open; a plain
+    /// drop cannot know that, so end a run with `close`.
+    pub async fn close(mut self, world: &dyn Rendezvous) -> Result<()> {
+        self.ctx.synchronize()?;
+        let (tag, rank, ranks) = (self.config.tag.clone(), self.config.rank, self.config.ranks);
+        all_gather(world, &format!("{tag}/moe-quiet"), rank, ranks, Vec::new()).await?;
+        self.peers.unmap();
+        all_gather(world, &format!("{tag}/moe-unmapped"), rank, ranks, Vec::new()).await?;
+        Ok(())
+    }
+}
+
+impl Drop for AllToAll {
+    fn drop(&mut self) {
+        // Every kernel of ours ends by itself (receive waits are bounded by the timeout);
+        // once the device is idle no launch uses the buffers freed below.
+        let _ = self.ctx.synchronize();
+    }
+}
+
+fn timeout_ns(c: &Config) -> u64 {
+    u64::try_from(c.timeout.as_nanos()).unwrap_or(u64::MAX)
+}

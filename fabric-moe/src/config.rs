@@ -1,0 +1,194 @@
+//! What an [`AllToAll`](crate::AllToAll) is built for: the shape of one step, fixed at
+//! `new` (every buffer is sized by it once), and how inputs are given to a step.
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use crate::error::{MoeError, Result};
+
+/// The most ranks one all-to-all spans (routing masks are 64-bit).
+pub const MAX_RANKS: usize = 64;
+
+/// Element type of the token rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Dtype {
+    /// bfloat16: rows move as raw 16-bit values, the weighted combine is done in f32.
+    Bf16,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// The shape of an all-to-all, the same on every rank except `rank` and `device`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Config {
+    /// Ranks (processes, one GPU each or several sharing one), at most [`MAX_RANKS`].
+    pub ranks: usize,
+    /// This process's rank, `0..ranks`.
+    pub rank: usize,
+    /// The CUDA device (ordinal) of this rank. Default: `rank % visible devices`.
+    pub device: Option<usize>,
+    /// Experts held by each rank: expert `e` (a global id in `0..ranks * experts_per_rank`)
+    /// lives on rank `e / experts_per_rank` as local expert `e % experts_per_rank`.
+    pub experts_per_rank: usize,
+    /// Most tokens a rank dispatches in one step.
+    pub max_tokens: usize,
+    /// Elements per token row.
+    pub hidden: usize,
+    /// Experts per token (columns of `topk_idx` and `topk_weights`).
+    pub topk: usize,
+    /// Element type (bf16 only in this phase).
+    pub dtype: Dtype,
+    /// Rows each local expert can receive in one step. Default (`None`): `ranks *
+    /// max_tokens`, which never overflows (every token of every rank); a smaller bound saves
+    /// memory (`experts_per_rank * capacity * hidden` elements), and a step that routes more
+    /// rows to one expert drops the excess and reports [`MoeError::CapacityExceeded`].
+    pub expert_capacity: Option<usize>,
+    /// Longest a receive stage waits for its peers before it gives up and reports
+    /// [`MoeError::Timeout`] (a dead or stalled peer never hangs the GPU).
+    pub timeout: Duration,
+    /// Prefix of the keys this all-to-all uses in the rendezvous store; distinct all-to-alls
+    /// that meet through one store need distinct tags.
+    pub tag: String,
+}
+
+impl Config {
+    /// A config with the defaults: bf16, device `rank % devices`, capacity `ranks *
+    /// max_tokens`, a 10 s timeout, tag `"moe"`.
+    pub fn new(
+        ranks: usize,
+        rank: usize,
+        experts_per_rank: usize,
+        max_tokens: usize,
+        hidden: usize,
+        topk: usize,
+    ) -> Config {
+        Config {
+            ranks,
+            rank,
+            device: None,
+            experts_per_rank,
+            max_tokens,
+            hidden,
+            topk,
+            dtype: Dtype::Bf16,
+            expert_capacity: None,
+            timeout: Duration::from_secs(10),
+            tag: "moe".into(),
+        }
+    }
+
+    /// Rows per local expert (see [`expert_capacity`](Self::expert_capacity)).
+    pub fn capacity(&self) -> usize {
+        self.expert_capacity.unwrap_or(self.ranks * self.max_tokens)
+    }
+
+    /// Global experts (`ranks * experts_per_rank`).
+    pub fn experts(&self) -> usize {
+        self.ranks * self.experts_per_rank
+    }
+
+    /// Checks the values against each other and the kernels' limits.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| Err(MoeError::Config(why));
+        if self.ranks == 0 || self.ranks > MAX_RANKS {
+            return bad(format!("ranks {} not in 1..={MAX_RANKS}", self.ranks));
+        }
+        if self.rank >= self.ranks {
+            return bad(format!("rank {} of {} ranks", self.rank, self.ranks));
+        }
+        if self.experts_per_rank == 0 || self.max_tokens == 0 || self.hidden == 0 || self.topk == 0 {
+            return bad("experts_per_rank, max_tokens, hidden and topk must be at least 1".into());
+        }
+        if self.topk > self.experts() {
+            return bad(format!("top-{} of {} experts", self.topk, self.experts()));
+        }
+        if self.capacity() == 0 {
+            return bad("expert_capacity 0".into());
+        }
+        // Rows, slots and source ids are 32-bit in the kernels.
+        let rows = (self.ranks * self.max_tokens) as u64;
+        if rows * self.topk as u64 > i32::MAX as u64 || self.experts() as u64 > i32::MAX as u64 {
+            return bad("ranks * max_tokens * topk must fit in 31 bits".into());
+        }
+        if self.hidden as u64 * self.dtype.bytes() as u64 > u32::MAX as u64 {
+            return bad(format!("hidden {} too large", self.hidden));
+        }
+        if self.tag.is_empty() {
+            return bad("empty tag".into());
+        }
+        Ok(())
+    }
+
+    /// The fields every rank must agree on, as bytes for the exchange at `new`.
+    pub(crate) fn shape_bytes(&self) -> Vec<u8> {
+        let words = [
+            self.ranks,
+            self.experts_per_rank,
+            self.max_tokens,
+            self.hidden,
+            self.topk,
+            self.dtype.bytes(),
+            self.capacity(),
+        ];
+        words.iter().flat_map(|w| (*w as u64).to_le_bytes()).collect()
+    }
+}
+
+/// The expert ids of a step, `[num_tokens, topk]` row-major in device memory: global expert
+/// ids, or -1 (or any negative value) for "no expert" in that column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TopkIdx {
+    /// `int32` ids at this device address.
+    I32(u64),
+    /// `int64` ids (PyTorch's `topk` indices) at this device address.
+    I64(u64),
+}
+
+impl TopkIdx {
+    pub(crate) fn parts(self) -> (u64, u32) {
+        match self {
+            TopkIdx::I32(p) => (p, 0),
+            TopkIdx::I64(p) => (p, 1),
+        }
+    }
+}
+
+/// The inputs of one dispatch, as device addresses on this rank's device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DispatchInput {
+    /// Token rows, `[num_tokens, hidden]` of the dtype, row-major (16-byte aligned rows move
+    /// 16 bytes per thread, others 2).
+    pub x: u64,
+    /// Expert ids, `[num_tokens, topk]`.
+    pub topk_idx: TopkIdx,
+    /// Weights, `[num_tokens, topk]` f32: what the combine multiplies each expert's output by.
+    pub topk_weights: u64,
+    /// Tokens this step, at most `max_tokens`.
+    pub num_tokens: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        assert!(Config::new(2, 0, 128, 128, 7168, 8).validate().is_ok());
+        assert!(Config::new(2, 2, 4, 8, 8, 2).validate().is_err());
+        assert!(Config::new(65, 0, 4, 8, 8, 2).validate().is_err());
+        assert!(Config::new(2, 0, 1, 8, 8, 3).validate().is_err(), "top-3 of 2 experts");
+        let mut c = Config::new(2, 0, 4, 8, 8, 2);
+        c.expert_capacity = Some(0);
+        assert!(c.validate().is_err());
+        assert_eq!(Config::new(2, 0, 4, 8, 8, 2).capacity(), 16);
+    }
+}

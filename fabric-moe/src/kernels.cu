@@ -1,0 +1,475 @@
+// fabric-moe's kernels: MoE dispatch and combine over NVLink (CUDA IPC mappings of every
+// rank's window). Compiled at run time by NVRTC (no headers: everything used is a builtin).
+//
+// Per step, on every rank, on the caller's stream:
+//   moe_route          topk_idx -> send_slot[t][d] (slot of token t in rank d's rows from us,
+//                      or -1), send_count[d]; zeroes expert_count; notes num_tokens
+//   moe_dispatch_send  token rows + meta (token index, experts, weights) into each peer's
+//                      window; the last block raises flag[d][me] = (seq << 32) | count
+//   moe_dispatch_recv  waits for every source's flag, then copies each received row into the
+//                      expert-major x_expert[le][pos] (pos from an atomic per local expert)
+//   moe_combine_send   per received row: sum_k w_k * expert_out[le_k][pos_k] in f32, as bf16
+//                      into the source's window; the last block raises the combine flags
+//   moe_combine_recv   waits for the combine flags, then out[t] = sum over ranks of the
+//                      partial sums (f32), as bf16
+//
+// Sequence numbers live in device memory (`state`), so launches carry no per-step argument
+// and can be captured in a CUDA graph and replayed. Every wait is bounded by timeout_ns; a
+// timeout (or a capacity overflow, or an out-of-range expert id) is written into `status`,
+// pinned host memory that the host reads.
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+struct alignas(16) V16 {
+    u32 a, b, c, d;
+};
+
+// Words of `state` (u64 each); the layout is shared with the host (`layout.rs`).
+#define ST_DSEND 0
+#define ST_DRECV 1
+#define ST_CSEND 2
+#define ST_CRECV 3
+#define ST_BARRIER 4
+#define ST_TOKENS 5
+// Done-block counters of the kernels that end with a "last block" step.
+#define ST_DONE_DSEND 8
+#define ST_DONE_DRECV 9
+#define ST_DONE_CSEND 10
+#define ST_DONE_CRECV 11
+
+// Error kinds in `status[0]` (kind << 32 | detail); see `Status` in alltoall.rs.
+#define ERR_DISPATCH_TIMEOUT 1ull
+#define ERR_COMBINE_TIMEOUT 2ull
+#define ERR_CAPACITY 3ull
+#define ERR_BAD_EXPERT 4ull
+#define ERR_BARRIER_TIMEOUT 5ull
+
+#define MAX_RANKS 64
+
+__device__ __forceinline__ u64 now_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void report(u64* status, u64 kind, u64 detail) {
+    *(volatile u64*)status = (kind << 32) | (detail & 0xffffffffull);
+    __threadfence_system();
+}
+
+// Spins until the 32-bit sequence in the high half of *flag reaches `want` (wrap-safe), or
+// the timeout passes. Returns the word, or sets *failed.
+__device__ u64 wait_seq(const u64* flag, u32 want, u64 timeout_ns, int* failed) {
+    u64 start = now_ns();
+    u64 w = ld_acquire_sys(flag);
+    while ((int)((u32)(w >> 32) - want) < 0) {
+        if (now_ns() - start > timeout_ns) {
+            *failed = 1;
+            return w;
+        }
+        w = ld_acquire_sys(flag);
+    }
+    return w;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u32 h) {
+    return __uint_as_float((h & 0xffffu) << 16);
+}
+
+// Round to nearest even, as `reference::f32_to_bf16` on the host.
+__device__ __forceinline__ u32 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return ((u >> 16) | 0x40u) & 0xffffu;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+}
+
+__device__ __forceinline__ i64 expert_of(const void* topk_idx, u32 idx64, u64 i) {
+    return idx64 ? ((const i64*)topk_idx)[i] : (i64)((const int*)topk_idx)[i];
+}
+
+// One warp copies `bytes` from src to dst: 16 B per lane and four loads in flight where both
+// ends and the length allow, 2 B per lane otherwise.
+__device__ __forceinline__ void copy_row(char* __restrict__ dst, const char* __restrict__ src, u32 bytes,
+                                         u32 lane) {
+    if ((((u64)dst | (u64)src | (u64)bytes) & 15ull) == 0) {
+        const V16* s = (const V16*)src;
+        V16* d = (V16*)dst;
+        u32 n = bytes / 16, i = lane;
+        for (; i + 96 < n; i += 128) {
+            V16 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
+            d[i] = a;
+            d[i + 32] = b;
+            d[i + 64] = c;
+            d[i + 96] = e;
+        }
+        for (; i < n; i += 32) d[i] = s[i];
+    } else {
+        const u16* s = (const u16*)src;
+        u16* d = (u16*)dst;
+        for (u32 i = lane; i < bytes / 2; i += 32) d[i] = s[i];
+    }
+}
+
+// The "last block" step: every thread's writes are made visible system-wide, then one
+// thread per block counts the block done. Returns true in the block that came last (in all
+// of its threads); that block resets the counter for the next launch.
+__device__ bool last_block(u64* done) {
+    __shared__ int last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1ull) == (u64)(gridDim.x - 1);
+    }
+    __syncthreads();
+    if (!last) return false;
+    __threadfence_system();
+    return true;
+}
+
+extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
+                                     u32 experts_per_rank, int* send_slot, int* send_count,
+                                     int* expert_count, u64* state, u64* status) {
+    __shared__ int wcount[32][MAX_RANKS];
+    __shared__ int carry[MAX_RANKS];
+    u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    for (u32 e = tid; e < experts_per_rank; e += blockDim.x) expert_count[e] = 0;
+    if (tid < ranks) carry[tid] = 0;
+    if (tid == 0) state[ST_TOKENS] = num_tokens;
+    __syncthreads();
+    i64 total = (i64)ranks * experts_per_rank;
+    u32 below = (1u << lane) - 1u;
+    for (u32 base = 0; base < num_tokens; base += blockDim.x) {
+        u32 t = base + tid;
+        u64 mask = 0;
+        if (t < num_tokens) {
+            for (u32 j = 0; j < k; ++j) {
+                i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
+                if (e < 0) continue;
+                if (e >= total) {
+                    report(status, ERR_BAD_EXPERT, t);
+                    continue;
+                }
+                mask |= 1ull << (u32)(e / experts_per_rank);
+            }
+        }
+        for (u32 d = 0; d < ranks; ++d) {
+            u32 ballot = __ballot_sync(0xffffffffu, (u32)(mask >> d) & 1u);
+            if (lane == 0) wcount[warp][d] = __popc(ballot);
+        }
+        __syncthreads();
+        if (tid < ranks) {
+            int run = carry[tid];
+            for (u32 w = 0; w < nwarps; ++w) {
+                int c = wcount[w][tid];
+                wcount[w][tid] = run;
+                run += c;
+            }
+            carry[tid] = run;
+        }
+        __syncthreads();
+        for (u32 d = 0; d < ranks; ++d) {
+            u32 bit = (u32)(mask >> d) & 1u;
+            u32 ballot = __ballot_sync(0xffffffffu, bit);
+            if (t < num_tokens) {
+                send_slot[(u64)t * ranks + d] = bit ? wcount[warp][d] + __popc(ballot & below) : -1;
+            }
+        }
+        __syncthreads();
+    }
+    if (tid < ranks) send_count[tid] = carry[tid];
+}
+
+extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
+                                             const float* topk_weights, const int* send_slot,
+                                             const int* send_count, const u64* peers, u64* state,
+                                             u32 rank, u32 ranks, u32 max_tokens, u32 k, u32 row_bytes,
+                                             u64 off_dflag, u64 off_meta, u64 off_rx) {
+    u32 lane = threadIdx.x & 31;
+    u32 warps = gridDim.x * (blockDim.x >> 5);
+    u32 num_tokens = (u32)state[ST_TOKENS];
+    u32 meta_words = 1 + 2 * k;
+    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < num_tokens * ranks; i += warps) {
+        u32 t = i / ranks, d = i % ranks;
+        int slot = send_slot[i];
+        if (slot < 0) continue;
+        u64 row = (u64)rank * max_tokens + (u32)slot;
+        char* base = (char*)peers[d];
+        copy_row(base + off_rx + row * row_bytes, x + (u64)t * row_bytes, row_bytes, lane);
+        int* meta = (int*)(base + off_meta) + row * meta_words;
+        if (lane == 0) meta[0] = (int)t;
+        for (u32 j = lane; j < k; j += 32) {
+            i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
+            meta[1 + j] = (e < 0 || e > 0x7fffffffll) ? -1 : (int)e;
+            meta[1 + k + j] = __float_as_int(topk_weights[(u64)t * k + j]);
+        }
+    }
+    if (!last_block(&state[ST_DONE_DSEND])) return;
+    u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
+    if (threadIdx.x < ranks) {
+        u32 d = threadIdx.x;
+        u64* flag = (u64*)((char*)peers[d] + off_dflag) + rank;
+        st_release_sys(flag, (seq << 32) | (u32)send_count[d]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        state[ST_DSEND] = seq;
+        state[ST_DONE_DSEND] = 0;
+    }
+}
+
+extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
+                                             int* src_info, int* recv_pos, int* recv_count, u64* state,
+                                             u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
+                                             u32 experts_per_rank, u32 capacity, u32 row_bytes,
+                                             u64 off_dflag, u64 off_meta, u64 off_rx, u64 timeout_ns) {
+    __shared__ int cnt[MAX_RANKS];
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    if (threadIdx.x < ranks) {
+        u32 s = threadIdx.x;
+        u32 want = (u32)(state[ST_DRECV] + 1);
+        u64 w = wait_seq((const u64*)(window + off_dflag) + s, want, timeout_ns, &failed);
+        cnt[s] = (int)(u32)w;
+        if (blockIdx.x == 0) recv_count[s] = (int)(u32)w;
+    }
+    __syncthreads();
+    __threadfence();
+    if (failed) {
+        if (threadIdx.x == 0) report(status, ERR_DISPATCH_TIMEOUT, blockIdx.x);
+    } else {
+        u32 lane = threadIdx.x & 31;
+        u32 warps = gridDim.x * (blockDim.x >> 5);
+        u32 meta_words = 1 + 2 * k;
+        int first = (int)(rank * experts_per_rank);
+        for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < ranks * max_tokens; i += warps) {
+            u32 s = i / max_tokens, slot = i % max_tokens;
+            if ((int)slot >= cnt[s]) continue;
+            const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
+            const char* src = window + off_rx + (u64)i * row_bytes;
+            int tok = meta[0];
+            for (u32 j = 0; j < k; ++j) {
+                int e = meta[1 + j];
+                if (e < first || e >= first + (int)experts_per_rank) {
+                    if (lane == 0) recv_pos[(u64)i * k + j] = -1;
+                    continue;
+                }
+                int le = e - first;
+                int pos = -1;
+                if (lane == 0) {
+                    pos = atomicAdd(&expert_count[le], 1);
+                    if (pos >= (int)capacity) {
+                        report(status, ERR_CAPACITY, (u64)le);
+                        pos = -1;
+                    } else {
+                        src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                    }
+                    recv_pos[(u64)i * k + j] = pos;
+                }
+                pos = __shfl_sync(0xffffffffu, pos, 0);
+                if (pos >= 0) copy_row(x_expert + ((u64)le * capacity + pos) * row_bytes, src, row_bytes, lane);
+            }
+        }
+    }
+    if (!last_block(&state[ST_DONE_DRECV])) return;
+    // Counts past the capacity (an overflow, reported above) are clamped to what was placed.
+    for (u32 e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
+        if (expert_count[e] > (int)capacity) expert_count[e] = (int)capacity;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        state[ST_DRECV] = (state[ST_DRECV] + 1) & 0xffffffffull;
+        state[ST_DONE_DRECV] = 0;
+    }
+}
+
+// 8 bf16 of `v` times `w`, added into acc.
+__device__ __forceinline__ void fma8(float* acc, V16 v, float w) {
+    u32 words[4] = {v.a, v.b, v.c, v.d};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        acc[2 * q] += w * bf16_to_f32(words[q]);
+        acc[2 * q + 1] += w * bf16_to_f32(words[q] >> 16);
+    }
+}
+
+__device__ __forceinline__ V16 pack8(const float* acc) {
+    V16 o;
+    o.a = f32_to_bf16(acc[0]) | (f32_to_bf16(acc[1]) << 16);
+    o.b = f32_to_bf16(acc[2]) | (f32_to_bf16(acc[3]) << 16);
+    o.c = f32_to_bf16(acc[4]) | (f32_to_bf16(acc[5]) << 16);
+    o.d = f32_to_bf16(acc[6]) | (f32_to_bf16(acc[7]) << 16);
+    return o;
+}
+
+extern "C" __global__ void moe_combine_send(const char* expert_out, const char* window, const int* recv_pos,
+                                            const int* recv_count, const u64* peers, u64* state, u32 rank,
+                                            u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
+                                            u32 capacity, u32 hidden, u64 off_cflag, u64 off_meta,
+                                            u64 off_cx) {
+    u32 lane = threadIdx.x & 31;
+    u32 warps = gridDim.x * (blockDim.x >> 5);
+    u32 meta_words = 1 + 2 * k;
+    u64 row_bytes = (u64)hidden * 2;
+    int first = (int)(rank * experts_per_rank);
+    bool vec = (hidden % 8 == 0) && (((u64)expert_out & 15ull) == 0);
+    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < ranks * max_tokens; i += warps) {
+        u32 s = i / max_tokens, slot = i % max_tokens;
+        if ((int)slot >= recv_count[s]) continue;
+        const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
+        char* dst = (char*)peers[s] + off_cx + ((u64)rank * max_tokens + slot) * row_bytes;
+        if (vec) {
+            for (u32 c = lane; c < hidden / 8; c += 32) {
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (u32 j = 0; j < k; ++j) {
+                    int pos = recv_pos[(u64)i * k + j];
+                    if (pos < 0) continue;
+                    int le = meta[1 + j] - first;
+                    float w = __int_as_float(meta[1 + k + j]);
+                    const V16* row = (const V16*)(expert_out + ((u64)le * capacity + pos) * row_bytes);
+                    fma8(acc, row[c], w);
+                }
+                ((V16*)dst)[c] = pack8(acc);
+            }
+        } else {
+            for (u32 h = lane; h < hidden; h += 32) {
+                float acc = 0.f;
+                for (u32 j = 0; j < k; ++j) {
+                    int pos = recv_pos[(u64)i * k + j];
+                    if (pos < 0) continue;
+                    int le = meta[1 + j] - first;
+                    float w = __int_as_float(meta[1 + k + j]);
+                    const u16* row = (const u16*)(expert_out + ((u64)le * capacity + pos) * row_bytes);
+                    acc += w * bf16_to_f32(row[h]);
+                }
+                ((u16*)dst)[h] = (u16)f32_to_bf16(acc);
+            }
+        }
+    }
+    if (!last_block(&state[ST_DONE_CSEND])) return;
+    u64 seq = (state[ST_CSEND] + 1) & 0xffffffffull;
+    if (threadIdx.x < ranks) {
+        u32 d = threadIdx.x;
+        u64* flag = (u64*)((char*)peers[d] + off_cflag) + rank;
+        st_release_sys(flag, (seq << 32) | (u32)recv_count[d]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        state[ST_CSEND] = seq;
+        state[ST_DONE_CSEND] = 0;
+    }
+}
+
+extern "C" __global__ void moe_combine_recv(char* out, const char* window, const int* send_slot, u64* state,
+                                            u64* status, u32 ranks, u32 max_tokens, u32 hidden,
+                                            u64 off_cflag, u64 off_cx, u64 timeout_ns) {
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    if (threadIdx.x < ranks) {
+        u32 want = (u32)(state[ST_CRECV] + 1);
+        wait_seq((const u64*)(window + off_cflag) + threadIdx.x, want, timeout_ns, &failed);
+    }
+    __syncthreads();
+    __threadfence();
+    if (failed) {
+        if (threadIdx.x == 0) report(status, ERR_COMBINE_TIMEOUT, blockIdx.x);
+    } else {
+        u32 lane = threadIdx.x & 31;
+        u32 warps = gridDim.x * (blockDim.x >> 5);
+        u32 num_tokens = (u32)state[ST_TOKENS];
+        u64 row_bytes = (u64)hidden * 2;
+        bool vec = (hidden % 8 == 0) && (((u64)out & 15ull) == 0);
+        for (u32 t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < num_tokens; t += warps) {
+            char* dst = out + (u64)t * row_bytes;
+            const int* slots = send_slot + (u64)t * ranks;
+            if (vec) {
+                for (u32 c = lane; c < hidden / 8; c += 32) {
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    for (u32 d = 0; d < ranks; ++d) {
+                        int slot = slots[d];
+                        if (slot < 0) continue;
+                        const V16* row = (const V16*)(window + off_cx + ((u64)d * max_tokens + slot) * row_bytes);
+                        fma8(acc, row[c], 1.0f);
+                    }
+                    ((V16*)dst)[c] = pack8(acc);
+                }
+            } else {
+                for (u32 h = lane; h < hidden; h += 32) {
+                    float acc = 0.f;
+                    for (u32 d = 0; d < ranks; ++d) {
+                        int slot = slots[d];
+                        if (slot < 0) continue;
+                        const u16* row = (const u16*)(window + off_cx + ((u64)d * max_tokens + slot) * row_bytes);
+                        acc += bf16_to_f32(row[h]);
+                    }
+                    ((u16*)dst)[h] = (u16)f32_to_bf16(acc);
+                }
+            }
+        }
+    }
+    if (!last_block(&state[ST_DONE_CRECV])) return;
+    if (threadIdx.x == 0) {
+        state[ST_CRECV] = (state[ST_CRECV] + 1) & 0xffffffffull;
+        state[ST_DONE_CRECV] = 0;
+    }
+}
+
+// Every rank raises its flag in every peer's window, then waits for every peer's: a barrier
+// on the GPU, for timing (one block).
+extern "C" __global__ void moe_barrier(const char* window, const u64* peers, u64* state, u64* status,
+                                       u32 rank, u32 ranks, u64 off_bflag, u64 timeout_ns) {
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    u64 seq = (state[ST_BARRIER] + 1) & 0xffffffffull;
+    if (threadIdx.x < ranks) {
+        u64* flag = (u64*)((char*)peers[threadIdx.x] + off_bflag) + rank;
+        st_release_sys(flag, seq << 32);
+        wait_seq((const u64*)(window + off_bflag) + threadIdx.x, (u32)seq, timeout_ns, &failed);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (failed) report(status, ERR_BARRIER_TIMEOUT, rank);
+        state[ST_BARRIER] = seq;
+    }
+}
+
+// The GPU's clock (ns) into *dst: stamps between stages, for timing without the host.
+extern "C" __global__ void moe_clock(u64* dst) {
+    *dst = now_ns();
+    __threadfence_system();
+}
+
+// A stand-in for the experts (tests, examples): expert_out[le][i] = bf16(x_expert[le][i] *
+// (1 + (e % 8) / 8)) for the rows each local expert received, e the global expert id.
+extern "C" __global__ void moe_toy_experts(const char* x_expert, char* expert_out, const int* expert_count,
+                                           u32 rank, u32 experts_per_rank, u32 capacity, u32 hidden) {
+    u32 lane = threadIdx.x & 31;
+    u32 warps = gridDim.x * (blockDim.x >> 5);
+    u64 rows = (u64)experts_per_rank * capacity;
+    for (u64 r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        u32 le = (u32)(r / capacity), i = (u32)(r % capacity);
+        if ((int)i >= expert_count[le]) continue;
+        float scale = 1.0f + (float)((rank * experts_per_rank + le) % 8) / 8.0f;
+        const u16* src = (const u16*)(x_expert + r * hidden * 2);
+        u16* dst = (u16*)(expert_out + r * hidden * 2);
+        for (u32 h = lane; h < hidden; h += 32) dst[h] = (u16)f32_to_bf16(bf16_to_f32(src[h]) * scale);
+    }
+}

@@ -1,0 +1,158 @@
+//! Where everything lives: the byte offsets of the exported window (what peers write into)
+//! and of this rank's private buffer, computed once from the [`Config`]. Plain arithmetic,
+//! no CUDA; the kernels get the offsets as arguments.
+//!
+//! ```text
+//! window (exported through CUDA IPC, written by every rank):
+//!   dflag[R] u64 | cflag[R] u64 | bflag[R] u64 | meta[R][T][1+2K] i32 | rx[R][T][H] bf16 | cx[R][T][H] bf16
+//!    dispatch      combine        barrier       token, experts,         dispatched rows     partial sums
+//!    (seq<<32|n)   flags          flags         weights per row         by source, slot     by expert rank
+//!
+//! private (this rank only):
+//!   state[16] u64 | peers[R] u64 | send_slot[T][R] | send_count[R] | recv_count[R] |
+//!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H]
+//! ```
+#![forbid(unsafe_code)]
+
+use crate::config::Config;
+
+/// Every region starts on this boundary (16 B rows need 16; 256 keeps regions apart in
+/// cache lines).
+const ALIGN: u64 = 256;
+
+/// The words of the private `state` array (`kernels.cu` has the same numbers).
+pub(crate) const STATE_WORDS: u64 = 16;
+
+fn align(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Offsets and sizes, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub row_bytes: u64,
+    pub meta_words: u64,
+    pub capacity: u64,
+    // Window.
+    pub off_dflag: u64,
+    pub off_cflag: u64,
+    pub off_bflag: u64,
+    pub off_meta: u64,
+    pub off_rx: u64,
+    pub off_cx: u64,
+    pub window_len: u64,
+    // Private.
+    pub off_state: u64,
+    pub off_peers: u64,
+    pub off_send_slot: u64,
+    pub off_send_count: u64,
+    pub off_recv_count: u64,
+    pub off_recv_pos: u64,
+    pub off_expert_count: u64,
+    pub off_src_info: u64,
+    pub off_x_expert: u64,
+    pub off_combined: u64,
+    pub private_len: u64,
+}
+
+/// Lays out regions of the given sizes one after the other, each aligned; returns their
+/// offsets and the total.
+fn stack<const N: usize>(sizes: [u64; N]) -> ([u64; N], u64) {
+    let mut offs = [0u64; N];
+    let mut at = 0u64;
+    for (o, s) in offs.iter_mut().zip(sizes) {
+        *o = at;
+        at = align(at + s.max(1));
+    }
+    (offs, at)
+}
+
+impl Layout {
+    pub(crate) fn new(c: &Config) -> Layout {
+        let (r, t, k, e) = (c.ranks as u64, c.max_tokens as u64, c.topk as u64, c.experts_per_rank as u64);
+        let row_bytes = c.hidden as u64 * c.dtype.bytes() as u64;
+        let meta_words = 1 + 2 * k;
+        let capacity = c.capacity() as u64;
+        let ([off_dflag, off_cflag, off_bflag, off_meta, off_rx, off_cx], window_len) =
+            stack([8 * r, 8 * r, 8 * r, 4 * r * t * meta_words, r * t * row_bytes, r * t * row_bytes]);
+        let (
+            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined],
+            private_len,
+        ) = stack([
+            8 * STATE_WORDS,
+            8 * r,
+            4 * t * r,
+            4 * r,
+            4 * r,
+            4 * r * t * k,
+            4 * e,
+            4 * e * capacity,
+            e * capacity * row_bytes,
+            t * row_bytes,
+        ]);
+        Layout {
+            row_bytes,
+            meta_words,
+            capacity,
+            off_dflag,
+            off_cflag,
+            off_bflag,
+            off_meta,
+            off_rx,
+            off_cx,
+            window_len,
+            off_state,
+            off_peers,
+            off_send_slot,
+            off_send_count,
+            off_recv_count,
+            off_recv_pos,
+            off_expert_count,
+            off_src_info,
+            off_x_expert,
+            off_combined,
+            private_len,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_are_aligned_and_disjoint() {
+        let c = Config::new(2, 0, 128, 128, 7168, 8);
+        let l = Layout::new(&c);
+        assert_eq!(l.row_bytes, 14336);
+        assert_eq!(l.capacity, 256);
+        let window = [l.off_dflag, l.off_cflag, l.off_bflag, l.off_meta, l.off_rx, l.off_cx, l.window_len];
+        assert!(window.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
+        assert_eq!(l.off_cx - l.off_rx, 2 * 128 * 14336);
+        assert_eq!(l.window_len - l.off_cx, 2 * 128 * 14336);
+        let private = [
+            l.off_state,
+            l.off_peers,
+            l.off_send_slot,
+            l.off_send_count,
+            l.off_recv_count,
+            l.off_recv_pos,
+            l.off_expert_count,
+            l.off_src_info,
+            l.off_x_expert,
+            l.off_combined,
+            l.private_len,
+        ];
+        assert!(private.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
+        assert_eq!(l.off_combined - l.off_x_expert, 128 * 256 * 14336);
+    }
+
+    #[test]
+    fn capacity_can_be_bounded() {
+        let mut c = Config::new(2, 1, 4, 64, 128, 2);
+        c.expert_capacity = Some(10);
+        let l = Layout::new(&c);
+        assert_eq!(l.capacity, 10);
+        assert_eq!(l.off_combined - l.off_x_expert, align(4 * 10 * 256));
+    }
+}
