@@ -91,5 +91,9 @@ int main() {
   bad += run(3, 40, 16, 2, 4, 40, 120, false, 2, false);
   bad += run(2, 64, 24, 4, 1, 64, 128, false, 2, true);
   bad += run(2, 32, 200, 8, 8, 32, 64, true, 2, false);
+  // Rows of several 2 KiB segments (2056 bf16: 257 chunks), top-8 (the register paths) and
+  // top-9 (the general ones).
+  bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false);
+  bad += run(2, 8, 2056, 8, 9, 8, 16, true, 2, false);
   return bad ? 1 : 0;
 }

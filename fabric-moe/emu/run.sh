@@ -27,7 +27,7 @@ replace_body("__device__ __forceinline__ u64 now_ns()",
              "std::chrono::steady_clock::now().time_since_epoch()).count(); ")
 replace_body("__device__ __forceinline__ u64 ld_acquire_sys(const u64* p)", " return __atomic_load_n(p, __ATOMIC_ACQUIRE); ")
 replace_body("__device__ __forceinline__ void st_release_sys(u64* p, u64 v)", " __atomic_store_n(p, v, __ATOMIC_RELEASE); ")
-src = src.replace("#pragma unroll", "").replace('extern "C" __global__', "__global__")
+import re; src = re.sub(r"#pragma unroll( [0-9]+)?", "", src).replace('extern "C" __global__', "__global__")
 open(sys.argv[2], "w").write('#include "shim.h"\n' + src)
 PY
 cp "$here/shim.h" "$here/main.cpp" "$work/"

@@ -60,6 +60,10 @@ pub struct AllToAll {
     config: Config,
     device: usize,
     blocks: u32,
+    /// Blocks of the combine stages: their work items are (row, 2 KiB segment), so that a
+    /// few rows of a wide hidden size still spread over the SMs.
+    combine_send_blocks: u32,
+    combine_recv_blocks: u32,
     /// For the proxy transport between hosts (a later phase); kept so that the API does not
     /// change when it comes.
     _engine: Engine,
@@ -120,8 +124,13 @@ impl AllToAll {
         let peers = nvlink::connect(world, &config, &ctx, &window).await?;
         let bases: Vec<u8> = peers.bases.iter().flat_map(|b| b.to_le_bytes()).collect();
         private.copy_from_host(layout.off_peers as usize, &bases)?;
-        let blocks =
-            ctx.multiprocessor_count()?.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
+        let sms = ctx.multiprocessor_count()?;
+        let blocks = sms.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
+        // As kernels.cu splits a combine row: SEG_V16 chunks of 8 bf16 (2 KiB) per item.
+        let segs = config.hidden.div_ceil(8).div_ceil(128);
+        let combine_send_blocks =
+            sms.min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
+        let combine_recv_blocks = sms.min((config.max_tokens * segs).div_ceil(8) as u32).max(1);
         // The zero-fills and the copy above went to the legacy default stream, which the
         // caller's (non-blocking) streams do not wait for, and a blocking copy from pageable
         // memory may return before its DMA has landed: finish them before any kernel or
@@ -141,6 +150,8 @@ impl AllToAll {
             config,
             device,
             blocks,
+            combine_send_blocks,
+            combine_recv_blocks,
             _engine: engine.clone(),
             ctx,
         })
@@ -361,7 +372,7 @@ impl AllToAll {
         // SAFETY: moe_combine_send's parameters in order; reads expert_out at positions
         // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
         // writes this rank's section of cx and its flag in each peer's window.
-        unsafe { launch(&self.kernels.combine_send, stream, self.blocks, THREADS, args) }
+        unsafe { launch(&self.kernels.combine_send, stream, self.combine_send_blocks, THREADS, args) }
     }
 
     /// Waits for every rank's combine flag of this step, then writes
@@ -384,7 +395,7 @@ impl AllToAll {
             .u64(l.off_cflag)
             .u64(l.off_cx)
             .u64(timeout_ns(c));
-        let blocks = self.blocks.min(c.max_tokens.div_ceil(8) as u32).max(1);
+        let blocks = self.combine_recv_blocks;
         // SAFETY: moe_combine_recv's parameters in order; reads this rank's window and
         // send_slot, writes the first num_tokens rows of `combined`, all owned by `self`.
         unsafe { launch(&self.kernels.combine_recv, stream, blocks, THREADS, args) }

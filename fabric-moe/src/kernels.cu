@@ -129,6 +129,47 @@ __device__ __forceinline__ void copy_row(char* __restrict__ dst, const char* __r
 // The "last block" step: every thread's writes are made visible system-wide, then one
 // thread per block counts the block done. Returns true in the block that came last (in all
 // of its threads); that block resets the counter for the next launch.
+// Top-k and rank counts up to these take the register paths below (every index known at
+// compile time, so the arrays stay in registers); larger ones the general loops.
+#define FAST_K 8
+#define FAST_R 8
+// 16-byte chunks of a row one warp item covers (2 KiB): rows are split into such segments so
+// that a few rows still spread over many warps.
+#define SEG_V16 128
+
+// One past the last chunk of segment `seg` of a row of `chunks`.
+__device__ __forceinline__ u32 seg_end(u32 chunks, u32 seg) {
+    u32 e = (seg + 1) * SEG_V16;
+    return e < chunks ? e : chunks;
+}
+
+// Copies `bytes` of `src` to each non-null dst[j] (j < FAST_K), one warp: every chunk is
+// loaded once and stored to each destination, so a row that goes to several experts costs
+// one read, and the loads of successive chunks are independent (no wait per destination).
+__device__ __forceinline__ void copy_row_multi(char* const* dst, const char* __restrict__ src, u32 bytes,
+                                               u32 lane) {
+    u64 bits = (u64)src | (u64)bytes;
+#pragma unroll
+    for (int j = 0; j < FAST_K; ++j) bits |= (u64)dst[j];
+    if ((bits & 15ull) == 0) {
+        const V16* s = (const V16*)src;
+        u32 n = bytes / 16;
+#pragma unroll 4
+        for (u32 i = lane; i < n; i += 32) {
+            V16 v = s[i];
+#pragma unroll
+            for (int j = 0; j < FAST_K; ++j) {
+                if (dst[j]) ((V16*)dst[j])[i] = v;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < FAST_K; ++j) {
+            if (dst[j]) copy_row(dst[j], src, bytes, lane);
+        }
+    }
+}
+
 __device__ bool last_block(u64* done) {
     __shared__ int last;
     __threadfence_system();
@@ -264,6 +305,34 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
             const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
             const char* src = window + off_rx + (u64)i * row_bytes;
             int tok = meta[0];
+            if (k <= FAST_K) {
+                // Lane j takes the slot of the row's j-th expert (one atomic each, side by
+                // side); then the warp copies the row once into every slot taken.
+                int pos = -1, le = -1;
+                if (lane < k) {
+                    int e = meta[1 + lane];
+                    if (e >= first && e < first + (int)experts_per_rank) {
+                        le = e - first;
+                        pos = atomicAdd(&expert_count[le], 1);
+                        if (pos >= (int)capacity) {
+                            report(status, ERR_CAPACITY, (u64)le);
+                            pos = -1;
+                        } else {
+                            src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                        }
+                    }
+                    recv_pos[(u64)i * k + lane] = pos;
+                }
+                char* dsts[FAST_K];
+#pragma unroll
+                for (int j = 0; j < FAST_K; ++j) {
+                    int p = __shfl_sync(0xffffffffu, pos, j);
+                    int l = __shfl_sync(0xffffffffu, le, j);
+                    dsts[j] = ((u32)j < k && p >= 0) ? x_expert + ((u64)l * capacity + p) * row_bytes : (char*)0;
+                }
+                copy_row_multi(dsts, src, row_bytes, lane);
+                continue;
+            }
             for (u32 j = 0; j < k; ++j) {
                 int e = meta[1 + j];
                 if (e < first || e >= first + (int)experts_per_rank) {
@@ -329,13 +398,46 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
     u64 row_bytes = (u64)hidden * 2;
     int first = (int)(rank * experts_per_rank);
     bool vec = (hidden % 8 == 0) && (((u64)expert_out & 15ull) == 0);
-    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < ranks * max_tokens; i += warps) {
+    // Work items: (row, segment of SEG_V16 chunks), so that few rows still use many warps.
+    u32 chunks = hidden / 8;
+    u32 segs = vec ? (chunks + SEG_V16 - 1) / SEG_V16 : 1;
+    u64 items = (u64)ranks * max_tokens * segs;
+    for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        u32 i = (u32)(it / segs), seg = (u32)(it % segs);
         u32 s = i / max_tokens, slot = i % max_tokens;
         if ((int)slot >= recv_count[s]) continue;
         const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
         char* dst = (char*)peers[s] + off_cx + ((u64)rank * max_tokens + slot) * row_bytes;
-        if (vec) {
-            for (u32 c = lane; c < hidden / 8; c += 32) {
+        if (vec && k <= FAST_K) {
+            // The row's expert outputs and weights first, in registers: the loads of one chunk
+            // are then independent of each other.
+            const V16* rows[FAST_K];
+            float ws[FAST_K];
+#pragma unroll
+            for (int j = 0; j < FAST_K; ++j) {
+                rows[j] = (const V16*)0;
+                ws[j] = 0.f;
+                if ((u32)j < k) {
+                    int pos = recv_pos[(u64)i * k + j];
+                    if (pos >= 0) {
+                        int le = meta[1 + j] - first;
+                        rows[j] = (const V16*)(expert_out + ((u64)le * capacity + pos) * row_bytes);
+                        ws[j] = __int_as_float(meta[1 + k + j]);
+                    }
+                }
+            }
+            u32 end = seg_end(chunks, seg);
+            for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < FAST_K; ++j) {
+                    if (rows[j]) fma8(acc, rows[j][c], ws[j]);
+                }
+                ((V16*)dst)[c] = pack8(acc);
+            }
+        } else if (vec) {
+            u32 end = seg_end(chunks, seg);
+            for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                 for (u32 j = 0; j < k; ++j) {
                     int pos = recv_pos[(u64)i * k + j];
@@ -396,11 +498,33 @@ extern "C" __global__ void moe_combine_recv(char* out, const char* window, const
         u32 num_tokens = (u32)state[ST_TOKENS];
         u64 row_bytes = (u64)hidden * 2;
         bool vec = (hidden % 8 == 0) && (((u64)out & 15ull) == 0);
-        for (u32 t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < num_tokens; t += warps) {
+        u32 chunks = hidden / 8;
+        u32 segs = vec ? (chunks + SEG_V16 - 1) / SEG_V16 : 1;
+        u64 items = (u64)num_tokens * segs;
+        for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+            u32 t = (u32)(it / segs), seg = (u32)(it % segs);
             char* dst = out + (u64)t * row_bytes;
             const int* slots = send_slot + (u64)t * ranks;
-            if (vec) {
-                for (u32 c = lane; c < hidden / 8; c += 32) {
+            if (vec && ranks <= FAST_R) {
+                const V16* rows[FAST_R];
+#pragma unroll
+                for (int d = 0; d < FAST_R; ++d) {
+                    int slot = (u32)d < ranks ? slots[d] : -1;
+                    rows[d] = slot < 0 ? (const V16*)0
+                                       : (const V16*)(window + off_cx + ((u64)d * max_tokens + slot) * row_bytes);
+                }
+                u32 end = seg_end(chunks, seg);
+                for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int d = 0; d < FAST_R; ++d) {
+                        if (rows[d]) fma8(acc, rows[d][c], 1.0f);
+                    }
+                    ((V16*)dst)[c] = pack8(acc);
+                }
+            } else if (vec) {
+                u32 end = seg_end(chunks, seg);
+                for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                     for (u32 d = 0; d < ranks; ++d) {
                         int slot = slots[d];
