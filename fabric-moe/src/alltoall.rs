@@ -104,6 +104,12 @@ impl AllToAll {
     /// Errors: [`MoeError::Config`] (a bad or disagreeing config),
     /// [`MoeError::Cuda`] (no driver or device: `Unsupported`; NVRTC missing; IPC refused),
     /// [`MoeError::OtherHost`], [`MoeError::Bootstrap`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future frees what it allocated and unmaps what it mapped, but the other
+    /// ranks may already have mapped this rank's window and wait in their own `new` for this
+    /// rank's last exchange: they fail at `world`'s timeout. Cancel it on every rank or none.
     pub async fn new(engine: &Engine, world: &dyn Rendezvous, config: Config) -> Result<AllToAll> {
         config.validate()?;
         let devices = cuda::available()?;
@@ -533,6 +539,12 @@ impl AllToAll {
     /// waits for every rank to have done so, then frees everything. CUDA requires that
     /// memory exported through IPC is not freed while another process has it open; a plain
     /// drop cannot know that, so end a run with `close`.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future drops the all-to-all (it was moved in) as a plain drop would: this
+    /// rank's buffers are freed without waiting for the other ranks, which is what `close`
+    /// exists to avoid. Let it run to the end.
     pub async fn close(mut self, world: &dyn Rendezvous) -> Result<()> {
         self.ctx.synchronize()?;
         let (tag, rank, ranks) = (self.config.tag.clone(), self.config.rank, self.config.ranks);
