@@ -15,10 +15,14 @@
 //! barrier (GPU) ─ clock ─ dispatch_send ─ dispatch_recv ─ clock ─ toy experts ─ clock ─ combine_send ─ combine_recv ─ clock
 //! ```
 //!
-//! then the host checks every received row and every combined element against the
-//! reference computed from the same seeds (`fabric_moe::reference`), and takes the times
-//! between the GPU clocks: dispatch and combine each from a common start (the barrier) to
-//! the moment this rank has everything, as an NCCL all-to-all is timed between CUDA events.
+//! Two passes of `--warmup` + `--steps` steps each. **Back to back** (the headline): steps
+//! are launched in batches of 64 with no host wait between them, as a model's layers run,
+//! and the last step of each batch is checked. **Checked**: after each step the host checks
+//! every received row and every combined element against the reference computed from the
+//! same seeds (`fabric_moe::reference`), so the GPU idles (and may lower its clocks) for
+//! milliseconds between steps. Both take the times between the GPU clocks: dispatch and
+//! combine each from a common start (the barrier) to the moment this rank has everything,
+//! as an NCCL all-to-all is timed between CUDA events.
 //! The first `--warmup` steps are not counted. `examples/moe_gpu_nccl.py` times NCCL's
 //! `all_to_all_single` of the same bytes for comparison (`scripts/moe-gpu-run.sh` runs both).
 //!
@@ -37,6 +41,8 @@ use fabric_moe::{AllToAll, Config, DispatchInput, TopkIdx};
 /// Distinct input sets, uploaded once and used in turn (step `s` uses set `s % SETS`).
 const SETS: usize = 8;
 const SEED: u64 = 0x6d6f_655f_6770;
+/// Steps launched back to back between host waits in the second pass (four clock slots each).
+const BATCH: usize = fabric_moe::CLOCK_SLOTS / 4;
 
 /// MoE dispatch/combine with fabric-moe across --ranks processes on the GPUs of this host.
 #[derive(Parser, Debug, Clone)]
@@ -206,49 +212,94 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
     let out = DeviceBuffer::new(&ctx, a2a.expert_out_len())?;
     // Its zero-fill ran on the legacy stream, which `stream` does not wait for.
     ctx.synchronize()?;
-    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
-    for step in 0..cli.warmup + cli.steps {
-        let set = &sets[step % SETS];
-        let input = DispatchInput {
-            x: set.x.device_ptr(),
-            topk_idx: TopkIdx::I64(set.idx.device_ptr()),
-            topk_weights: set.weights.device_ptr(),
-            num_tokens: cli.tokens,
-        };
+    let input = |set: &Set| DispatchInput {
+        x: set.x.device_ptr(),
+        topk_idx: TopkIdx::I64(set.idx.device_ptr()),
+        topk_weights: set.weights.device_ptr(),
+        num_tokens: cli.tokens,
+    };
+    // One step on the stream, its four GPU clocks in slots `4 * i ..`.
+    let enqueue = |set: &Set, i: usize| -> Result<(), BoxError> {
+        let input = input(set);
         a2a.barrier(&stream)?;
-        a2a.clock(&stream, 0)?;
-        // SAFETY: the set's buffers and `out` outlive the step (synchronized below).
+        a2a.clock(&stream, 4 * i)?;
+        // SAFETY: the set's buffers and `out` outlive the step (synchronized before they go).
         unsafe { a2a.dispatch(&stream, &input)? };
-        a2a.clock(&stream, 1)?;
+        a2a.clock(&stream, 4 * i + 1)?;
         // SAFETY: as above.
         unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
         a2a.barrier(&stream)?;
-        a2a.clock(&stream, 2)?;
+        a2a.clock(&stream, 4 * i + 2)?;
         // SAFETY: as above.
         unsafe { a2a.combine(&stream, out.device_ptr())? };
-        a2a.clock(&stream, 3)?;
-        stream.synchronize()?;
+        a2a.clock(&stream, 4 * i + 3)?;
+        Ok(())
+    };
+    let check = |set: &Set, step: usize| -> Result<(), BoxError> {
         a2a.check()?;
         let got = a2a.read_received()?;
         check_received(&c, &set.all, rank, &got.sources, &got.rows)
             .map_err(|e| format!("step {step}: {e}"))?;
         check_combined(&c, &set.all[rank], rank, &a2a.read_combined(cli.tokens)?)
             .map_err(|e| format!("step {step}: {e}"))?;
+        Ok(())
+    };
+    let times = |i: usize| {
+        (
+            a2a.clock_ns(4 * i + 1).saturating_sub(a2a.clock_ns(4 * i)),
+            a2a.clock_ns(4 * i + 3).saturating_sub(a2a.clock_ns(4 * i + 2)),
+        )
+    };
+    // Pass 1, checked: every step's received rows and combined rows are read back and
+    // compared, so the GPU idles for the host's check between steps.
+    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
+    for step in 0..cli.warmup + cli.steps {
+        let set = &sets[step % SETS];
+        enqueue(set, 0)?;
+        stream.synchronize()?;
+        check(set, step)?;
         if step >= cli.warmup {
-            dispatch.push(a2a.clock_ns(1).saturating_sub(a2a.clock_ns(0)));
-            combine.push(a2a.clock_ns(3).saturating_sub(a2a.clock_ns(2)));
+            let (d, k) = times(0);
+            dispatch.push(d);
+            combine.push(k);
         }
+    }
+    // Pass 2, back to back: steps are launched in batches of up to BATCH with no host wait
+    // between them, as a model's layers run; the last step of each batch is checked.
+    let (mut dispatch_b2b, mut combine_b2b) = (Vec::new(), Vec::new());
+    let mut step = 0;
+    while step < cli.warmup + cli.steps {
+        let n = BATCH.min(cli.warmup + cli.steps - step);
+        for i in 0..n {
+            enqueue(&sets[(step + i) % SETS], i)?;
+        }
+        stream.synchronize()?;
+        check(&sets[(step + n - 1) % SETS], step + n - 1)?;
+        for i in 0..n {
+            if step + i >= cli.warmup {
+                let (d, k) = times(i);
+                dispatch_b2b.push(d);
+                combine_b2b.push(k);
+            }
+        }
+        step += n;
     }
     drop(stream);
     // Rank 0 prints every rank's figures.
+    let mib = (rows * cli.hidden * 2) as f64 / (1 << 20) as f64;
     let mine = format!(
-        "moe_gpu: rank {rank} (cuda:{}): dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {:.2} MiB sent per step, every step checked)",
+        "moe_gpu: rank {rank} (cuda:{}): back to back: dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {mib:.2} MiB sent per step)\n\
+         moe_gpu: rank {rank} (cuda:{}): checked:      dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (every step checked, the GPU idle between steps)",
+        a2a.device(),
+        pct(&mut dispatch_b2b, 0.5),
+        pct(&mut dispatch_b2b, 0.9),
+        pct(&mut combine_b2b, 0.5),
+        pct(&mut combine_b2b, 0.9),
         a2a.device(),
         pct(&mut dispatch, 0.5),
         pct(&mut dispatch, 0.9),
         pct(&mut combine, 0.5),
         pct(&mut combine, 0.9),
-        (rows * cli.hidden * 2) as f64 / (1 << 20) as f64,
     );
     let lines =
         all_gather(store as &dyn Rendezvous, "moe_gpu/report", rank, ranks, mine.into_bytes()).await?;
