@@ -15,12 +15,13 @@
 //! barrier (GPU) ─ clock ─ dispatch_send ─ dispatch_recv ─ clock ─ toy experts ─ clock ─ combine_send ─ combine_recv ─ clock
 //! ```
 //!
-//! Two passes of `--warmup` + `--steps` steps each. **Back to back** (the headline): steps
+//! Three passes of `--warmup` + `--steps` steps each. **Back to back** (the headline): steps
 //! are launched in batches of 64 with no host wait between them, as a model's layers run,
 //! and the last step of each batch is checked. **Checked**: after each step the host checks
 //! every received row and every combined element against the reference computed from the
 //! same seeds (`fabric_moe::reference`), so the GPU idles (and may lower its clocks) for
-//! milliseconds between steps. Both take the times between the GPU clocks: dispatch and
+//! milliseconds between steps. **CUDA graph**: 64 steps captured once and replayed (no host
+//! launch inside a replay), the last step of each replay checked. All take the times between the GPU clocks: dispatch and
 //! combine each from a common start (the barrier) to the moment this rank has everything,
 //! as an NCCL all-to-all is timed between CUDA events.
 //! The first `--warmup` steps are not counted. `examples/moe_gpu_nccl.py` times NCCL's
@@ -72,6 +73,10 @@ struct Cli {
     /// Rows each expert can receive per step (default: every token of every rank).
     #[arg(long, value_name = "ROWS")]
     capacity: Option<usize>,
+    /// Also time each stage alone (a third pass, back to back, a GPU clock between stages:
+    /// each clock adds a launch to the step).
+    #[arg(long)]
+    stages: bool,
     /// Internal: this process's rank, started by rank 0 whose TcpStore is at --store.
     #[arg(long, hide = true, default_value_t = 0)]
     rank: usize,
@@ -154,6 +159,9 @@ fn rank_args(cli: &Cli, rank: usize, store: std::net::SocketAddr) -> Vec<String>
     }
     if let Some(c) = cli.capacity {
         a.extend(["--capacity".to_string(), c.to_string()]);
+    }
+    if cli.stages {
+        a.push("--stages".into());
     }
     a
 }
@@ -284,11 +292,77 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
         }
         step += n;
     }
+    // Pass 3, CUDA graph: a batch of BATCH steps captured once, then replayed (no host
+    // launch inside a replay); the last step of each replay is checked.
+    let (mut dispatch_graph, mut combine_graph) = (Vec::new(), Vec::new());
+    {
+        stream.begin_capture()?;
+        let captured = (0..BATCH).try_for_each(|i| enqueue(&sets[i % SETS], i));
+        let graph = stream.end_capture()?;
+        captured?;
+        // The first replay warms up; then enough replays for --steps steps.
+        for replay in 0..=cli.steps.div_ceil(BATCH) {
+            // SAFETY: every buffer the captured steps use (the sets, `out`, the all-to-all's)
+            // lives until after the synchronize below.
+            unsafe { graph.launch(&stream)? };
+            stream.synchronize()?;
+            check(&sets[(BATCH - 1) % SETS], BATCH - 1)?;
+            if replay > 0 {
+                for i in 0..BATCH {
+                    let (d, k) = times(i);
+                    dispatch_graph.push(d);
+                    combine_graph.push(k);
+                }
+            }
+        }
+    }
+    // Pass 4 (--stages): each stage between clocks of its own, back to back.
+    let mut stages: Vec<Vec<u64>> = vec![Vec::new(); 4];
+    if cli.stages {
+        const SLOTS: usize = 6;
+        let per_batch = fabric_moe::CLOCK_SLOTS / SLOTS;
+        let mut step = 0;
+        while step < cli.warmup + cli.steps {
+            let n = per_batch.min(cli.warmup + cli.steps - step);
+            for i in 0..n {
+                let inp = input(&sets[(step + i) % SETS]);
+                let at = |j: usize| SLOTS * i + j;
+                a2a.barrier(&stream)?;
+                a2a.clock(&stream, at(0))?;
+                // SAFETY: as in `enqueue`.
+                unsafe { a2a.dispatch_send(&stream, &inp)? };
+                a2a.clock(&stream, at(1))?;
+                a2a.dispatch_recv(&stream)?;
+                a2a.clock(&stream, at(2))?;
+                // SAFETY: as above.
+                unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
+                a2a.barrier(&stream)?;
+                a2a.clock(&stream, at(3))?;
+                // SAFETY: as above.
+                unsafe { a2a.combine_send(&stream, out.device_ptr())? };
+                a2a.clock(&stream, at(4))?;
+                a2a.combine_recv(&stream)?;
+                a2a.clock(&stream, at(5))?;
+            }
+            stream.synchronize()?;
+            check(&sets[(step + n - 1) % SETS], step + n - 1)?;
+            for i in 0..n {
+                if step + i >= cli.warmup {
+                    let t = |j: usize| a2a.clock_ns(SLOTS * i + j);
+                    for (k, (a, b)) in [(0, 1), (1, 2), (3, 4), (4, 5)].into_iter().enumerate() {
+                        stages[k].push(t(b).saturating_sub(t(a)));
+                    }
+                }
+            }
+            step += n;
+        }
+    }
     drop(stream);
     // Rank 0 prints every rank's figures.
     let mib = (rows * cli.hidden * 2) as f64 / (1 << 20) as f64;
     let mine = format!(
         "moe_gpu: rank {rank} (cuda:{}): back to back: dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {mib:.2} MiB sent per step)\n\
+         moe_gpu: rank {rank} (cuda:{}): CUDA graph:   dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (batches of {BATCH} steps captured once and replayed)\n\
          moe_gpu: rank {rank} (cuda:{}): checked:      dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (every step checked, the GPU idle between steps)",
         a2a.device(),
         pct(&mut dispatch_b2b, 0.5),
@@ -296,11 +370,29 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
         pct(&mut combine_b2b, 0.5),
         pct(&mut combine_b2b, 0.9),
         a2a.device(),
+        pct(&mut dispatch_graph, 0.5),
+        pct(&mut dispatch_graph, 0.9),
+        pct(&mut combine_graph, 0.5),
+        pct(&mut combine_graph, 0.9),
+        a2a.device(),
         pct(&mut dispatch, 0.5),
         pct(&mut dispatch, 0.9),
         pct(&mut combine, 0.5),
         pct(&mut combine, 0.9),
     );
+    let mine = if cli.stages {
+        let [ds, dr, cs, cr] = &mut stages[..] else { unreachable!() };
+        format!(
+            "{mine}\nmoe_gpu: rank {rank} (cuda:{}): stages p50: dispatch_send {:6.1} us  dispatch_recv {:6.1} us  combine_send {:6.1} us  combine_recv {:6.1} us   (a clock between stages)",
+            a2a.device(),
+            pct(ds, 0.5),
+            pct(dr, 0.5),
+            pct(cs, 0.5),
+            pct(cr, 0.5)
+        )
+    } else {
+        mine
+    };
     let lines =
         all_gather(store as &dyn Rendezvous, "moe_gpu/report", rank, ranks, mine.into_bytes()).await?;
     if rank == 0 {

@@ -8,7 +8,8 @@
 # Runs the tests with the two ranks on two GPUs (and both on GPU 0), then on one GPU only
 # (CUDA_VISIBLE_DEVICES=0), then the example (decode shape: 128 tokens x 7168 bf16 per
 # rank, 256 experts, top-8, every step checked) and the NCCL baseline of the same bytes.
-# STEPS=N changes the timed steps of both (default 200).
+# STEPS=N changes the timed steps of both (default 200). Then, on two GPUs, the prefill
+# shape (4096 tokens per rank) and its NCCL baseline (PREFILL=0 leaves them out).
 set -u
 cd "$(dirname "$0")"
 export FI_TCP_IFACE=lo FABRIC_REQUIRE_CUDA=1
@@ -44,4 +45,12 @@ echo "== example moe_gpu, decode shape ($(since))"
 timeout -k 5 45 ./moe_gpu --steps "${STEPS:-200}" 2>&1 | grep -v "^\s*$" | head -20
 echo "== NCCL all_to_all_single of the same bytes ($(since))"
 timeout -k 5 45 python3 moe_gpu_nccl.py --steps "${STEPS:-200}" 2>&1 | grep -Ev "^\s*$|Warning|warn\(" | tail -8
+if [ "${PREFILL:-1}" = 1 ] && [ "$n" -ge 2 ]; then
+  # Prefill: 4096 tokens per rank (112 MiB sent per step), experts bounded to 1024 rows
+  # each (the default, every token of every rank, would be 15 GB per rank).
+  echo "== example moe_gpu, prefill shape ($(since))"
+  timeout -k 5 150 ./moe_gpu --tokens 4096 --capacity 1024 --steps 20 --warmup 3 2>&1 | grep -v "^\s*$" | head -20
+  echo "== NCCL all_to_all_single, prefill bytes ($(since))"
+  timeout -k 5 60 python3 moe_gpu_nccl.py --tokens 4096 --steps 50 2>&1 | grep -Ev "^\s*$|Warning|warn\(" | tail -8
+fi
 echo "== done in $(since)"

@@ -60,9 +60,9 @@ pub struct AllToAll {
     config: Config,
     device: usize,
     blocks: u32,
-    /// Blocks of the combine stages: their work items are (row, 2 KiB segment), so that a
-    /// few rows of a wide hidden size still spread over the SMs.
-    combine_send_blocks: u32,
+    /// Blocks of the dispatch stages and of the combine's send: their work items are (row,
+    /// 2 KiB segment), so that a few rows of a wide hidden size still spread over the SMs.
+    seg_blocks: u32,
     combine_recv_blocks: u32,
     /// For the proxy transport between hosts (a later phase); kept so that the API does not
     /// change when it comes.
@@ -132,10 +132,9 @@ impl AllToAll {
         private.copy_from_host(layout.off_peers as usize, &bases)?;
         let sms = ctx.multiprocessor_count()?;
         let blocks = sms.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
-        // As kernels.cu splits a combine row: SEG_V16 chunks of 8 bf16 (2 KiB) per item.
-        let segs = config.hidden.div_ceil(8).div_ceil(128);
-        let combine_send_blocks =
-            sms.min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
+        // As kernels.cu's row_seg_len splits a row at most: 32 chunks of 8 bf16 (512 B).
+        let segs = config.hidden.div_ceil(8).div_ceil(32);
+        let seg_blocks = sms.min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
         let combine_recv_blocks = sms.min((config.max_tokens * segs).div_ceil(8) as u32).max(1);
         // The zero-fills and the copy above went to the legacy default stream, which the
         // caller's (non-blocking) streams do not wait for, and a blocking copy from pageable
@@ -156,7 +155,7 @@ impl AllToAll {
             config,
             device,
             blocks,
-            combine_send_blocks,
+            seg_blocks,
             combine_recv_blocks,
             _engine: engine.clone(),
             ctx,
@@ -260,13 +259,15 @@ impl AllToAll {
             .u32(c.experts_per_rank as u32)
             .u64(self.private_ptr(l.off_send_slot))
             .u64(self.private_ptr(l.off_send_count))
-            .u64(self.private_ptr(l.off_expert_count))
+            .u64(self.private_ptr(l.off_send_pos))
+            .u64(self.private_ptr(l.off_send_ecount))
             .u64(state)
             .u64(status);
-        // SAFETY: moe_route(const void*, u32, u32, u32, u32, u32, int*, int*, int*, u64*,
+        // SAFETY: moe_route(const void*, u32, u32, u32, u32, u32, int*, int*, int*, int*, u64*,
         // u64*): reads num_tokens * topk ids (the caller's contract), writes send_slot
-        // (max_tokens * ranks), send_count (ranks), expert_count (experts_per_rank) and the
-        // state, all inside `private` (layout.rs), and the status word. One block of 1024.
+        // (max_tokens * ranks), send_count (ranks), send_pos (max_tokens * topk), send_ecount
+        // (ranks * experts_per_rank) and the state, all inside `private` (layout.rs), and the
+        // status word. One block of 1024.
         unsafe { launch(&self.kernels.route, stream, 1, 1024, route)? };
         let send = KernelArgs::new()
             .u64(input.x)
@@ -275,21 +276,25 @@ impl AllToAll {
             .u64(input.topk_weights)
             .u64(self.private_ptr(l.off_send_slot))
             .u64(self.private_ptr(l.off_send_count))
+            .u64(self.private_ptr(l.off_send_pos))
+            .u64(self.private_ptr(l.off_send_ecount))
             .u64(self.private_ptr(l.off_peers))
             .u64(state)
             .u32(c.rank as u32)
             .u32(c.ranks as u32)
             .u32(c.max_tokens as u32)
             .u32(c.topk as u32)
+            .u32(c.experts_per_rank as u32)
             .u32(l.row_bytes as u32)
             .u64(l.off_dflag)
+            .u64(l.off_ecount)
             .u64(l.off_meta)
             .u64(l.off_rx);
         // SAFETY: moe_dispatch_send's parameters in order. It reads the caller's rows, ids and
         // weights of the tokens routed above, and writes, in each peer's window (mapped for
-        // the life of `self`, same layout), only this rank's section of meta and rx and this
-        // rank's flag.
-        unsafe { launch(&self.kernels.dispatch_send, stream, self.blocks, THREADS, send) }
+        // the life of `self`, same layout), only this rank's section of ecount, meta and rx
+        // and this rank's flag.
+        unsafe { launch(&self.kernels.dispatch_send, stream, self.seg_blocks, THREADS, send) }
     }
 
     /// Waits (on the GPU) for every rank's dispatch flag of this step, then places the
@@ -318,13 +323,14 @@ impl AllToAll {
             .u32(l.capacity as u32)
             .u32(l.row_bytes as u32)
             .u64(l.off_dflag)
+            .u64(l.off_ecount)
             .u64(l.off_meta)
             .u64(l.off_rx)
             .u64(timeout_ns(c));
         // SAFETY: moe_dispatch_recv's parameters in order; it reads this rank's window and
         // writes x_expert (positions checked against the capacity), counts, src_info,
         // recv_pos and recv_count, all inside buffers `self` owns until Drop synchronizes.
-        unsafe { launch(&self.kernels.dispatch_recv, stream, self.blocks, THREADS, args) }
+        unsafe { launch(&self.kernels.dispatch_recv, stream, self.seg_blocks, THREADS, args) }
     }
 
     /// [`dispatch_send`](Self::dispatch_send) then [`dispatch_recv`](Self::dispatch_recv).
@@ -378,7 +384,7 @@ impl AllToAll {
         // SAFETY: moe_combine_send's parameters in order; reads expert_out at positions
         // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
         // writes this rank's section of cx and its flag in each peer's window.
-        unsafe { launch(&self.kernels.combine_send, stream, self.combine_send_blocks, THREADS, args) }
+        unsafe { launch(&self.kernels.combine_send, stream, self.seg_blocks, THREADS, args) }
     }
 
     /// Waits for every rank's combine flag of this step, then writes

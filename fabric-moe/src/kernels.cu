@@ -3,11 +3,16 @@
 //
 // Per step, on every rank, on the caller's stream:
 //   moe_route          topk_idx -> send_slot[t][d] (slot of token t in rank d's rows from us,
-//                      or -1), send_count[d]; zeroes expert_count; notes num_tokens
-//   moe_dispatch_send  token rows + meta (token index, experts, weights) into each peer's
-//                      window; the last block raises flag[d][me] = (seq << 32) | count
-//   moe_dispatch_recv  waits for every source's flag, then copies each received row into the
-//                      expert-major x_expert[le][pos] (pos from an atomic per local expert)
+//                      or -1), send_count[d], send_pos[t][j] (the token's place among our
+//                      rows for expert j) and send_ecount[e] (our rows per expert); notes
+//                      num_tokens
+//   moe_dispatch_send  token rows + meta (token index, experts, weights, places) into each
+//                      peer's window, a (row, 2 KiB segment) per warp; the last block writes
+//                      our rows per expert into each peer's ecount and raises
+//                      flag[d][me] = (seq << 32) | count
+//   moe_dispatch_recv  waits for every source's flag, then copies each received row segment
+//                      into the expert-major x_expert[le][pos]: pos = the rows of earlier
+//                      sources for that expert plus the row's place (no atomics)
 //   moe_combine_send   per received row: sum_k w_k * expert_out[le_k][pos_k] in f32, as bf16
 //                      into the source's window; the last block raises the combine flags
 //   moe_combine_recv   waits for the combine flags, then out[t] = sum over ranks of the
@@ -133,14 +138,15 @@ __device__ __forceinline__ void copy_row(char* __restrict__ dst, const char* __r
 // compile time, so the arrays stay in registers); larger ones the general loops.
 #define FAST_K 8
 #define FAST_R 8
-// 16-byte chunks of a row one warp item covers (2 KiB): rows are split into such segments so
-// that a few rows still spread over many warps.
-#define SEG_V16 128
-
-// One past the last chunk of segment `seg` of a row of `chunks`.
-__device__ __forceinline__ u32 seg_end(u32 chunks, u32 seg) {
-    u32 e = (seg + 1) * SEG_V16;
-    return e < chunks ? e : chunks;
+// Chunks (16 B) per segment when `rows` rows of `chunks` are split so that they keep about
+// `warps` warps busy: whole rows when there are enough of them (a warp's setup per item, its
+// meta and places, is then paid once a row), down to 32 chunks (512 B, one per lane) when
+// few; always a multiple of 32, so that no lane idles inside a segment.
+__device__ __forceinline__ u32 row_seg_len(u32 chunks, u32 warps, u32 rows) {
+    u32 want = rows == 0 ? 1 : (warps + rows - 1) / rows;
+    u32 len = (chunks + want - 1) / want;
+    len = (len + 31) / 32 * 32;
+    return len < 32 ? 32 : len;
 }
 
 // Copies `bytes` of `src` to each non-null dst[j] (j < FAST_K), one warp: every chunk is
@@ -184,16 +190,16 @@ __device__ bool last_block(u64* done) {
 }
 
 extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
-                                     u32 experts_per_rank, int* send_slot, int* send_count,
-                                     int* expert_count, u64* state, u64* status) {
+                                     u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
+                                     int* send_ecount, u64* state, u64* status) {
     __shared__ int wcount[32][MAX_RANKS];
     __shared__ int carry[MAX_RANKS];
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    for (u32 e = tid; e < experts_per_rank; e += blockDim.x) expert_count[e] = 0;
+    i64 total = (i64)ranks * experts_per_rank;
+    for (i64 e = tid; e < total; e += blockDim.x) send_ecount[e] = 0;
     if (tid < ranks) carry[tid] = 0;
     if (tid == 0) state[ST_TOKENS] = num_tokens;
     __syncthreads();
-    i64 total = (i64)ranks * experts_per_rank;
     u32 below = (1u << lane) - 1u;
     for (u32 base = 0; base < num_tokens; base += blockDim.x) {
         u32 t = base + tid;
@@ -201,12 +207,16 @@ extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_to
         if (t < num_tokens) {
             for (u32 j = 0; j < k; ++j) {
                 i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
-                if (e < 0) continue;
+                int pos = -1;
                 if (e >= total) {
                     report(status, ERR_BAD_EXPERT, t);
-                    continue;
+                } else if (e >= 0) {
+                    mask |= 1ull << (u32)(e / experts_per_rank);
+                    // The token's place among this rank's rows for expert e (any order, each
+                    // place once): where the receiver puts it, after the earlier sources'.
+                    pos = atomicAdd(&send_ecount[e], 1);
                 }
-                mask |= 1ull << (u32)(e / experts_per_rank);
+                send_pos[(u64)t * k + j] = pos;
             }
         }
         for (u32 d = 0; d < ranks; ++d) {
@@ -236,31 +246,76 @@ extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_to
     if (tid < ranks) send_count[tid] = carry[tid];
 }
 
+// One warp copies chunks [c0, c1) (16 B each) of `src` to each non-null dst[j] (j < FAST_K):
+// each chunk is loaded once and stored to every destination.
+__device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __restrict__ src, u32 c0, u32 c1,
+                                               u32 lane) {
+    const V16* s = (const V16*)src;
+#pragma unroll 4
+    for (u32 i = c0 + lane; i < c1; i += 32) {
+        V16 v = s[i];
+#pragma unroll
+        for (int j = 0; j < FAST_K; ++j) {
+            if (dst[j]) ((V16*)dst[j])[i] = v;
+        }
+    }
+}
+
 extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
                                              const float* topk_weights, const int* send_slot,
-                                             const int* send_count, const u64* peers, u64* state,
-                                             u32 rank, u32 ranks, u32 max_tokens, u32 k, u32 row_bytes,
-                                             u64 off_dflag, u64 off_meta, u64 off_rx) {
+                                             const int* send_count, const int* send_pos,
+                                             const int* send_ecount, const u64* peers, u64* state,
+                                             u32 rank, u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
+                                             u32 row_bytes, u64 off_dflag, u64 off_ecount, u64 off_meta,
+                                             u64 off_rx) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     u32 num_tokens = (u32)state[ST_TOKENS];
-    u32 meta_words = 1 + 2 * k;
-    for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < num_tokens * ranks; i += warps) {
+    u32 meta_words = 1 + 3 * k;
+    // Work items: (token, destination, segment: row_seg_len) where rows move 16 B a lane;
+    // whole rows otherwise.
+    bool vec = ((row_bytes | (u32)(u64)x) & 15u) == 0;
+    u32 chunks = row_bytes / 16;
+    u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens * ranks) : chunks;
+    u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
+    u64 items = (u64)num_tokens * ranks * segs;
+    for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        u32 i = (u32)(it / segs), seg = (u32)(it % segs);
         u32 t = i / ranks, d = i % ranks;
         int slot = send_slot[i];
         if (slot < 0) continue;
         u64 row = (u64)rank * max_tokens + (u32)slot;
         char* base = (char*)peers[d];
-        copy_row(base + off_rx + row * row_bytes, x + (u64)t * row_bytes, row_bytes, lane);
+        char* dst = base + off_rx + row * row_bytes;
+        const char* src = x + (u64)t * row_bytes;
+        if (vec) {
+            const V16* s4 = (const V16*)src;
+            V16* d4 = (V16*)dst;
+            u32 end = min(chunks, (seg + 1) * seg_len);
+#pragma unroll 4
+            for (u32 c = seg * seg_len + lane; c < end; c += 32) d4[c] = s4[c];
+        } else {
+            copy_row(dst, src, row_bytes, lane);
+        }
+        if (seg != 0) continue;
         int* meta = (int*)(base + off_meta) + row * meta_words;
         if (lane == 0) meta[0] = (int)t;
         for (u32 j = lane; j < k; j += 32) {
             i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
             meta[1 + j] = (e < 0 || e > 0x7fffffffll) ? -1 : (int)e;
             meta[1 + k + j] = __float_as_int(topk_weights[(u64)t * k + j]);
+            meta[1 + 2 * k + j] = send_pos[(u64)t * k + j];
         }
     }
     if (!last_block(&state[ST_DONE_DSEND])) return;
+    // Our rows per expert of each destination, then (ordered after them) its flag.
+    for (u32 q = threadIdx.x; q < ranks * experts_per_rank; q += blockDim.x) {
+        u32 d = q / experts_per_rank, le = q % experts_per_rank;
+        int* ecount = (int*)((char*)peers[d] + off_ecount) + (u64)rank * experts_per_rank;
+        ecount[le] = send_ecount[q];
+    }
+    __threadfence_system();
+    __syncthreads();
     u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
     if (threadIdx.x < ranks) {
         u32 d = threadIdx.x;
@@ -274,11 +329,20 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
     }
 }
 
+// Where a row of source s goes in local expert le, given its place p among s's rows for le:
+// after every earlier source's rows for le (the caller checks it against the capacity).
+__device__ __forceinline__ int place(const int* ecount, u32 s, u32 experts_per_rank, int le, int p) {
+    int pos = p;
+    for (u32 q = 0; q < s; ++q) pos += ecount[(u64)q * experts_per_rank + le];
+    return pos;
+}
+
 extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
                                              int* src_info, int* recv_pos, int* recv_count, u64* state,
                                              u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
                                              u32 experts_per_rank, u32 capacity, u32 row_bytes,
-                                             u64 off_dflag, u64 off_meta, u64 off_rx, u64 timeout_ns) {
+                                             u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
+                                             u64 timeout_ns) {
     __shared__ int cnt[MAX_RANKS];
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
@@ -292,36 +356,45 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
     }
     __syncthreads();
     __threadfence();
+    const int* ecount = (const int*)(window + off_ecount);
     if (failed) {
         if (threadIdx.x == 0) report(status, ERR_DISPATCH_TIMEOUT, blockIdx.x);
     } else {
         u32 lane = threadIdx.x & 31;
         u32 warps = gridDim.x * (blockDim.x >> 5);
-        u32 meta_words = 1 + 2 * k;
+        u32 meta_words = 1 + 3 * k;
         int first = (int)(rank * experts_per_rank);
-        for (u32 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < ranks * max_tokens; i += warps) {
+        bool vec = ((row_bytes | (u32)(u64)x_expert) & 15u) == 0;
+        u32 chunks = row_bytes / 16;
+        u32 rows = 0;
+        for (u32 q = 0; q < ranks; ++q) rows += (u32)cnt[q];
+        u32 seg_len = vec ? row_seg_len(chunks, warps, rows) : chunks;
+        u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
+        u64 items = (u64)ranks * max_tokens * segs;
+        for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+            u32 i = (u32)(it / segs), seg = (u32)(it % segs);
             u32 s = i / max_tokens, slot = i % max_tokens;
             if ((int)slot >= cnt[s]) continue;
             const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
             const char* src = window + off_rx + (u64)i * row_bytes;
             int tok = meta[0];
             if (k <= FAST_K) {
-                // Lane j takes the slot of the row's j-th expert (one atomic each, side by
-                // side); then the warp copies the row once into every slot taken.
+                // Lane j places the row's j-th expert; the warp then copies its segment once
+                // into every place.
                 int pos = -1, le = -1;
                 if (lane < k) {
                     int e = meta[1 + lane];
                     if (e >= first && e < first + (int)experts_per_rank) {
                         le = e - first;
-                        pos = atomicAdd(&expert_count[le], 1);
-                        if (pos >= (int)capacity) {
-                            report(status, ERR_CAPACITY, (u64)le);
+                        pos = place(ecount, s, experts_per_rank, le, meta[1 + 2 * k + lane]);
+                        if (pos < 0 || pos >= (int)capacity) {
+                            if (seg == 0) report(status, ERR_CAPACITY, (u64)le);
                             pos = -1;
-                        } else {
+                        } else if (seg == 0) {
                             src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
                         }
                     }
-                    recv_pos[(u64)i * k + lane] = pos;
+                    if (seg == 0) recv_pos[(u64)i * k + lane] = pos;
                 }
                 char* dsts[FAST_K];
 #pragma unroll
@@ -330,36 +403,45 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
                     int l = __shfl_sync(0xffffffffu, le, j);
                     dsts[j] = ((u32)j < k && p >= 0) ? x_expert + ((u64)l * capacity + p) * row_bytes : (char*)0;
                 }
-                copy_row_multi(dsts, src, row_bytes, lane);
+                if (vec) {
+                    copy_seg_multi(dsts, src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
+                } else {
+                    copy_row_multi(dsts, src, row_bytes, lane);
+                }
                 continue;
             }
             for (u32 j = 0; j < k; ++j) {
                 int e = meta[1 + j];
-                if (e < first || e >= first + (int)experts_per_rank) {
-                    if (lane == 0) recv_pos[(u64)i * k + j] = -1;
-                    continue;
-                }
-                int le = e - first;
                 int pos = -1;
-                if (lane == 0) {
-                    pos = atomicAdd(&expert_count[le], 1);
-                    if (pos >= (int)capacity) {
-                        report(status, ERR_CAPACITY, (u64)le);
+                if (e >= first && e < first + (int)experts_per_rank) {
+                    int le = e - first;
+                    pos = place(ecount, s, experts_per_rank, le, meta[1 + 2 * k + j]);
+                    if (pos < 0 || pos >= (int)capacity) {
+                        if (seg == 0 && lane == 0) report(status, ERR_CAPACITY, (u64)le);
                         pos = -1;
                     } else {
-                        src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                        if (seg == 0 && lane == 0) src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                        char* dst = x_expert + ((u64)le * capacity + pos) * row_bytes;
+                        if (vec) {
+                            u32 end = min(chunks, (seg + 1) * seg_len);
+                            for (u32 c = seg * seg_len + lane; c < end; c += 32) ((V16*)dst)[c] = ((const V16*)src)[c];
+                        } else {
+                            copy_row(dst, src, row_bytes, lane);
+                        }
                     }
-                    recv_pos[(u64)i * k + j] = pos;
                 }
-                pos = __shfl_sync(0xffffffffu, pos, 0);
-                if (pos >= 0) copy_row(x_expert + ((u64)le * capacity + pos) * row_bytes, src, row_bytes, lane);
+                if (seg == 0 && lane == 0) recv_pos[(u64)i * k + j] = pos;
             }
         }
     }
     if (!last_block(&state[ST_DONE_DRECV])) return;
-    // Counts past the capacity (an overflow, reported above) are clamped to what was placed.
-    for (u32 e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
-        if (expert_count[e] > (int)capacity) expert_count[e] = (int)capacity;
+    // Rows per local expert: every source's, clamped to what fits (an overflow was reported).
+    if (!failed) {
+        for (u32 le = threadIdx.x; le < experts_per_rank; le += blockDim.x) {
+            long long n = 0;
+            for (u32 q = 0; q < ranks; ++q) n += ecount[(u64)q * experts_per_rank + le];
+            expert_count[le] = n > (long long)capacity ? (int)capacity : (int)n;
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -394,13 +476,16 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
                                             u64 off_cx) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
-    u32 meta_words = 1 + 2 * k;
+    u32 meta_words = 1 + 3 * k;
     u64 row_bytes = (u64)hidden * 2;
     int first = (int)(rank * experts_per_rank);
     bool vec = (hidden % 8 == 0) && (((u64)expert_out & 15ull) == 0);
-    // Work items: (row, segment of SEG_V16 chunks), so that few rows still use many warps.
+    // Work items: (row, segment), so that few rows still use many warps (row_seg_len).
     u32 chunks = hidden / 8;
-    u32 segs = vec ? (chunks + SEG_V16 - 1) / SEG_V16 : 1;
+    u32 rows = 0;
+    for (u32 q = 0; q < ranks; ++q) rows += (u32)recv_count[q];
+    u32 seg_len = vec ? row_seg_len(chunks, warps, rows) : chunks;
+    u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
     u64 items = (u64)ranks * max_tokens * segs;
     for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
         u32 i = (u32)(it / segs), seg = (u32)(it % segs);
@@ -426,8 +511,8 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
                     }
                 }
             }
-            u32 end = seg_end(chunks, seg);
-            for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
+            u32 end = min(chunks, (seg + 1) * seg_len);
+            for (u32 c = seg * seg_len + lane; c < end; c += 32) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < FAST_K; ++j) {
@@ -436,8 +521,8 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
                 ((V16*)dst)[c] = pack8(acc);
             }
         } else if (vec) {
-            u32 end = seg_end(chunks, seg);
-            for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
+            u32 end = min(chunks, (seg + 1) * seg_len);
+            for (u32 c = seg * seg_len + lane; c < end; c += 32) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                 for (u32 j = 0; j < k; ++j) {
                     int pos = recv_pos[(u64)i * k + j];
@@ -499,7 +584,8 @@ extern "C" __global__ void moe_combine_recv(char* out, const char* window, const
         u64 row_bytes = (u64)hidden * 2;
         bool vec = (hidden % 8 == 0) && (((u64)out & 15ull) == 0);
         u32 chunks = hidden / 8;
-        u32 segs = vec ? (chunks + SEG_V16 - 1) / SEG_V16 : 1;
+        u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens) : chunks;
+        u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
         u64 items = (u64)num_tokens * segs;
         for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
             u32 t = (u32)(it / segs), seg = (u32)(it % segs);
@@ -513,8 +599,8 @@ extern "C" __global__ void moe_combine_recv(char* out, const char* window, const
                     rows[d] = slot < 0 ? (const V16*)0
                                        : (const V16*)(window + off_cx + ((u64)d * max_tokens + slot) * row_bytes);
                 }
-                u32 end = seg_end(chunks, seg);
-                for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
+                u32 end = min(chunks, (seg + 1) * seg_len);
+                for (u32 c = seg * seg_len + lane; c < end; c += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                     for (int d = 0; d < FAST_R; ++d) {
@@ -523,8 +609,8 @@ extern "C" __global__ void moe_combine_recv(char* out, const char* window, const
                     ((V16*)dst)[c] = pack8(acc);
                 }
             } else if (vec) {
-                u32 end = seg_end(chunks, seg);
-                for (u32 c = seg * SEG_V16 + lane; c < end; c += 32) {
+                u32 end = min(chunks, (seg + 1) * seg_len);
+                for (u32 c = seg * seg_len + lane; c < end; c += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                     for (u32 d = 0; d < ranks; ++d) {
                         int slot = slots[d];

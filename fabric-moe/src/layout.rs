@@ -4,14 +4,20 @@
 //!
 //! ```text
 //! window (exported through CUDA IPC, written by every rank):
-//!   dflag[R] u64 | cflag[R] u64 | bflag[R] u64 | meta[R][T][1+2K] i32 | rx[R][T][H] bf16 | cx[R][T][H] bf16
-//!    dispatch      combine        barrier       token, experts,         dispatched rows     partial sums
-//!    (seq<<32|n)   flags          flags         weights per row         by source, slot     by expert rank
+//!   dflag[R] u64 | cflag[R] u64 | bflag[R] u64 | ecount[R][E] i32 | meta[R][T][1+3K] i32 | rx[R][T][H] bf16 | cx[R][T][H] bf16
+//!    dispatch      combine        barrier       rows per local    token, experts,         dispatched rows     partial sums
+//!    (seq<<32|n)   flags          flags         expert, by source weights, positions      by source, slot     by expert rank
 //!
 //! private (this rank only):
 //!   state[16] u64 | peers[R] u64 | send_slot[T][R] | send_count[R] | recv_count[R] |
-//!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H]
+//!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H] |
+//!   send_pos[T][K] | send_ecount[R][E]
 //! ```
+//!
+//! A row's place in a local expert is `sum over earlier sources s' of ecount[s'][le]` plus
+//! its position among its own source's rows for that expert (`meta`, from the source's
+//! `send_pos`): no atomic on the receiving side, and every segment of every row can be
+//! placed independently.
 #![forbid(unsafe_code)]
 
 use crate::config::Config;
@@ -37,6 +43,7 @@ pub(crate) struct Layout {
     pub off_dflag: u64,
     pub off_cflag: u64,
     pub off_bflag: u64,
+    pub off_ecount: u64,
     pub off_meta: u64,
     pub off_rx: u64,
     pub off_cx: u64,
@@ -52,6 +59,8 @@ pub(crate) struct Layout {
     pub off_src_info: u64,
     pub off_x_expert: u64,
     pub off_combined: u64,
+    pub off_send_pos: u64,
+    pub off_send_ecount: u64,
     pub private_len: u64,
 }
 
@@ -71,12 +80,19 @@ impl Layout {
     pub(crate) fn new(c: &Config) -> Layout {
         let (r, t, k, e) = (c.ranks as u64, c.max_tokens as u64, c.topk as u64, c.experts_per_rank as u64);
         let row_bytes = c.hidden as u64 * c.dtype.bytes() as u64;
-        let meta_words = 1 + 2 * k;
+        let meta_words = 1 + 3 * k;
         let capacity = c.capacity() as u64;
-        let ([off_dflag, off_cflag, off_bflag, off_meta, off_rx, off_cx], window_len) =
-            stack([8 * r, 8 * r, 8 * r, 4 * r * t * meta_words, r * t * row_bytes, r * t * row_bytes]);
+        let ([off_dflag, off_cflag, off_bflag, off_ecount, off_meta, off_rx, off_cx], window_len) = stack([
+            8 * r,
+            8 * r,
+            8 * r,
+            4 * r * e,
+            4 * r * t * meta_words,
+            r * t * row_bytes,
+            r * t * row_bytes,
+        ]);
         let (
-            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined],
+            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_send_pos, off_send_ecount],
             private_len,
         ) = stack([
             8 * STATE_WORDS,
@@ -89,6 +105,8 @@ impl Layout {
             4 * e * capacity,
             e * capacity * row_bytes,
             t * row_bytes,
+            4 * t * k,
+            4 * r * e,
         ]);
         Layout {
             row_bytes,
@@ -97,6 +115,7 @@ impl Layout {
             off_dflag,
             off_cflag,
             off_bflag,
+            off_ecount,
             off_meta,
             off_rx,
             off_cx,
@@ -111,6 +130,8 @@ impl Layout {
             off_src_info,
             off_x_expert,
             off_combined,
+            off_send_pos,
+            off_send_ecount,
             private_len,
         }
     }
@@ -126,7 +147,16 @@ mod tests {
         let l = Layout::new(&c);
         assert_eq!(l.row_bytes, 14336);
         assert_eq!(l.capacity, 256);
-        let window = [l.off_dflag, l.off_cflag, l.off_bflag, l.off_meta, l.off_rx, l.off_cx, l.window_len];
+        let window = [
+            l.off_dflag,
+            l.off_cflag,
+            l.off_bflag,
+            l.off_ecount,
+            l.off_meta,
+            l.off_rx,
+            l.off_cx,
+            l.window_len,
+        ];
         assert!(window.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
         assert_eq!(l.off_cx - l.off_rx, 2 * 128 * 14336);
         assert_eq!(l.window_len - l.off_cx, 2 * 128 * 14336);
@@ -141,10 +171,13 @@ mod tests {
             l.off_src_info,
             l.off_x_expert,
             l.off_combined,
+            l.off_send_pos,
+            l.off_send_ecount,
             l.private_len,
         ];
         assert!(private.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
         assert_eq!(l.off_combined - l.off_x_expert, 128 * 256 * 14336);
+        assert_eq!(l.meta_words, 25);
     }
 
     #[test]
