@@ -45,6 +45,15 @@ pub fn other_than(p: &str) -> &'static str {
     }
 }
 
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine, so that
+/// two processes can order their events.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// The byte at `offset` of pattern `seed`.
 pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
     let x = (offset ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);

@@ -331,7 +331,10 @@ impl Engine {
     /// and write that memory. `owner` is whatever keeps it allocated; the engine drops it
     /// only after every registration of the memory has been closed, which is after the
     /// returned region and all its clones are dropped **and** every operation that uses it
-    /// has completed. The Python package registers buffer-protocol objects this way.
+    /// has completed (on shm, also after the peers acknowledged the region's revocation, at
+    /// most 1 s later: a peer's write racing the free still lands in this memory until
+    /// then, `docs/security.md`). The Python package registers buffer-protocol objects this
+    /// way.
     ///
     /// Unlike [`Engine::alloc`]'s memory, the range is not reserved once the region is
     /// freed (it is not the engine's): a write through a stale descriptor that races the

@@ -16,7 +16,9 @@ use crate::shared::PeerId;
 ///
 /// Cheap to clone (all clones share one registration). The memory is deregistered and freed
 /// when the last clone is dropped **and** no operation that uses it is in flight: every
-/// posted operation holds a reference until its completion.
+/// posted operation holds a reference until its completion. On shm it is deregistered (and
+/// freed) only once the peers have acknowledged its revocation, at most 1 s later, so that a
+/// peer's write racing the free lands instead of being lost (`docs/faults.md`, "Draining").
 ///
 /// Reading and writing the bytes: remote peers write into this memory at any time, so this
 /// type never hands out `&[u8]`/`&mut [u8]` safely; use [`MemoryRegion::read_at`],
@@ -214,7 +216,8 @@ impl RemoteRegion {
     /// Whether the owner has told this engine that it freed the region: every operation
     /// through it then fails with [`Error::Stale`] before anything is posted. A region freed
     /// a moment ago may not be revoked here yet (the owner's message is on its way); an
-    /// operation racing the revocation fails at the target instead
+    /// operation racing the revocation lands in the freed region on shm (its owner keeps it
+    /// until this engine acknowledges the revocation) and fails at the target elsewhere
     /// ([`Error::RemoteAccess`] or [`Error::ConnectionLost`], `docs/faults.md`).
     pub fn is_revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)

@@ -50,6 +50,10 @@ pub enum MsgKind {
     Vouch = 6,
     /// A [`Vouched`](super::revoke::Vouched): the answer to a `Vouch`.
     Vouched = 7,
+    /// A [`RevokeAck`](super::revoke::RevokeAck): "your `Revoke` arrived, and what I had
+    /// posted to you before it is done" (shm: the owner keeps the regions registered until
+    /// then).
+    RevokeAck = 8,
 }
 
 impl MsgKind {
@@ -64,6 +68,7 @@ impl MsgKind {
             5 => Some(MsgKind::Hello),
             6 => Some(MsgKind::Vouch),
             7 => Some(MsgKind::Vouched),
+            8 => Some(MsgKind::RevokeAck),
             _ => None,
         }
     }
@@ -308,7 +313,7 @@ mod tests {
         assert_eq!(MsgKind::of(&[4]), Some(MsgKind::Revoke));
         assert_eq!(MsgKind::of(&[5]), Some(MsgKind::Hello));
         assert_eq!(MsgKind::of(&[7]), Some(MsgKind::Vouched));
-        assert_eq!(MsgKind::of(&[8]), None);
+        assert_eq!(MsgKind::of(&[8]), Some(MsgKind::RevokeAck));
     }
 
     #[test]

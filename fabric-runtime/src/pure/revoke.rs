@@ -1,5 +1,6 @@
 //! The control messages that keep a peer's descriptors honest: [`Revoke`] (an owner freed
-//! regions: descriptors of them are stale), [`Hello`] (a new peer's engine address, so
+//! regions: descriptors of them are stale) and its [`RevokeAck`] (shm: the peer's answer,
+//! once what it had posted before is done), [`Hello`] (a new peer's engine address, so
 //! that an owner knows every engine that may hold its descriptors and can tell it), and
 //! [`Vouch`] / [`Vouched`] (on transports whose target refuses a bad key without telling
 //! the writer, shm: "is this a live region of yours?", asked once per descriptor before it
@@ -15,9 +16,13 @@
 //!   │ RemoteRegion (or Error::RemoteAccess)        │
 //!   │                                              │ ... drop(region): deregistered
 //!   │◄── Revoke { incarnation, [(base, key)] } ────│ to every peer it knows
-//!   │ RemoteRegion of it: revoked;                 │
+//!   │ RemoteRegion of it: revoked;                 │ (shm: still registered)
 //!   │ write/read through it: Error::Stale,         │
 //!   │ nothing posted                               │
+//!   │ (shm:) once what was posted to the owner     │
+//!   │ before the Revoke is done:                   │
+//!   │── RevokeAck { incarnation, [(base, key)] } ─►│ every peer acked (or down,
+//!   │                                              │ or 1 s): deregistered, freed
 //! ```
 //!
 //! A region is named as its descriptor names it on NIC 0: the owner's incarnation, the
@@ -30,6 +35,7 @@ use super::descriptor::MAX_DOMAINS;
 use crate::error::Error;
 
 const REVOKE_WHAT: &str = "revoke message";
+const REVOKE_ACK_WHAT: &str = "revoke acknowledgement";
 const HELLO_WHAT: &str = "hello message";
 const VOUCH_WHAT: &str = "vouch message";
 const VOUCHED_WHAT: &str = "vouched message";
@@ -64,13 +70,37 @@ pub struct Hello {
     pub address: Vec<u8>,
 }
 
+/// "Your [`Revoke`] arrived, and every operation I had posted to you before it is done":
+/// the regions it names, as it named them. On shm the owner keeps those regions registered
+/// until every peer it revoked them to has acknowledged (or is down, or a bound passed), so
+/// that a write with immediate that raced the revocation still finds its key
+/// (`docs/faults.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RevokeAck(pub Revoke);
+
+impl RevokeAck {
+    /// The message, kind header included (as [`Revoke::to_bytes`], another kind).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.0.encode(MsgKind::RevokeAck)
+    }
+
+    /// Decodes a whole message (kind header included). Never panics.
+    pub fn from_bytes(bytes: &[u8]) -> Result<RevokeAck, Error> {
+        Revoke::decode(REVOKE_ACK_WHAT, bytes, MsgKind::RevokeAck).map(RevokeAck)
+    }
+}
+
 impl Revoke {
     /// The message, kind header included. Regions past [`MAX_REVOKED`] are not encoded:
     /// split longer lists with `chunks(MAX_REVOKED)`.
     pub fn to_bytes(&self) -> Vec<u8> {
+        self.encode(MsgKind::Revoke)
+    }
+
+    fn encode(&self, kind: MsgKind) -> Vec<u8> {
         let n = self.regions.len().min(MAX_REVOKED);
         let mut out = Vec::with_capacity(11 + 16 * n);
-        out.push(MsgKind::Revoke as u8);
+        out.push(kind as u8);
         out.extend_from_slice(&self.incarnation.to_le_bytes());
         out.extend_from_slice(&(n as u16).to_le_bytes());
         for (base, key) in &self.regions[..n] {
@@ -82,7 +112,11 @@ impl Revoke {
 
     /// Decodes a whole message (kind header included). Never panics.
     pub fn from_bytes(bytes: &[u8]) -> Result<Revoke, Error> {
-        decode(REVOKE_WHAT, bytes, MsgKind::Revoke, |r| {
+        Revoke::decode(REVOKE_WHAT, bytes, MsgKind::Revoke)
+    }
+
+    fn decode(what: &'static str, bytes: &[u8], kind: MsgKind) -> Result<Revoke, Error> {
+        decode(what, bytes, kind, |r| {
             let incarnation = r.u64("incarnation")?;
             let n = usize::from(r.u16("region count")?);
             if n > MAX_REVOKED {
@@ -323,6 +357,10 @@ mod tests {
         let mut b = Hello { address: vec![] }.to_bytes();
         b[1..5].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(Hello::from_bytes(&b).unwrap_err().to_string().contains("exceeds"));
+        let a = RevokeAck(r.clone());
+        assert_eq!(RevokeAck::from_bytes(&a.to_bytes()).unwrap(), a);
+        assert_eq!(MsgKind::of(&a.to_bytes()), Some(MsgKind::RevokeAck));
+        assert!(Revoke::from_bytes(&a.to_bytes()).is_err() && RevokeAck::from_bytes(&r.to_bytes()).is_err());
         let keys: Vec<RegionKey> = r.keys().collect();
         assert_eq!(keys[1], RegionKey { incarnation: r.incarnation, base: 4096, key: u64::MAX });
     }
@@ -410,11 +448,13 @@ mod tests {
             Hello { address: b"fi_shm://1:2:3".to_vec() }.to_bytes(),
             vouch().to_bytes(),
             Vouched { id: 3, verdict: Verdict::OutOfRange }.to_bytes(),
+            RevokeAck(revoke()).to_bytes(),
         ];
         for b in &seeds {
             for n in 0..b.len() {
                 assert!(Revoke::from_bytes(&b[..n]).is_err() && Hello::from_bytes(&b[..n]).is_err());
                 assert!(Vouch::from_bytes(&b[..n]).is_err() && Vouched::from_bytes(&b[..n]).is_err());
+                assert!(RevokeAck::from_bytes(&b[..n]).is_err());
             }
             let mut longer = b.clone();
             longer.push(0);
@@ -440,6 +480,9 @@ mod tests {
             }
             if let Ok(v) = Vouched::from_bytes(&b) {
                 assert_eq!(v.to_bytes(), b);
+            }
+            if let Ok(a) = RevokeAck::from_bytes(&b) {
+                assert_eq!(a.to_bytes(), b);
             }
         }
     }

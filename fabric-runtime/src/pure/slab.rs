@@ -90,6 +90,11 @@ impl<T> Slab<T> {
         self.entries.iter_mut().filter_map(|e| e.1.as_mut())
     }
 
+    /// Every entry in the slab, in slot order.
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.entries.iter().filter_map(|e| e.1.as_ref())
+    }
+
     /// Entries in the slab.
     pub fn len(&self) -> usize {
         self.len

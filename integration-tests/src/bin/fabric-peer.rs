@@ -20,6 +20,17 @@
 //!   appears (its value: how many arrivals of imm 5 to wait for first), waits for them, lets
 //!   20 ms pass (for anything late), and publishes `keeper/k` =
 //!   `HASH_LIVE,HASH_NEIGHBOUR,ARRIVALS_OF_9,ARRIVALS_OF_5_LEFT`. Waits for `keeper/exit`.
+//! * `racer --count K`: K races of writes with immediate against a region's free. Race k:
+//!   when `test/race/k` = `SIZE,SLOTS` appears, registers SIZE * SLOTS zeroed bytes of its
+//!   own (`register_host`, so that it can read them after the region is freed) and allocates
+//!   a live region of SIZE bytes; publishes `racer/k/doomed` and `racer/k/live`. When
+//!   `test/race/k/drop` appears, drops the doomed region and publishes `racer/k/dropped` =
+//!   `T,RELEASED`: the `CLOCK_MONOTONIC` ns just before the drop, and the µs until the engine
+//!   let go of the memory (dropped its owner; bounded by 3 s). When `test/race/k/done` =
+//!   `N,BASE,LIVE_IMM` appears, waits for one arrival of LIVE_IMM, lets 200 ms pass, and
+//!   publishes `racer/k/report` = `LIVE_HASH;C0,...;H0,...`: the arrivals of BASE + i for
+//!   i < N (then retired) and the hash of each SIZE-byte slot of the doomed memory.
+//!   Waits for `racer/exit`.
 //!
 //! On any failure it publishes `<role>/error` and exits non-zero.
 
@@ -107,6 +118,7 @@ async fn run(a: &Args, store: &TcpStore) -> Result<(), String> {
         "echo" => echo(a, store, &engine).await,
         "owner" => owner(a, store, &engine).await,
         "keeper" => keeper(a, store, &engine).await,
+        "racer" => racer(a, store, &engine).await,
         other => Err(format!("unknown role {other:?}")),
     }
 }
@@ -246,5 +258,60 @@ async fn keeper(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), Strin
         store.put(&format!("keeper/{k}"), report.into_bytes()).await.map_err(e)?;
     }
     store.get("keeper/exit").await.map_err(e)?;
+    Ok(())
+}
+
+async fn racer(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
+    fn e(e: impl std::fmt::Display) -> String {
+        e.to_string()
+    }
+    async fn get_str(store: &TcpStore, key: &str) -> Result<String, String> {
+        Ok(String::from_utf8_lossy(&store.get(key).await.map_err(e)?).into_owned())
+    }
+    for k in 0..a.count {
+        let spec = get_str(store, &format!("test/race/{k}")).await?;
+        let v: Vec<usize> = spec.split(',').map(|x| x.parse().map_err(e)).collect::<Result<_, _>>()?;
+        let (size, slots) = (v[0], v[1]);
+        let mem = std::sync::Arc::new(vec![0u8; size * slots]);
+        let ptr = mem.as_ptr() as u64;
+        // SAFETY: the vector's heap buffer stays allocated while its `Arc` lives, which the
+        // region holds (and this function holds another clone to read it afterwards).
+        let doomed = unsafe { engine.register_host(ptr, size * slots, mem.clone()) }.await.map_err(e)?;
+        let live = engine.alloc(size).await.map_err(e)?;
+        store.put(&format!("racer/{k}/doomed"), doomed.descriptor().to_bytes()).await.map_err(e)?;
+        store.put(&format!("racer/{k}/live"), live.descriptor().to_bytes()).await.map_err(e)?;
+        store.get(&format!("test/race/{k}/drop")).await.map_err(e)?;
+        let t = integration_tests::monotonic_ns();
+        let dropped = std::time::Instant::now();
+        drop(doomed);
+        // The engine holds the memory (its owner, our vector's other `Arc`) until nothing
+        // can land in it any more.
+        while std::sync::Arc::strong_count(&mem) > 1 && dropped.elapsed() < Duration::from_secs(3) {
+            tokio::time::sleep(Duration::from_micros(100)).await;
+        }
+        let released = dropped.elapsed().as_micros();
+        store.put(&format!("racer/{k}/dropped"), format!("{t},{released}").into_bytes()).await.map_err(e)?;
+        let done = get_str(store, &format!("test/race/{k}/done")).await?;
+        let v: Vec<u32> = done.split(',').map(|x| x.parse().map_err(e)).collect::<Result<_, _>>()?;
+        let (n, base, live_imm) = (v[0], v[1], v[2]);
+        if !engine.imm_counter(live_imm).wait_for_timeout(1, Duration::from_secs(30)).await.map_err(e)? {
+            return Err(format!("race {k}: timed out waiting for the live write"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut counts = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            counts.push(engine.imm_counter(base + i).available().to_string());
+            engine.retire_counter(base + i).await.map_err(e)?;
+        }
+        if std::sync::Arc::strong_count(&mem) > 1 {
+            return Err(format!("race {k}: the engine still holds the freed region's memory"));
+        }
+        // SAFETY: the engine let go of the memory (above): nothing writes it any more.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, size * slots) };
+        let hashes: Vec<String> = bytes.chunks(size).map(|c| hash(c).to_string()).collect();
+        let report = format!("{};{};{}", hash(&live.to_vec()), counts.join(","), hashes.join(","));
+        store.put(&format!("racer/{k}/report"), report.into_bytes()).await.map_err(e)?;
+    }
+    store.get("racer/exit").await.map_err(e)?;
     Ok(())
 }

@@ -86,6 +86,10 @@ impl<D: Domain> Core<D> {
             w.wake();
         }
         // Close every registration, then the domains; only then free memory.
+        for d in std::mem::take(&mut self.draining) {
+            self.finish_drain(d);
+        }
+        self.acking.clear();
         for (d, live) in self.live.iter_mut().enumerate() {
             for (_, l) in live.drain() {
                 self.domains[d].deregister(l.reg);

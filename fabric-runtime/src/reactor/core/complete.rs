@@ -184,7 +184,8 @@ impl<D: Domain> Core<D> {
                             w.wake();
                         }
                     }
-                    Some(MsgKind::Revoke) => self.on_revoke(&data),
+                    Some(MsgKind::Revoke) => self.on_revoke(&data, from),
+                    Some(MsgKind::RevokeAck) => self.on_revoke_ack(&data, from),
                     Some(MsgKind::Hello) => self.on_hello(&data),
                     Some(MsgKind::Vouch) => self.on_vouch(&data),
                     Some(MsgKind::Vouched) => self.on_vouched(&data, from),
@@ -208,6 +209,7 @@ impl<D: Domain> Core<D> {
     pub(super) fn expire(&mut self, now: Instant, limit: Duration) {
         #[cfg(feature = "cuda")]
         self.expire_acks(now, limit);
+        self.prune_recent(now);
         // Operations that never even reached the NIC (a peer whose connection never comes
         // up keeps refusing them).
         for i in 0..self.pending_peers.len() {

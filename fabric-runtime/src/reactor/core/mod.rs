@@ -44,6 +44,10 @@ mod revive;
 // Owners vouching for descriptors before they are used, where a bad key is refused silently
 // (a child module).
 mod vouch;
+// Where a bad key is refused silently (shm): freed regions stay registered until their
+// peers acknowledge the revocation, and writers acknowledge once what they posted is done
+// (a child module).
+mod drain;
 
 /// Tokens with this bit set name a posted receive buffer (low bits: its slot).
 const RECV_TAG: u64 = 1 << 63;
@@ -172,6 +176,13 @@ pub(crate) struct Core<D: Domain> {
     vouching: Vec<vouch::Vouching>,
     /// The number of the next vouch question.
     next_vouch: u64,
+    /// Freed regions kept registered until their peers acknowledge the revocation (shm:
+    /// `drain.rs`).
+    draining: Vec<drain::Draining>,
+    /// Acknowledgements of peers' revocations waiting for our operations to them (`drain.rs`).
+    acking: Vec<drain::Acking>,
+    /// Keys peers revoked lately, checked when an operation is posted (`drain.rs`).
+    recent: drain::Recent,
     /// Staged GPU transfers: CUDA streams, copies waiting for their event, pulls.
     #[cfg(feature = "cuda")]
     staging: gpu::Staging,
@@ -223,6 +234,9 @@ impl<D: Domain> Core<D> {
             reviving: Vec::new(),
             vouching: Vec::new(),
             next_vouch: 0,
+            draining: Vec::new(),
+            acking: Vec::new(),
+            recent: drain::Recent::default(),
             #[cfg(feature = "cuda")]
             staging: gpu::Staging::default(),
         };
@@ -307,6 +321,12 @@ impl<D: Domain> Core<D> {
         }
         if !self.vouching.is_empty() {
             self.check_vouches();
+        }
+        if !self.acking.is_empty() {
+            busy |= self.send_acks();
+        }
+        if !self.draining.is_empty() {
+            self.check_drains();
         }
         if busy {
             self.watch_fallback = sleep::WATCH_FALLBACK;
@@ -446,7 +466,7 @@ impl<D: Domain> Core<D> {
                     // Peers holding its descriptor learn that it is stale (`revoke.rs`).
                     self.revoking.push((r.remote_base, r.remote_key));
                 }
-                self.deregister(regs, backing)
+                self.drain_or_deregister(regs, backing)
             }
             Submission::AddPeer { address, reply } => self.add_peer(address, reply),
             Submission::RemovePeer { peer, reply } => {
@@ -527,6 +547,14 @@ impl<D: Domain> Core<D> {
             self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
             s.fail(Error::MessageTooLarge { len, max: self.send_pools[domain].slot_size });
             return None;
+        }
+        if let Submission::Op { req, .. } = &s {
+            // Its region's revocation arrived while it waited to be posted (`drain.rs`).
+            if self.revoked_at_post(peer, domain, req.remote.addr, req.remote.key) {
+                self.shared.stats.failed(domain, Some(&self.peers[peer.0 as usize].stats), false);
+                s.fail(crate::engine::region::revoked_error(peer));
+                return None;
+            }
         }
         let token = self.slab.next_token();
         let internal = s.is_internal();

@@ -163,13 +163,15 @@ impl<D: Domain> Core<D> {
         self.revoking.clear();
     }
 
-    /// A peer freed regions: our descriptors of them are stale from now on.
-    pub(super) fn on_revoke(&mut self, msg: &[u8]) {
+    /// A peer freed regions: our descriptors of them are stale from now on. On shm the
+    /// owner waits for our acknowledgement before it deregisters them (`drain.rs`).
+    pub(super) fn on_revoke(&mut self, msg: &[u8], from: Option<PeerId>) {
         match Revoke::from_bytes(msg) {
             Ok(r) => {
                 for key in r.keys() {
                     self.shared.revoked.revoke(key);
                 }
+                self.ack_revocation(&r, from);
             }
             Err(e) => tracing::warn!(error = %e, "dropped a malformed revoke message"),
         }
