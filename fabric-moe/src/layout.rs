@@ -10,7 +10,18 @@
 //!
 //! private (this rank only):
 //!   state[16] u64 | peers[R] u64 | send_slot[T][R] | send_count[R] | recv_count[R] |
-//!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H]
+//!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H] |
+//!   proxy[PROXY_WORDS] u64
+//!
+//! outbox (proxy transport only, registered with the engine): the window's layout, section
+//!   d holding what goes to rank d; the proxy writes section d of each region to section
+//!   `rank` of rank d's window (`proxy::plan`).
+//!
+//! proxy words (u64; `kernels.cu` has the same numbers, `proxy.rs` fills them):
+//!   [0] mask of the ranks reached through the proxy | [1] outbox address |
+//!   [2] doorbells address (pinned, mapped: [stage][MAX_RANKS] u64) |
+//!   [3 + stage * MAX_RANKS + s] address of the GpuCounter of source s (dispatch, combine) |
+//!   [3 + (2 + stage) * MAX_RANKS + s] that counter's total when the all-to-all was made
 //! ```
 #![forbid(unsafe_code)]
 
@@ -22,6 +33,16 @@ const ALIGN: u64 = 256;
 
 /// The words of the private `state` array (`kernels.cu` has the same numbers).
 pub(crate) const STATE_WORDS: u64 = 16;
+
+/// The words of the private `proxy` array (see the module docs).
+pub(crate) const PROXY_WORDS: u64 = 3 + 4 * crate::config::MAX_RANKS as u64;
+/// Word of the proxy mask, the outbox address, the doorbells' address.
+pub(crate) const PX_MASK: usize = 0;
+pub(crate) const PX_OUTBOX: usize = 1;
+pub(crate) const PX_DOORBELL: usize = 2;
+/// First word of the counters' addresses, then of their base totals.
+pub(crate) const PX_COUNTER: usize = 3;
+pub(crate) const PX_BASE: usize = 3 + 2 * crate::config::MAX_RANKS;
 
 fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
@@ -52,6 +73,7 @@ pub(crate) struct Layout {
     pub off_src_info: u64,
     pub off_x_expert: u64,
     pub off_combined: u64,
+    pub off_proxy: u64,
     pub private_len: u64,
 }
 
@@ -76,7 +98,7 @@ impl Layout {
         let ([off_dflag, off_cflag, off_bflag, off_meta, off_rx, off_cx], window_len) =
             stack([8 * r, 8 * r, 8 * r, 4 * r * t * meta_words, r * t * row_bytes, r * t * row_bytes]);
         let (
-            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined],
+            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_proxy],
             private_len,
         ) = stack([
             8 * STATE_WORDS,
@@ -89,6 +111,7 @@ impl Layout {
             4 * e * capacity,
             e * capacity * row_bytes,
             t * row_bytes,
+            8 * PROXY_WORDS,
         ]);
         Layout {
             row_bytes,
@@ -111,8 +134,23 @@ impl Layout {
             off_src_info,
             off_x_expert,
             off_combined,
+            off_proxy,
             private_len,
         }
+    }
+
+    /// Offset of section `sec` (a source rank in a window, a destination in the outbox)
+    /// of the dispatch meta rows, and of the dispatch and combine rows.
+    pub(crate) fn meta_section(&self, t: u64, sec: u64) -> u64 {
+        self.off_meta + sec * t * self.meta_words * 4
+    }
+
+    pub(crate) fn rx_section(&self, t: u64, sec: u64) -> u64 {
+        self.off_rx + sec * t * self.row_bytes
+    }
+
+    pub(crate) fn cx_section(&self, t: u64, sec: u64) -> u64 {
+        self.off_cx + sec * t * self.row_bytes
     }
 }
 
@@ -141,10 +179,14 @@ mod tests {
             l.off_src_info,
             l.off_x_expert,
             l.off_combined,
+            l.off_proxy,
             l.private_len,
         ];
         assert!(private.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
         assert_eq!(l.off_combined - l.off_x_expert, 128 * 256 * 14336);
+        assert_eq!(l.private_len - l.off_proxy, align(8 * PROXY_WORDS));
+        assert_eq!(l.meta_section(128, 1) - l.off_meta, 128 * 17 * 4);
+        assert_eq!(l.cx_section(128, 1) - l.rx_section(128, 1), l.off_cx - l.off_rx);
     }
 
     #[test]
