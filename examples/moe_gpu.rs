@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example moe_gpu -- [--ranks 2] [--steps 200] [--tokens 128]
 //!                                          [--hidden 7168] [--experts 256] [--topk 8]
+//!                                          [--transport nvlink|proxy|auto] [--provider shm|tcp]
 //! ```
 //!
 //! Defaults are DeepSeek-V3's decode shape: 128 tokens per rank, hidden 7168 (bf16), 256
@@ -27,6 +28,11 @@
 //! The first `--warmup` steps are not counted. `examples/moe_gpu_nccl.py` times NCCL's
 //! `all_to_all_single` of the same bytes for comparison (`scripts/moe-gpu-run.sh` runs both).
 //!
+//! `--transport proxy` sends every rank's rows through the proxy transport instead of NVLink
+//! stores (outbox, doorbell, a proxy thread writing with the engine of `--provider`, receive
+//! kernels waiting on `GpuCounter`s; `docs/moe.md`, "Phase 2"), on one host as between
+//! hosts; each line then also gives the proxy's last doorbell-to-completion times.
+//!
 //! Without a CUDA driver or device it prints one `moe_gpu: skipped: ...` line and exits 0.
 
 use std::time::Duration;
@@ -37,7 +43,7 @@ use fabric_async::cuda::{self, DeviceBuffer, Stream};
 use fabric_async::Engine;
 use fabric_examples::{exit_with_parent, positive, spawn_self, wait_child, BoxError};
 use fabric_moe::reference::{self, check_combined, check_received, Inputs, Routing};
-use fabric_moe::{AllToAll, Config, DispatchInput, TopkIdx};
+use fabric_moe::{AllToAll, Config, DispatchInput, TopkIdx, Transport};
 
 /// Distinct input sets, uploaded once and used in turn (step `s` uses set `s % SETS`).
 const SETS: usize = 8;
@@ -77,6 +83,13 @@ struct Cli {
     /// each clock adds a launch to the step).
     #[arg(long)]
     stages: bool,
+    /// How ranks reach each other: NVLink stores (CUDA IPC), the proxy (the engine's writes
+    /// from a host thread), or auto (NVLink on one host, the proxy between hosts).
+    #[arg(long, value_name = "T", default_value = "nvlink", value_parser = ["nvlink", "proxy", "auto"])]
+    transport: String,
+    /// The engine's provider (what the proxy writes with).
+    #[arg(long, value_name = "P", default_value = "shm", value_parser = ["shm", "tcp"])]
+    provider: String,
     /// Internal: this process's rank, started by rank 0 whose TcpStore is at --store.
     #[arg(long, hide = true, default_value_t = 0)]
     rank: usize,
@@ -163,6 +176,7 @@ fn rank_args(cli: &Cli, rank: usize, store: std::net::SocketAddr) -> Vec<String>
     if cli.stages {
         a.push("--stages".into());
     }
+    a.extend(["--transport".to_string(), cli.transport.clone(), "--provider".into(), cli.provider.clone()]);
     a
 }
 
@@ -187,15 +201,18 @@ fn upload(ctx: &std::sync::Arc<cuda::Context>, c: &Config, all: Vec<Inputs>) -> 
 
 async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
     let (rank, ranks) = (cli.rank, cli.ranks);
-    let engine = Engine::builder().provider("tcp").build()?;
+    let engine = Engine::builder().provider(&cli.provider).build()?;
     let mut c = Config::new(ranks, rank, cli.experts / ranks, cli.tokens, cli.hidden, cli.topk);
     c.expert_capacity = cli.capacity;
+    c.transport = cli.transport.parse::<Transport>()?;
     let a2a = AllToAll::new(&engine, store, c.clone()).await?;
     let ctx = cuda::context(a2a.device())?;
     if rank == 0 {
         println!(
-            "moe_gpu: {ranks} ranks ({}), {} tokens x {} bf16 per rank, {} experts, top-{}, {} steps (+{} warm-up)",
+            "moe_gpu: {ranks} ranks ({}), transport {} (engine {}), {} tokens x {} bf16 per rank, {} experts, top-{}, {} steps (+{} warm-up)",
             ctx.name(),
+            c.transport,
+            engine.transport(),
             cli.tokens,
             cli.hidden,
             cli.experts,
@@ -359,11 +376,22 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
     }
     drop(stream);
     // Rank 0 prints every rank's figures.
+    // The proxy's last step: doorbell seen to writes completed, per stage.
+    let proxy = a2a.proxy_times().map_or(String::new(), |[d, c]| {
+        let span = |t: fabric_moe::ProxyTimes| t.completed_ns.saturating_sub(t.seen_ns) as f64 / 1e3;
+        format!(
+            "   proxy (last step, doorbell to done): dispatch {:.1} us, combine {:.1} us",
+            span(d),
+            span(c)
+        )
+    });
+    let peer = (rank + 1) % ranks;
+    let to = a2a.transport_to(peer);
     let mib = (rows * cli.hidden * 2) as f64 / (1 << 20) as f64;
     let mine = format!(
-        "moe_gpu: rank {rank} (cuda:{}): back to back: dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {mib:.2} MiB sent per step)\n\
-         moe_gpu: rank {rank} (cuda:{}): CUDA graph:   dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (batches of {BATCH} steps captured once and replayed)\n\
-         moe_gpu: rank {rank} (cuda:{}): checked:      dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (every step checked, the GPU idle between steps)",
+        "moe_gpu: rank {rank} (cuda:{}, {to} to rank {peer}): back to back: dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {mib:.2} MiB sent per step)\n\
+         moe_gpu: rank {rank} (cuda:{}, {to} to rank {peer}): CUDA graph:   dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (batches of {BATCH} steps captured once and replayed)\n\
+         moe_gpu: rank {rank} (cuda:{}, {to} to rank {peer}): checked:      dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   (every step checked, the GPU idle between steps)",
         a2a.device(),
         pct(&mut dispatch_b2b, 0.5),
         pct(&mut dispatch_b2b, 0.9),
@@ -379,7 +407,7 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
         pct(&mut dispatch, 0.9),
         pct(&mut combine, 0.5),
         pct(&mut combine, 0.9),
-    );
+    ) + &proxy;
     let mine = if cli.stages {
         let [ds, dr, cs, cr] = &mut stages[..] else { unreachable!() };
         format!(

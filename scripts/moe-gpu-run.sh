@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device run of fabric-moe (docs/moe.md, issue 30 phase 1), under 4 minutes: on a GPU
+# Device run of fabric-moe (docs/moe.md, issue 30 phase 1), under 6 minutes: on a GPU
 # machine (no cargo there), from a folder holding this script and, built on a dev machine
 # and stripped (scripts/moe-gpu-ship.sh makes the folder):
 #   moe_gpu_test      (cargo test -p integration-tests --test moe_gpu --release --no-run)
@@ -7,7 +7,8 @@
 #   moe_gpu_nccl.py   (examples/moe_gpu_nccl.py: the NCCL all_to_all_single baseline)
 # Runs the tests with the two ranks on two GPUs (and both on GPU 0), then on one GPU only
 # (CUDA_VISIBLE_DEVICES=0), then the example (decode shape: 128 tokens x 7168 bf16 per
-# rank, 256 experts, top-8, every step checked) and the NCCL baseline of the same bytes.
+# rank, 256 experts, top-8, every step checked), over NVLink and through the proxy
+# transport (--transport proxy, shm engine), and the NCCL baseline of the same bytes.
 # STEPS=N changes the timed steps of both (default 200). Then, on two GPUs, the prefill
 # shape (4096 tokens per rank) and its NCCL baseline (PREFILL=0 leaves them out).
 set -u
@@ -37,12 +38,14 @@ show() {
 }
 if [ "$n" -ge 2 ]; then
   echo "== moe_gpu tests, ranks on GPU 0 and GPU 1 (and both on GPU 0) ($(since))"
-  FABRIC_REQUIRE_GPUS=2 timeout -k 5 75 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
+  FABRIC_REQUIRE_GPUS=2 timeout -k 5 120 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
 fi
 echo "== moe_gpu tests on one GPU (CUDA_VISIBLE_DEVICES=0) ($(since))"
-CUDA_VISIBLE_DEVICES=0 timeout -k 5 65 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
+CUDA_VISIBLE_DEVICES=0 timeout -k 5 110 ./moe_gpu_test --test-threads 1 --nocapture 2>&1 | show
 echo "== example moe_gpu, decode shape ($(since))"
 timeout -k 5 45 ./moe_gpu --steps "${STEPS:-200}" 2>&1 | grep -v "^\s*$" | head -20
+echo "== example moe_gpu, decode shape, --transport proxy ($(since))"
+timeout -k 5 60 ./moe_gpu --steps "${STEPS:-200}" --transport proxy --provider shm 2>&1 | grep -v "^\s*$" | head -20
 echo "== NCCL all_to_all_single of the same bytes ($(since))"
 timeout -k 5 45 python3 moe_gpu_nccl.py --steps "${STEPS:-200}" 2>&1 | grep -Ev "^\s*$|Warning|warn\(" | tail -8
 if [ "${PREFILL:-1}" = 1 ] && [ "$n" -ge 2 ]; then

@@ -2,6 +2,11 @@
 // windows are plain host memory: dispatch rows and sources checked exactly, combine within
 // the tolerance of fabric_moe::reference, several steps (sequence flags). The layout below
 // mirrors src/layout.rs. Run by run.sh; no GPU, no CUDA toolkit.
+//
+// The proxy transport (mode 1: every pair; mode 2: the last rank with every other, the rest
+// NVLink) is emulated by `proxy_pass` between the send and the receive stages: what
+// src/proxy.rs's thread does with a doorbell (plan(): the same writes, each one arrival of
+// the stage's counter at the destination), with memcpy for the engine.
 #include "kernels_emu.h"
 #include <cstdio>
 #include <cmath>
@@ -16,18 +21,49 @@ static u64 rnd() { rng_s += 0x9e3779b97f4a7c15ull; u64 z = rng_s; z = (z ^ (z >>
 static float bf(u16 h) { return __uint_as_float((u32)h << 16); }
 static u16 tobf(float f) { return (u16)f32_to_bf16(f); }
 
-int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int steps, bool one_expert) {
+int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int steps, bool one_expert, int mode = 0) {
   u32 rb = H * 2, mw = 1 + 3 * K;
   // window: dflag cflag bflag ecount meta rx cx
   u64 wo[7]; u64 wlen = stack({8ull*R, 8ull*R, 8ull*R, 4ull*R*E, 4ull*R*T*mw, (u64)R*T*rb, (u64)R*T*rb}, wo);
-  // private: state peers send_slot send_count recv_count recv_pos expert_count src_info x_expert combined send_pos send_ecount
-  u64 po[12]; u64 plen = stack({8ull*16, 8ull*R, 4ull*T*R, 4ull*R, 4ull*R, 4ull*R*T*K, 4ull*E, 4ull*E*cap, (u64)E*cap*rb, (u64)T*rb, 4ull*T*K, 4ull*R*E}, po);
-  std::vector<Buf> win(R, Buf(wlen + 64)), priv(R, Buf(plen + 64)), outb(R, Buf((u64)E*cap*rb + 64));
+  const u64 PXW = 3 + 4 * MAX_RANKS;
+  // private: state peers send_slot send_count recv_count recv_pos expert_count src_info x_expert combined send_pos send_ecount proxy
+  u64 po[13]; u64 plen = stack({8ull*16, 8ull*R, 4ull*T*R, 4ull*R, 4ull*R, 4ull*R*T*K, 4ull*E, 4ull*E*cap, (u64)E*cap*rb, (u64)T*rb, 4ull*T*K, 4ull*R*E, 8*PXW}, po);
+  std::vector<Buf> win(R, Buf(wlen + 64)), priv(R, Buf(plen + 64)), outb(R, Buf((u64)E*cap*rb + 64)), obox(R, Buf(wlen + 64));
   std::vector<u64> status(R * 8, 0);
   auto W = [&](u32 r) { return (char*)(((uintptr_t)win[r].data() + 63) & ~63ull); };
   auto P = [&](u32 r) { return (char*)(((uintptr_t)priv[r].data() + 63) & ~63ull); };
   auto O = [&](u32 r) { return (char*)(((uintptr_t)outb[r].data() + 63) & ~63ull); };
-  for (u32 r = 0; r < R; ++r) for (u32 d = 0; d < R; ++d) ((u64*)(P(r) + po[1]))[d] = (u64)W(d);
+  auto X = [&](u32 r) { return (char*)(((uintptr_t)obox[r].data() + 63) & ~63ull); };
+  // Proxy state: doorbells [rank][stage][MAX_RANKS], counters [rank][stage][source] (started
+  // at 7, the base the kernels subtract), the doorbells already handled.
+  std::vector<u64> bells(R * 3 * MAX_RANKS, 0), ctr(R * 2 * MAX_RANKS, 7), seen(R * 3 * MAX_RANKS, 0);
+  auto proxied = [&](u32 a, u32 b) { return a != b && (mode == 1 || (mode == 2 && (a == R - 1 || b == R - 1))); };
+  for (u32 r = 0; r < R; ++r) {
+    u64* px = (u64*)(P(r) + po[12]);
+    px[PX_OUTBOX] = (u64)X(r); px[PX_DOORBELL] = (u64)&bells[r * 3 * MAX_RANKS];
+    for (u32 d = 0; d < R; ++d) {
+      ((u64*)(P(r) + po[1]))[d] = proxied(r, d) ? 0 : (u64)W(d);
+      if (!proxied(r, d)) continue;
+      px[PX_MASK] |= 1ull << d;
+      for (u32 st = 0; st < 2; ++st) { px[PX_COUNTER + st * MAX_RANKS + d] = (u64)&ctr[(r * 2 + st) * MAX_RANKS + d]; px[PX_BASE + st * MAX_RANKS + d] = 7; }
+    }
+  }
+  // proxy.rs's plan() and thread: for each new doorbell of `stage`, its writes from the
+  // outbox section of the destination to the section of the source, one arrival each.
+  auto proxy_pass = [&](u32 stage) {
+    u64 tt = T;
+    for (u32 r = 0; r < R; ++r) for (u32 d = 0; d < R; ++d) {
+      if (!proxied(r, d)) continue;
+      u64 word = bells[(r * 3 + stage) * MAX_RANKS + d];
+      u64& old = seen[(r * 3 + stage) * MAX_RANKS + d];
+      if (word == old) continue;
+      old = word;
+      u64 n = std::min<u64>((u32)word, tt);
+      auto put = [&](u64 off, u64 stride, u64 len) { memcpy(W(d) + off + r * stride, X(r) + off + d * stride, len); ctr[(d * 2 + stage) * MAX_RANKS + r]++; };
+      if (stage == 0) { put(wo[3], E * 4, E * 4); put(wo[4], tt * mw * 4, n * mw * 4); put(wo[5], tt * rb, n * rb); put(wo[0], 8, 8); }
+      else { put(wo[6], tt * rb, n * rb); put(wo[1], 8, 8); }
+    }
+  };
   u32 blocks = std::min<u32>(132, std::max<u32>(1, (R * T + 7) / 8));
   u32 segs = (H % 8 == 0) ? ((H / 8 + 127) / 128) : 1;
   u32 seg_blocks = std::min<u32>(132, std::max<u32>(1, (R * T * segs + 7) / 8));
@@ -48,10 +84,11 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       const void* ip = idx64 ? (const void*)idx[r].data() : (const void*)idx32[r].data();
       u64* state = (u64*)(P(r) + po[0]);
       launch(moe_route, 1, 1024, ip, (u32)idx64, ntok, K, R, E, (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), state, &status[r*8]);
-      launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (const int*)(P(r)+po[2]), (const int*)(P(r)+po[3]), (const int*)(P(r)+po[10]), (const int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5]);
+      launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (const int*)(P(r)+po[2]), (const int*)(P(r)+po[3]), (const int*)(P(r)+po[10]), (const int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (const u64*)(P(r)+po[12]));
     }
+    proxy_pass(0);
     for (u32 r = 0; r < R; ++r)
-      launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull);
+      launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
     // dispatch check
     for (u32 r = 0; r < R; ++r) {
       if (status[r*8]) { printf("status rank %u: %llx\n", r, status[r*8]); }
@@ -71,9 +108,10 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     for (u32 r = 0; r < R; ++r)
       launch(moe_toy_experts, blocks, 256, (const char*)(P(r)+po[8]), O(r), (const int*)(P(r)+po[6]), r, E, cap, H);
     for (u32 r = 0; r < R; ++r)
-      launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6]);
+      launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], (const u64*)(P(r)+po[12]));
+    proxy_pass(1);
     for (u32 r = 0; r < R; ++r)
-      launch(moe_combine_recv, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], R, T, H, wo[1], wo[6], (u64)1000000000ull);
+      launch(moe_combine_recv, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
     for (u32 r = 0; r < R; ++r) {
       if (status[r*8]) { printf("status rank %u: %llx\n", r, status[r*8]); }
       // Past the capacity the dropped rows' terms are missing from the combine: only the
@@ -88,7 +126,11 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       }
     }
   }
-  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, bad ? "FAIL" : "ok", bad);
+  for (u32 r = 0; r < R; ++r) for (u32 d = 0; d < R; ++d) if (proxied(r, d)) {
+    // Every step wrote every stage's writes, and the kernels' doorbells carry the last step.
+    if (ctr[(d * 2 + 0) * MAX_RANKS + r] != 7 + 4ull * steps || ctr[(d * 2 + 1) * MAX_RANKS + r] != 7 + 2ull * steps || (bells[(r * 3) * MAX_RANKS + d] >> 32) != (u64)steps) { if (bad++ < 5) printf("proxy counts r%u d%u\n", r, d); }
+  }
+  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", bad ? "FAIL" : "ok", bad);
   return bad;
 }
 int main() {
@@ -105,5 +147,12 @@ int main() {
   // top-9 (the general ones).
   bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false);
   bad += run(2, 8, 2056, 8, 9, 8, 16, true, 2, false);
+  // The proxy transport: every pair, and mixed (rank 2 through the proxy, 0-1 NVLink).
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 1);
+  bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false, 1);
+  bad += run(3, 40, 16, 2, 4, 40, 120, true, 3, false, 1);
+  bad += run(3, 40, 16, 2, 4, 40, 120, false, 3, false, 2);
+  bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 2);
+  bad += run(2, 64, 24, 4, 1, 64, 128, false, 2, true, 1);
   return bad ? 1 : 0;
 }

@@ -11,16 +11,19 @@ use fabric_async::bootstrap::{all_gather, Rendezvous};
 use fabric_async::cuda::{self, Context, DeviceBuffer, KernelArgs, PinnedHostBuffer};
 use fabric_async::Engine;
 
-use crate::config::{Config, DispatchInput};
+use crate::config::{Config, DispatchInput, Transport};
 use crate::error::{MoeError, Result};
 use crate::kernels::{launch, CudaStream, Kernels, THREADS};
 use crate::layout::Layout;
 use crate::nvlink::{self, Peers};
+use crate::proxy::{self, Links, Proxy, ProxyTimes, Stage};
 
 /// Slots of the GPU clock that [`AllToAll::clock`] writes.
 pub const CLOCK_SLOTS: usize = 256;
 
-/// An MoE dispatch/combine between `ranks` processes of one host, over NVLink (CUDA IPC).
+/// An MoE dispatch/combine between `ranks` processes, over NVLink (CUDA IPC) between ranks
+/// of one host and through the proxy (the engine's writes, driven by a host thread)
+/// between hosts or where [`Config::transport`] asks for it.
 ///
 /// A step is [`dispatch_send`](Self::dispatch_send) → [`dispatch_recv`](Self::dispatch_recv)
 /// → (the experts, reading [`recv_x`](Self::recv_x), writing their outputs in the same
@@ -45,15 +48,20 @@ pub const CLOCK_SLOTS: usize = 256;
 /// (as a step does), and the experts must finish reading `recv_x` before the next
 /// `dispatch_recv`. Two micro-batches in flight at once need two `AllToAll`s (two tags).
 pub struct AllToAll {
+    /// The proxy thread (ranks reached through the engine); stopped first on drop.
+    proxy: Option<Proxy>,
     /// Mappings of the peers' windows; unmapped before our own buffers are freed.
     peers: Peers,
+    /// The proxy's registered regions and counters (kept while kernels may use them).
+    links: Option<Links>,
     kernels: Kernels,
-    /// What peers write into (exported).
-    window: DeviceBuffer,
+    /// What peers write into (exported; registered with the engine for proxy peers, which
+    /// then holds it too).
+    window: Arc<DeviceBuffer>,
     /// This rank's state, routing, and outputs.
     private: DeviceBuffer,
-    /// Error word the kernels write (pinned, device-mapped).
-    status: PinnedHostBuffer,
+    /// Error word the kernels (and the proxy thread) write (pinned, device-mapped).
+    status: Arc<PinnedHostBuffer>,
     /// GPU clock stamps ([`clock`](Self::clock)).
     clocks: PinnedHostBuffer,
     layout: Layout,
@@ -64,8 +72,7 @@ pub struct AllToAll {
     /// 2 KiB segment), so that a few rows of a wide hidden size still spread over the SMs.
     seg_blocks: u32,
     combine_recv_blocks: u32,
-    /// For the proxy transport between hosts (a later phase); kept so that the API does not
-    /// change when it comes.
+    /// The engine of the proxy transport (its thread holds a clone).
     _engine: Engine,
     /// Dropped last: every buffer above holds it too.
     ctx: Arc<Context>,
@@ -79,6 +86,7 @@ impl fmt::Debug for AllToAll {
             .field("device", &self.device)
             .field("window_bytes", &self.layout.window_len)
             .field("private_bytes", &self.layout.private_len)
+            .field("proxy_ranks", &format_args!("{:#x}", self.peers.proxy_mask))
             .finish_non_exhaustive()
     }
 }
@@ -95,15 +103,20 @@ pub struct Received {
 impl AllToAll {
     /// Allocates every buffer (once: nothing is allocated per step), compiles the kernels
     /// for this rank's device, and meets the other ranks through `world`: each publishes the
-    /// CUDA IPC handle of its window and maps everybody else's. Every rank must call it with
-    /// the same shape (and tag); it returns when all have published.
+    /// CUDA IPC handle of its window and maps everybody else's on its host. Every rank must
+    /// call it with the same shape, transport (and tag); it returns when all have published.
     ///
-    /// `engine` is this rank's transfer engine; the NVLink transport does not use it (the
-    /// proxy transport between hosts, a later phase, will).
+    /// `engine` is this rank's transfer engine, used by the proxy transport only (ranks on
+    /// other hosts, or every rank with [`Transport::Proxy`]): then the window and an outbox
+    /// of the same size are registered with it, their descriptors exchanged through
+    /// `world` (the peers' engines become its peers), and a proxy thread started. Any
+    /// provider works (the engine picks CUDA IPC, GPUDirect or staging per peer); a
+    /// `ReactorMode::BusyPoll` engine answers the proxy's writes soonest.
     ///
     /// Errors: [`MoeError::Config`] (a bad or disagreeing config),
-    /// [`MoeError::Cuda`] (no driver or device: `Unsupported`; NVRTC missing; IPC refused),
-    /// [`MoeError::OtherHost`], [`MoeError::Bootstrap`].
+    /// [`MoeError::Cuda`] (no driver or device: `Unsupported`; NVRTC missing; IPC refused;
+    /// the engine refused a registration or a peer),
+    /// [`MoeError::OtherHost`] ([`Transport::Nvlink`] only), [`MoeError::Bootstrap`].
     ///
     /// # Cancel safety
     ///
@@ -123,13 +136,31 @@ impl AllToAll {
         let len = |n: u64| {
             usize::try_from(n).map_err(|_| MoeError::Config(format!("{n} bytes do not fit this machine")))
         };
-        let window = DeviceBuffer::new(&ctx, len(layout.window_len)?)?;
+        let window = Arc::new(DeviceBuffer::new(&ctx, len(layout.window_len)?)?);
         let private = DeviceBuffer::new(&ctx, len(layout.private_len)?)?;
-        let status = PinnedHostBuffer::new(&ctx, 64)?;
+        let status = Arc::new(PinnedHostBuffer::new(&ctx, 64)?);
         let clocks = PinnedHostBuffer::new(&ctx, 8 * CLOCK_SLOTS)?;
         let peers = nvlink::connect(world, &config, &ctx, &window).await?;
         let bases: Vec<u8> = peers.bases.iter().flat_map(|b| b.to_le_bytes()).collect();
         private.copy_from_host(layout.off_peers as usize, &bases)?;
+        let links = match peers.any_proxy {
+            true => proxy::connect(engine, world, &config, &ctx, &window, peers.proxy_mask).await?,
+            false => None,
+        };
+        let words = match &links {
+            Some(l) => {
+                // The totals now are the kernels' zero: no peer writes before `moe-ready`.
+                let counters: Vec<[Option<(u64, u64)>; 2]> = l
+                    .counters
+                    .iter()
+                    .map(|pair| pair.each_ref().map(|c| c.as_ref().map(|c| (c.device_ptr(), c.total()))))
+                    .collect();
+                proxy::words(l.mask, l.outbox.device_ptr(), l.doorbells.device_ptr(), &counters)
+            }
+            None => proxy::words(0, 0, 0, &[]),
+        };
+        let words: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        private.copy_from_host(layout.off_proxy as usize, &words)?;
         let sms = ctx.multiprocessor_count()?;
         let blocks = sms.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
         // As kernels.cu's row_seg_len splits a row at most: 32 chunks of 8 bf16 (512 B).
@@ -141,11 +172,17 @@ impl AllToAll {
         // memory may return before its DMA has landed: finish them before any kernel or
         // peer can touch the buffers.
         ctx.synchronize()?;
+        let proxy = match &links {
+            Some(l) => Some(Proxy::start(engine.clone(), l, layout, &config, status.clone())?),
+            None => None,
+        };
         // Nobody writes into a window before every rank has mapped every window.
         let key = format!("{}/moe-ready", config.tag);
         all_gather(world, &key, config.rank, config.ranks, Vec::new()).await?;
         Ok(AllToAll {
+            proxy,
             peers,
+            links,
             kernels,
             window,
             private,
@@ -170,6 +207,22 @@ impl AllToAll {
     /// The CUDA device (ordinal) of this rank.
     pub fn device(&self) -> usize {
         self.device
+    }
+
+    /// How this rank reaches `rank`: [`Transport::Nvlink`] (itself included) or
+    /// [`Transport::Proxy`].
+    pub fn transport_to(&self, rank: usize) -> Transport {
+        match self.peers.proxy_mask >> rank & 1 {
+            1 => Transport::Proxy,
+            _ => Transport::Nvlink,
+        }
+    }
+
+    /// The proxy's times of the last dispatch and combine step (`None` without proxy
+    /// peers): see [`ProxyTimes`].
+    pub fn proxy_times(&self) -> Option<[ProxyTimes; 2]> {
+        let p = self.proxy.as_ref()?;
+        Some([p.times(Stage::Dispatch), p.times(Stage::Combine)])
     }
 
     /// Rows per local expert in [`recv_x`](Self::recv_x) and in `expert_out`.
@@ -217,6 +270,12 @@ impl AllToAll {
             ))),
             _ => Ok(()),
         }
+    }
+
+    /// The proxy words (`layout.rs`) every stage that sends or waits gets as its last
+    /// argument.
+    fn proxy_words(&self) -> u64 {
+        self.private_ptr(self.layout.off_proxy)
     }
 
     fn common(&self) -> (u64, u64) {
@@ -289,7 +348,8 @@ impl AllToAll {
             .u64(l.off_dflag)
             .u64(l.off_ecount)
             .u64(l.off_meta)
-            .u64(l.off_rx);
+            .u64(l.off_rx)
+            .u64(self.proxy_words());
         // SAFETY: moe_dispatch_send's parameters in order. It reads the caller's rows, ids and
         // weights of the tokens routed above, and writes, in each peer's window (mapped for
         // the life of `self`, same layout), only this rank's section of ecount, meta and rx
@@ -326,7 +386,8 @@ impl AllToAll {
             .u64(l.off_ecount)
             .u64(l.off_meta)
             .u64(l.off_rx)
-            .u64(timeout_ns(c));
+            .u64(timeout_ns(c))
+            .u64(self.proxy_words());
         // SAFETY: moe_dispatch_recv's parameters in order; it reads this rank's window and
         // writes x_expert (positions checked against the capacity), counts, src_info,
         // recv_pos and recv_count, all inside buffers `self` owns until Drop synchronizes.
@@ -380,7 +441,8 @@ impl AllToAll {
             .u32(c.hidden as u32)
             .u64(l.off_cflag)
             .u64(l.off_meta)
-            .u64(l.off_cx);
+            .u64(l.off_cx)
+            .u64(self.proxy_words());
         // SAFETY: moe_combine_send's parameters in order; reads expert_out at positions
         // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
         // writes this rank's section of cx and its flag in each peer's window.
@@ -406,7 +468,8 @@ impl AllToAll {
             .u32(c.hidden as u32)
             .u64(l.off_cflag)
             .u64(l.off_cx)
-            .u64(timeout_ns(c));
+            .u64(timeout_ns(c))
+            .u64(self.proxy_words());
         let blocks = self.combine_recv_blocks;
         // SAFETY: moe_combine_recv's parameters in order; reads this rank's window and
         // send_slot, writes the first num_tokens rows of `combined`, all owned by `self`.
@@ -439,7 +502,8 @@ impl AllToAll {
             .u32(self.config.rank as u32)
             .u32(self.config.ranks as u32)
             .u64(self.layout.off_bflag)
-            .u64(timeout_ns(&self.config));
+            .u64(timeout_ns(&self.config))
+            .u64(self.proxy_words());
         let threads = (self.config.ranks as u32).div_ceil(32) * 32;
         // SAFETY: moe_barrier's parameters in order; writes this rank's barrier flag in each
         // window (mapped for the life of `self`) and the state word.
@@ -490,7 +554,8 @@ impl AllToAll {
     }
 
     /// Errors the kernels reported since `new` (a wait that timed out, a capacity overflow,
-    /// an expert id out of range). Reads one word of pinned memory: cheap, never blocks.
+    /// an expert id out of range), or the proxy thread (a write that failed:
+    /// [`MoeError::Transport`]). Reads one word of pinned memory: cheap, never blocks.
     pub fn check(&self) -> Result<()> {
         let word = self.status.atomic_u64s()[0].load(Ordering::Acquire);
         let detail = (word & 0xffff_ffff) as usize;
@@ -501,6 +566,10 @@ impl AllToAll {
             3 => Err(MoeError::CapacityExceeded { expert: detail }),
             4 => Err(MoeError::BadExpert { token: detail }),
             5 => Err(MoeError::Timeout { stage: "barrier" }),
+            proxy::ERR_PROXY => Err(self.proxy.as_ref().and_then(Proxy::error).unwrap_or_else(|| {
+                let (stage, rank) = proxy::decode_status(detail as u64);
+                MoeError::Transport { stage, rank, message: "(no message)".into() }
+            })),
             k => Err(MoeError::Argument(format!("unknown kernel status {k}:{detail}"))),
         }
     }
@@ -555,6 +624,13 @@ impl AllToAll {
         self.ctx.synchronize()?;
         let (tag, rank, ranks) = (self.config.tag.clone(), self.config.rank, self.config.ranks);
         all_gather(world, &format!("{tag}/moe-quiet"), rank, ranks, Vec::new()).await?;
+        // Every peer's kernels are done, so every proxy write has landed. The engine's
+        // remote regions of the peers' windows hold its CUDA IPC mappings of them (proxy
+        // peers on this host): they go before the peers free their windows, as ours do.
+        if let Some(p) = self.proxy.as_mut() {
+            p.stop();
+        }
+        self.links = None;
         self.peers.unmap();
         all_gather(world, &format!("{tag}/moe-unmapped"), rank, ranks, Vec::new()).await?;
         Ok(())

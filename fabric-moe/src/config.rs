@@ -26,6 +26,53 @@ impl Dtype {
     }
 }
 
+/// How the ranks of an all-to-all reach each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Transport {
+    /// NVLink (CUDA IPC) between ranks of one host, the proxy between hosts.
+    #[default]
+    Auto,
+    /// NVLink only: a rank on another host is [`MoeError::OtherHost`].
+    Nvlink,
+    /// The proxy for every pair of ranks, on one host too (for tests and comparisons): the
+    /// kernels pack rows into a local outbox and ring a doorbell, and a host thread writes
+    /// them with the engine (`docs/moe.md`, "Phase 2").
+    Proxy,
+}
+
+impl Transport {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Transport::Auto => 0,
+            Transport::Nvlink => 1,
+            Transport::Proxy => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Transport::Auto => "auto",
+            Transport::Nvlink => "nvlink",
+            Transport::Proxy => "proxy",
+        })
+    }
+}
+
+impl std::str::FromStr for Transport {
+    type Err = MoeError;
+    fn from_str(s: &str) -> Result<Transport> {
+        match s {
+            "auto" => Ok(Transport::Auto),
+            "nvlink" => Ok(Transport::Nvlink),
+            "proxy" => Ok(Transport::Proxy),
+            other => Err(MoeError::Config(format!("transport {other:?} (auto, nvlink or proxy)"))),
+        }
+    }
+}
+
 /// The shape of an all-to-all, the same on every rank except `rank` and `device`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -55,6 +102,9 @@ pub struct Config {
     /// Longest a receive stage waits for its peers before it gives up and reports
     /// [`MoeError::Timeout`] (a dead or stalled peer never hangs the GPU).
     pub timeout: Duration,
+    /// How ranks reach each other (every rank must give the same). Default
+    /// [`Transport::Auto`].
+    pub transport: Transport,
     /// Prefix of the keys this all-to-all uses in the rendezvous store; distinct all-to-alls
     /// that meet through one store need distinct tags.
     pub tag: String,
@@ -62,7 +112,7 @@ pub struct Config {
 
 impl Config {
     /// A config with the defaults: bf16, device `rank % devices`, capacity `ranks *
-    /// max_tokens`, a 10 s timeout, tag `"moe"`.
+    /// max_tokens`, a 10 s timeout, transport `Auto`, tag `"moe"`.
     pub fn new(
         ranks: usize,
         rank: usize,
@@ -82,6 +132,7 @@ impl Config {
             dtype: Dtype::Bf16,
             expert_capacity: None,
             timeout: Duration::from_secs(10),
+            transport: Transport::Auto,
             tag: "moe".into(),
         }
     }
@@ -138,6 +189,7 @@ impl Config {
             self.topk,
             self.dtype.bytes(),
             self.capacity(),
+            self.transport.code() as usize,
         ];
         words.iter().flat_map(|w| (*w as u64).to_le_bytes()).collect()
     }
@@ -190,5 +242,17 @@ mod tests {
         c.expert_capacity = Some(0);
         assert!(c.validate().is_err());
         assert_eq!(Config::new(2, 0, 4, 8, 8, 2).capacity(), 16);
+    }
+
+    #[test]
+    fn transport_names_round_trip() {
+        for t in [Transport::Auto, Transport::Nvlink, Transport::Proxy] {
+            assert_eq!(t.to_string().parse::<Transport>().unwrap(), t);
+        }
+        assert!("ib".parse::<Transport>().is_err());
+        let mut c = Config::new(2, 0, 4, 8, 8, 2);
+        let auto = c.shape_bytes();
+        c.transport = Transport::Proxy;
+        assert_ne!(c.shape_bytes(), auto, "ranks must agree on the transport");
     }
 }

@@ -20,9 +20,11 @@ pub enum MoeError {
     /// Meeting the other ranks through the rendezvous store failed.
     #[error("moe rendezvous: {0}")]
     Bootstrap(#[from] BootstrapError),
-    /// A rank is on another host: the NVLink transport needs every rank on this one (the
-    /// proxy transport between hosts is not built yet).
-    #[error("moe: rank {rank} is on another host; only ranks of one host (NVLink/CUDA IPC) are supported")]
+    /// A rank is on another host and the config asked for [`Transport::Nvlink`]
+    /// (`Transport::Auto` takes the proxy transport to it).
+    ///
+    /// [`Transport::Nvlink`]: crate::Transport::Nvlink
+    #[error("moe: rank {rank} is on another host; the nvlink transport needs every rank on this one (use Transport::Auto or Proxy)")]
     OtherHost {
         /// The rank on another host.
         rank: usize,
@@ -47,6 +49,18 @@ pub enum MoeError {
     BadExpert {
         /// The token index of the step.
         token: usize,
+    },
+    /// The proxy thread could not write a stage's rows to a rank (an engine error: the peer
+    /// is gone, a registration was refused, ...). The receiving rank's wait then times out;
+    /// the all-to-all is unusable afterwards.
+    #[error("moe: proxy write of {stage} to rank {rank} failed: {message}")]
+    Transport {
+        /// `dispatch`, `combine` or `barrier`.
+        stage: &'static str,
+        /// The destination rank.
+        rank: usize,
+        /// The engine's error.
+        message: String,
     },
     /// A launch argument is out of range (`num_tokens` above `max_tokens`, ...).
     #[error("moe: {0}")]

@@ -18,6 +18,10 @@
 //   moe_combine_recv   waits for the combine flags, then out[t] = sum over ranks of the
 //                      partial sums (f32), as bf16
 //
+// Ranks in the proxy mask (proxy.rs; another host, or Transport::Proxy) are reached through
+// the proxy instead: see "The proxy transport" below; the stages call its three helpers
+// where they would store into a peer's window, raise its flag, or wait for a flag.
+//
 // Sequence numbers live in device memory (`state`), so launches carry no per-step argument
 // and can be captured in a CUDA graph and replayed. Every wait is bounded by timeout_ns; a
 // timeout (or a capacity overflow, or an out-of-range expert id) is written into `status`,
@@ -51,6 +55,7 @@ struct alignas(16) V16 {
 #define ERR_CAPACITY 3ull
 #define ERR_BAD_EXPERT 4ull
 #define ERR_BARRIER_TIMEOUT 5ull
+// 6 (a failed proxy write) is written by the host's proxy thread (proxy.rs).
 
 #define MAX_RANKS 64
 
@@ -89,6 +94,72 @@ __device__ u64 wait_seq(const u64* flag, u32 want, u64 timeout_ns, int* failed) 
     }
     return w;
 }
+
+// ---- The proxy transport (proxy.rs, docs/moe.md "Phase 2") ----
+// For a rank d in proxy[PX_MASK], a send kernel writes what would go to section `rank` of
+// d's window into section d of this rank's outbox (the window's layout), and raises the flag
+// there and in doorbell[stage][d] (pinned host memory the proxy thread polls). The proxy
+// writes the sections with the engine; each write is an arrival of an immediate at d, whose
+// GpuCounter (proxy[PX_COUNTER + stage][source]) the receive kernel waits on before it reads
+// the flag in its window as for NVLink. The words of `proxy` are layout.rs's.
+#define PX_MASK 0
+#define PX_OUTBOX 1
+#define PX_DOORBELL 2
+#define PX_COUNTER 3
+#define PX_BASE (3 + 2 * MAX_RANKS)
+#define PX_DISPATCH 0u
+#define PX_COMBINE 1u
+#define PX_BARRIER 2u
+// Writes (arrivals) per step of a stage: proxy::Stage::writes.
+#define PX_WRITES_DISPATCH 4u
+#define PX_WRITES_COMBINE 2u
+
+__device__ __forceinline__ bool px_is(const u64* proxy, u32 d) {
+    return (proxy[PX_MASK] >> d) & 1ull;
+}
+
+// Where the rows for rank d go, and the section (source index) to use there: d's window and
+// section `rank`, or our outbox and section d.
+__device__ __forceinline__ char* px_base(const u64* peers, const u64* proxy, u32 d, u32 rank, u32* sec) {
+    if (px_is(proxy, d)) {
+        *sec = d;
+        return (char*)proxy[PX_OUTBOX];
+    }
+    *sec = rank;
+    return (char*)peers[d];
+}
+
+// Raises this rank's flag (of stage `stage`, at `off_flag`) for rank d: a release store into
+// d's window, or into our outbox, then the doorbell (after every write of the kernel, made
+// visible system-wide by the caller's last_block, and this one).
+__device__ __forceinline__ void px_raise(const u64* peers, const u64* proxy, u32 d, u32 rank, u64 off_flag,
+                                         u32 stage, u64 v) {
+    if (px_is(proxy, d)) {
+        *(volatile u64*)((u64*)((char*)proxy[PX_OUTBOX] + off_flag) + d) = v;
+        __threadfence_system();
+        st_release_sys((u64*)proxy[PX_DOORBELL] + stage * MAX_RANKS + d, v);
+    } else {
+        st_release_sys((u64*)((char*)peers[d] + off_flag) + rank, v);
+    }
+}
+
+// For a proxy source s: spins until its counter of `stage` holds `writes` arrivals for every
+// step up to `want` (wrap-safe in the step). Returns false (and sets *failed) on timeout;
+// true at once for an NVLink source.
+__device__ bool px_wait(const u64* proxy, u32 stage, u32 s, u32 want, u32 writes, u64 timeout_ns, int* failed) {
+    if (!px_is(proxy, s)) return true;
+    const u64* c = (const u64*)proxy[PX_COUNTER + stage * MAX_RANKS + s];
+    u64 base = proxy[PX_BASE + stage * MAX_RANKS + s];
+    u64 start = now_ns();
+    while ((int)((u32)((ld_acquire_sys(c) - base) / writes) - want) < 0) {
+        if (now_ns() - start > timeout_ns) {
+            *failed = 1;
+            return false;
+        }
+    }
+    return true;
+}
+// ---- end of the proxy transport ----
 
 __device__ __forceinline__ float bf16_to_f32(u32 h) {
     return __uint_as_float((h & 0xffffu) << 16);
@@ -267,7 +338,7 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
                                              const int* send_ecount, const u64* peers, u64* state,
                                              u32 rank, u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
                                              u32 row_bytes, u64 off_dflag, u64 off_ecount, u64 off_meta,
-                                             u64 off_rx) {
+                                             u64 off_rx, const u64* proxy) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     u32 num_tokens = (u32)state[ST_TOKENS];
@@ -284,8 +355,9 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
         u32 t = i / ranks, d = i % ranks;
         int slot = send_slot[i];
         if (slot < 0) continue;
-        u64 row = (u64)rank * max_tokens + (u32)slot;
-        char* base = (char*)peers[d];
+        u32 sec;
+        char* base = px_base(peers, proxy, d, rank, &sec);
+        u64 row = (u64)sec * max_tokens + (u32)slot;
         char* dst = base + off_rx + row * row_bytes;
         const char* src = x + (u64)t * row_bytes;
         if (vec) {
@@ -311,7 +383,9 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
     // Our rows per expert of each destination, then (ordered after them) its flag.
     for (u32 q = threadIdx.x; q < ranks * experts_per_rank; q += blockDim.x) {
         u32 d = q / experts_per_rank, le = q % experts_per_rank;
-        int* ecount = (int*)((char*)peers[d] + off_ecount) + (u64)rank * experts_per_rank;
+        u32 sec;
+        char* base = px_base(peers, proxy, d, rank, &sec);
+        int* ecount = (int*)(base + off_ecount) + (u64)sec * experts_per_rank;
         ecount[le] = send_ecount[q];
     }
     __threadfence_system();
@@ -319,8 +393,7 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
     u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
     if (threadIdx.x < ranks) {
         u32 d = threadIdx.x;
-        u64* flag = (u64*)((char*)peers[d] + off_dflag) + rank;
-        st_release_sys(flag, (seq << 32) | (u32)send_count[d]);
+        px_raise(peers, proxy, d, rank, off_dflag, PX_DISPATCH, (seq << 32) | (u32)send_count[d]);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -342,7 +415,7 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
                                              u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
                                              u32 experts_per_rank, u32 capacity, u32 row_bytes,
                                              u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
-                                             u64 timeout_ns) {
+                                             u64 timeout_ns, const u64* proxy) {
     __shared__ int cnt[MAX_RANKS];
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
@@ -350,7 +423,9 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
     if (threadIdx.x < ranks) {
         u32 s = threadIdx.x;
         u32 want = (u32)(state[ST_DRECV] + 1);
-        u64 w = wait_seq((const u64*)(window + off_dflag) + s, want, timeout_ns, &failed);
+        u64 w = px_wait(proxy, PX_DISPATCH, s, want, PX_WRITES_DISPATCH, timeout_ns, &failed)
+                    ? wait_seq((const u64*)(window + off_dflag) + s, want, timeout_ns, &failed)
+                    : 0;
         cnt[s] = (int)(u32)w;
         if (blockIdx.x == 0) recv_count[s] = (int)(u32)w;
     }
@@ -473,7 +548,7 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
                                             const int* recv_count, const u64* peers, u64* state, u32 rank,
                                             u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
                                             u32 capacity, u32 hidden, u64 off_cflag, u64 off_meta,
-                                            u64 off_cx) {
+                                            u64 off_cx, const u64* proxy) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     u32 meta_words = 1 + 3 * k;
@@ -492,7 +567,8 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
         u32 s = i / max_tokens, slot = i % max_tokens;
         if ((int)slot >= recv_count[s]) continue;
         const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
-        char* dst = (char*)peers[s] + off_cx + ((u64)rank * max_tokens + slot) * row_bytes;
+        u32 sec;
+        char* dst = px_base(peers, proxy, s, rank, &sec) + off_cx + ((u64)sec * max_tokens + slot) * row_bytes;
         if (vec && k <= FAST_K) {
             // The row's expert outputs and weights first, in registers: the loads of one chunk
             // are then independent of each other.
@@ -553,8 +629,7 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
     u64 seq = (state[ST_CSEND] + 1) & 0xffffffffull;
     if (threadIdx.x < ranks) {
         u32 d = threadIdx.x;
-        u64* flag = (u64*)((char*)peers[d] + off_cflag) + rank;
-        st_release_sys(flag, (seq << 32) | (u32)recv_count[d]);
+        px_raise(peers, proxy, d, rank, off_cflag, PX_COMBINE, (seq << 32) | (u32)recv_count[d]);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -565,13 +640,15 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
 
 extern "C" __global__ void moe_combine_recv(char* out, const char* window, const int* send_slot, u64* state,
                                             u64* status, u32 ranks, u32 max_tokens, u32 hidden,
-                                            u64 off_cflag, u64 off_cx, u64 timeout_ns) {
+                                            u64 off_cflag, u64 off_cx, u64 timeout_ns, const u64* proxy) {
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
     if (threadIdx.x < ranks) {
         u32 want = (u32)(state[ST_CRECV] + 1);
-        wait_seq((const u64*)(window + off_cflag) + threadIdx.x, want, timeout_ns, &failed);
+        if (px_wait(proxy, PX_COMBINE, threadIdx.x, want, PX_WRITES_COMBINE, timeout_ns, &failed)) {
+            wait_seq((const u64*)(window + off_cflag) + threadIdx.x, want, timeout_ns, &failed);
+        }
     }
     __syncthreads();
     __threadfence();
@@ -644,14 +721,13 @@ extern "C" __global__ void moe_combine_recv(char* out, const char* window, const
 // Every rank raises its flag in every peer's window, then waits for every peer's: a barrier
 // on the GPU, for timing (one block).
 extern "C" __global__ void moe_barrier(const char* window, const u64* peers, u64* state, u64* status,
-                                       u32 rank, u32 ranks, u64 off_bflag, u64 timeout_ns) {
+                                       u32 rank, u32 ranks, u64 off_bflag, u64 timeout_ns, const u64* proxy) {
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
     __syncthreads();
     u64 seq = (state[ST_BARRIER] + 1) & 0xffffffffull;
     if (threadIdx.x < ranks) {
-        u64* flag = (u64*)((char*)peers[threadIdx.x] + off_bflag) + rank;
-        st_release_sys(flag, seq << 32);
+        px_raise(peers, proxy, threadIdx.x, rank, off_bflag, PX_BARRIER, seq << 32);
         wait_seq((const u64*)(window + off_bflag) + threadIdx.x, (u32)seq, timeout_ns, &failed);
     }
     __syncthreads();

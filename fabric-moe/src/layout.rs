@@ -11,7 +11,17 @@
 //! private (this rank only):
 //!   state[16] u64 | peers[R] u64 | send_slot[T][R] | send_count[R] | recv_count[R] |
 //!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H] |
-//!   send_pos[T][K] | send_ecount[R][E]
+//!   send_pos[T][K] | send_ecount[R][E] | proxy[PROXY_WORDS] u64
+//!
+//! outbox (proxy transport only, registered with the engine): the window's layout, section
+//!   d holding what goes to rank d; the proxy writes section d of each region to section
+//!   `rank` of rank d's window (`proxy::plan`).
+//!
+//! proxy words (u64; `kernels.cu` has the same numbers, `proxy.rs` fills them):
+//!   [0] mask of the ranks reached through the proxy | [1] outbox address |
+//!   [2] doorbells address (pinned, mapped: [stage][MAX_RANKS] u64) |
+//!   [3 + stage * MAX_RANKS + s] address of the GpuCounter of source s (dispatch, combine) |
+//!   [3 + (2 + stage) * MAX_RANKS + s] that counter's total when the all-to-all was made
 //! ```
 //!
 //! A row's place in a local expert is `sum over earlier sources s' of ecount[s'][le]` plus
@@ -29,6 +39,16 @@ const ALIGN: u64 = 256;
 /// The words of the private `state` array (`kernels.cu` has the same numbers).
 pub(crate) const STATE_WORDS: u64 = 16;
 
+/// The words of the private `proxy` array (see the module docs).
+pub(crate) const PROXY_WORDS: u64 = 3 + 4 * crate::config::MAX_RANKS as u64;
+/// Word of the proxy mask, the outbox address, the doorbells' address.
+pub(crate) const PX_MASK: usize = 0;
+pub(crate) const PX_OUTBOX: usize = 1;
+pub(crate) const PX_DOORBELL: usize = 2;
+/// First word of the counters' addresses, then of their base totals.
+pub(crate) const PX_COUNTER: usize = 3;
+pub(crate) const PX_BASE: usize = 3 + 2 * crate::config::MAX_RANKS;
+
 fn align(x: u64) -> u64 {
     x.div_ceil(ALIGN) * ALIGN
 }
@@ -39,6 +59,8 @@ pub(crate) struct Layout {
     pub row_bytes: u64,
     pub meta_words: u64,
     pub capacity: u64,
+    /// Bytes of one source's section of `ecount` (its rows per local expert).
+    pub ecount_bytes: u64,
     // Window.
     pub off_dflag: u64,
     pub off_cflag: u64,
@@ -61,6 +83,7 @@ pub(crate) struct Layout {
     pub off_combined: u64,
     pub off_send_pos: u64,
     pub off_send_ecount: u64,
+    pub off_proxy: u64,
     pub private_len: u64,
 }
 
@@ -92,7 +115,7 @@ impl Layout {
             r * t * row_bytes,
         ]);
         let (
-            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_send_pos, off_send_ecount],
+            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_send_pos, off_send_ecount, off_proxy],
             private_len,
         ) = stack([
             8 * STATE_WORDS,
@@ -107,11 +130,13 @@ impl Layout {
             t * row_bytes,
             4 * t * k,
             4 * r * e,
+            8 * PROXY_WORDS,
         ]);
         Layout {
             row_bytes,
             meta_words,
             capacity,
+            ecount_bytes: 4 * e,
             off_dflag,
             off_cflag,
             off_bflag,
@@ -132,8 +157,27 @@ impl Layout {
             off_combined,
             off_send_pos,
             off_send_ecount,
+            off_proxy,
             private_len,
         }
+    }
+
+    /// Offset of section `sec` (a source rank in a window, a destination in the outbox)
+    /// of the dispatch meta rows, and of the dispatch and combine rows.
+    pub(crate) fn ecount_section(&self, sec: u64) -> u64 {
+        self.off_ecount + sec * self.ecount_bytes
+    }
+
+    pub(crate) fn meta_section(&self, t: u64, sec: u64) -> u64 {
+        self.off_meta + sec * t * self.meta_words * 4
+    }
+
+    pub(crate) fn rx_section(&self, t: u64, sec: u64) -> u64 {
+        self.off_rx + sec * t * self.row_bytes
+    }
+
+    pub(crate) fn cx_section(&self, t: u64, sec: u64) -> u64 {
+        self.off_cx + sec * t * self.row_bytes
     }
 }
 
@@ -173,11 +217,16 @@ mod tests {
             l.off_combined,
             l.off_send_pos,
             l.off_send_ecount,
+            l.off_proxy,
             l.private_len,
         ];
         assert!(private.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
         assert_eq!(l.off_combined - l.off_x_expert, 128 * 256 * 14336);
         assert_eq!(l.meta_words, 25);
+        assert_eq!(l.private_len - l.off_proxy, align(8 * PROXY_WORDS));
+        assert_eq!(l.meta_section(128, 1) - l.off_meta, 128 * 25 * 4);
+        assert_eq!(l.ecount_section(1) - l.off_ecount, 128 * 4);
+        assert_eq!(l.cx_section(128, 1) - l.rx_section(128, 1), l.off_cx - l.off_rx);
     }
 
     #[test]

@@ -2,11 +2,17 @@
 //!
 //! An [`AllToAll`] moves the tokens of a mixture-of-experts layer to the ranks that hold
 //! their top-k experts (**dispatch**) and brings the experts' outputs back, weighted and
-//! summed per token (**combine**), between processes of one host, each with its own GPU or
-//! sharing one. Kernels write straight into the peers' GPU memory through CUDA IPC mappings
-//! (NVLink between GPUs) and raise a per-step sequence flag there; receive kernels spin on
-//! the flags. The host only launches: every stage goes on the caller's CUDA stream, with no
-//! synchronization, so a step can be captured in a CUDA graph.
+//! summed per token (**combine**), between processes, each with its own GPU or sharing one.
+//! Between ranks of one host, kernels write straight into the peers' GPU memory through CUDA
+//! IPC mappings (NVLink between GPUs) and raise a per-step sequence flag there; receive
+//! kernels spin on the flags. Ranks on other hosts (or all, with [`Transport::Proxy`]) go
+//! through the **proxy**: the kernels pack their rows into a local outbox and ring a
+//! doorbell in pinned host memory, a host thread writes the rows with the engine
+//! (`write_imm`), and the receive kernels wait for the immediates' [`GpuCounter`]s
+//! (`fabric_async::GpuCounter`). The host only launches: every stage goes on the caller's
+//! CUDA stream, with no synchronization, so a step can be captured in a CUDA graph.
+//!
+//! [`GpuCounter`]: fabric_async::GpuCounter
 //!
 //! ```text
 //!  rank a                                               rank b
@@ -21,8 +27,7 @@
 //! The kernels are CUDA C ([`kernels::SOURCE`]) compiled by NVRTC for the device when the
 //! all-to-all is made; nothing CUDA is needed to build. On a machine without a driver
 //! [`AllToAll::new`] fails with `fabric_async::Error::Unsupported` (inside
-//! [`MoeError::Cuda`]). `docs/moe.md` has the design, the figures and what is left (the
-//! proxy transport between hosts, fp8).
+//! [`MoeError::Cuda`]). `docs/moe.md` has the design, the figures and what is left.
 //!
 //! ```no_run
 //! # async fn demo(engine: fabric_async::Engine, store: fabric_async::TcpStore,
@@ -48,9 +53,11 @@ mod error;
 pub mod kernels;
 mod layout;
 mod nvlink;
+mod proxy;
 pub mod reference;
 
 pub use alltoall::{AllToAll, Received, CLOCK_SLOTS};
-pub use config::{Config, DispatchInput, Dtype, TopkIdx, MAX_RANKS};
+pub use config::{Config, DispatchInput, Dtype, TopkIdx, Transport, MAX_RANKS};
 pub use error::{MoeError, Result};
 pub use kernels::CudaStream;
+pub use proxy::ProxyTimes;

@@ -13,7 +13,13 @@
 //!   in a CUDA graph, replayed with new inputs in the same buffers, alternating with eager
 //!   steps: every step checked, and the step time of both printed;
 //! - `moe_two_ranks_share_one_gpu`: both ranks on device 0 (CUDA IPC between processes of
-//!   one GPU), whatever the machine has.
+//!   one GPU), whatever the machine has;
+//! - `moe_proxy_random_routing`, `moe_proxy_repeat_50_steps`, `moe_proxy_cuda_graph_replay`:
+//!   the same checks with `Transport::Proxy` (the kernels pack into an outbox and ring a
+//!   doorbell, a proxy thread writes with the engine, `shm` provider, which takes CUDA IPC
+//!   between processes of one host; receives wait on `GpuCounter`s). With two ranks there
+//!   is no mixed case (a rank reaches itself directly); `fabric-moe/emu` checks three ranks
+//!   with one pair NVLink and two through the proxy.
 //!
 //! Ranks go on devices `rank % devices`: two GPUs where there are two (NVLink or PCIe P2P),
 //! else both on one; `FABRIC_REQUIRE_GPUS=2` makes a single GPU a failure. Without a CUDA
@@ -34,7 +40,7 @@ use fabric_async::bootstrap::TcpStore;
 use fabric_async::cuda::{self, DeviceBuffer, Stream};
 use fabric_async::{Engine, Error};
 use fabric_moe::reference::{self, check_combined, check_received, Inputs, Routing};
-use fabric_moe::{AllToAll, Config, DispatchInput, MoeError, TopkIdx};
+use fabric_moe::{AllToAll, Config, DispatchInput, MoeError, TopkIdx, Transport};
 use integration_tests::store;
 
 const CHILD_ENV: &str = "FABRIC_MOE_CHILD";
@@ -129,6 +135,15 @@ fn cases(kind: &str) -> Vec<Case> {
         ],
         "graph" => vec![Case { graph: true, ..case(7168, 8, 8, RANDOM, 40) }],
         "shared" => vec![case(128, 4, 4, MASKED, 3), Case { idx64: true, ..case(7168, 8, 8, RANDOM, 2) }],
+        "proxy-random" => vec![
+            case(128, 2, 4, RANDOM, 3),
+            Case { idx64: true, tokens: 100, ..case(128, 8, 8, MASKED, 3) },
+            case(100, 4, 4, MASKED, 2),
+            case(7168, 8, 128, MASKED, 2),
+            case(7168, 2, 4, Routing::OneExpert, 2),
+        ],
+        "proxy-repeat" => vec![Case { pipelined: true, ..case(128, 4, 4, MASKED, 50) }],
+        "proxy-graph" => vec![Case { graph: true, ..case(7168, 8, 8, RANDOM, 40) }],
         other => panic!("no case list {other}"),
     }
 }
@@ -183,9 +198,20 @@ impl DeviceInputs {
     }
 }
 
+/// The transport of a case list: `proxy-*` through the proxy (on an `shm` engine), the
+/// others NVLink.
+fn transport(kind: &str) -> Transport {
+    if kind.starts_with("proxy") {
+        Transport::Proxy
+    } else {
+        Transport::Nvlink
+    }
+}
+
 /// Runs every case of `kind` as `rank` of 2; both ranks run the same code.
 async fn run_rank(store: &TcpStore, kind: &str, rank: usize, spread: bool) -> Result<(), String> {
-    let engine = Engine::builder().provider("tcp").build().map_err(|e| e.to_string())?;
+    let provider = if transport(kind) == Transport::Proxy { "shm" } else { "tcp" };
+    let engine = Engine::builder().provider(provider).build().map_err(|e| e.to_string())?;
     for (ci, case) in cases(kind).into_iter().enumerate() {
         let started = Instant::now();
         run_case(&engine, store, kind, ci, case, rank, spread)
@@ -193,7 +219,8 @@ async fn run_rank(store: &TcpStore, kind: &str, rank: usize, spread: bool) -> Re
             .map_err(|e| format!("{kind} case {ci} {case:?}: {e}"))?;
         if rank == 0 {
             println!(
-                "moe {kind} case {ci}: hidden {} top-{} {} experts/rank {:?} {} steps of {} tokens: ok in {:?}",
+                "moe {kind} case {ci} ({}): hidden {} top-{} {} experts/rank {:?} {} steps of {} tokens: ok in {:?}",
+                transport(kind),
                 case.hidden,
                 case.topk,
                 case.experts_per_rank,
@@ -222,7 +249,11 @@ async fn run_case(
     c.timeout = Duration::from_secs(10);
     c.device = Some(if spread { rank } else { 0 });
     c.expert_capacity = case.capacity;
+    c.transport = transport(kind);
     let a2a = AllToAll::new(engine, store, c.clone()).await.map_err(s)?;
+    if a2a.transport_to(1 - rank) != c.transport || a2a.transport_to(rank) != Transport::Nvlink {
+        return Err(format!("rank {rank}: transport to the peer is {}", a2a.transport_to(1 - rank)));
+    }
     let ctx = cuda::context(a2a.device()).map_err(|e| e.to_string())?;
     let stream = Stream::new(&ctx).map_err(|e| e.to_string())?;
     let out = DeviceBuffer::new(&ctx, a2a.expert_out_len()).map_err(|e| e.to_string())?;
@@ -388,7 +419,8 @@ fn graph_steps(
         v[v.len() / 2] as f64 / 1e3
     };
     println!(
-        "moe graph: rank {rank}: step (barrier to combined) p50 eager {:.1} us, CUDA graph replay {:.1} us ({} each, every step checked)",
+        "moe graph ({}): rank {rank}: step (barrier to combined) p50 eager {:.1} us, CUDA graph replay {:.1} us ({} each, every step checked)",
+        c.transport,
         p50(&mut eager),
         p50(&mut replay),
         eager.len()
@@ -501,6 +533,32 @@ async fn moe_two_ranks_share_one_gpu() {
         return;
     }
     two_ranks("moe_two_ranks_share_one_gpu", "shared", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_proxy_random_routing() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_proxy_random_routing") {
+        return;
+    }
+    two_ranks("moe_proxy_random_routing", "proxy-random", spread()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_proxy_repeat_50_steps() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_proxy_repeat_50_steps") {
+        return;
+    }
+    two_ranks("moe_proxy_repeat_50_steps", "proxy-repeat", spread()).await;
+}
+
+/// A captured step replays through the proxy too: the proxy reacts to the doorbells the
+/// replayed kernels ring, nothing of it is in the graph.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_proxy_cuda_graph_replay() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_proxy_cuda_graph_replay") {
+        return;
+    }
+    two_ranks("moe_proxy_cuda_graph_replay", "proxy-graph", spread()).await;
 }
 
 /// Without a driver, `AllToAll::new` says so instead of panicking (runs everywhere).
