@@ -202,9 +202,6 @@ __device__ __forceinline__ void copy_row(char* __restrict__ dst, const char* __r
     }
 }
 
-// The "last block" step: every thread's writes are made visible system-wide, then one
-// thread per block counts the block done. Returns true in the block that came last (in all
-// of its threads); that block resets the counter for the next launch.
 // Top-k and rank counts up to these take the register paths below (every index known at
 // compile time, so the arrays stay in registers); larger ones the general loops.
 #define FAST_K 8
@@ -247,17 +244,23 @@ __device__ __forceinline__ void copy_row_multi(char* const* dst, const char* __r
     }
 }
 
+// The "last block" step: the block's writes are made visible system-wide, then one thread
+// per block counts the block done. Returns true in the block that came last (in all of its
+// threads); that block resets the counter for the next launch.
 __device__ bool last_block(u64* done) {
     __shared__ int last;
-    __threadfence_system();
+    // The block's writes happen before thread 0's (bar.sync), whose system-scope fence then
+    // orders them, cumulatively, before its count (as cooperative groups' grid sync does at
+    // device scope): one fence per block, not one per thread.
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence_system();
         last = atomicAdd(done, 1ull) == (u64)(gridDim.x - 1);
+        // And in the last block, every other block's writes before what follows.
+        if (last) __threadfence_system();
     }
     __syncthreads();
-    if (!last) return false;
-    __threadfence_system();
-    return true;
+    return last;
 }
 
 extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
