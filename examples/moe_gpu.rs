@@ -40,7 +40,7 @@ use std::time::Duration;
 use clap::Parser;
 use fabric_async::bootstrap::{all_gather, Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::cuda::{self, DeviceBuffer, Stream};
-use fabric_async::Engine;
+use fabric_async::{Engine, ReactorMode};
 use fabric_examples::{exit_with_parent, positive, spawn_self, wait_child, BoxError};
 use fabric_moe::reference::{self, check_combined, check_received, Inputs, Routing};
 use fabric_moe::{AllToAll, Config, DispatchInput, TopkIdx, Transport};
@@ -201,10 +201,14 @@ fn upload(ctx: &std::sync::Arc<cuda::Context>, c: &Config, all: Vec<Inputs>) -> 
 
 async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
     let (rank, ranks) = (cli.rank, cli.ranks);
-    let engine = Engine::builder().provider(&cli.provider).build()?;
+    let transport = cli.transport.parse::<Transport>()?;
+    // The proxy's writes complete as soon as the engine's reactor sees them: a spinning
+    // reactor (the MoE paths' mode); NVLink does not use the engine.
+    let mode = if transport == Transport::Nvlink { ReactorMode::Event } else { ReactorMode::BusyPoll };
+    let engine = Engine::builder().provider(&cli.provider).mode(mode).build()?;
     let mut c = Config::new(ranks, rank, cli.experts / ranks, cli.tokens, cli.hidden, cli.topk);
     c.expert_capacity = cli.capacity;
-    c.transport = cli.transport.parse::<Transport>()?;
+    c.transport = transport;
     let a2a = AllToAll::new(&engine, store, c.clone()).await?;
     let ctx = cuda::context(a2a.device())?;
     if rank == 0 {
@@ -386,7 +390,10 @@ async fn run_rank(cli: &Cli, store: &TcpStore) -> Result<(), BoxError> {
         )
     });
     let peer = (rank + 1) % ranks;
-    let to = a2a.transport_to(peer);
+    let to = match a2a.proxy_path(peer) {
+        Some(path) => format!("{} ({path:?})", a2a.transport_to(peer)),
+        None => a2a.transport_to(peer).to_string(),
+    };
     let mib = (rows * cli.hidden * 2) as f64 / (1 << 20) as f64;
     let mine = format!(
         "moe_gpu: rank {rank} (cuda:{}, {to} to rank {peer}): back to back: dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({rows} rows = {mib:.2} MiB sent per step)\n\

@@ -47,8 +47,8 @@ pub use fabric_runtime::topology;
 pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
     Arrivals, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats, Error,
-    GpuStats, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture, OpStats, PageLayout, PeerEvent,
-    PeerEvents, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture, RegionDescriptor, RemoteRegion,
-    Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
+    GpuPath, GpuStats, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture, OpStats, PageLayout,
+    PeerEvent, PeerEvents, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture, RegionDescriptor,
+    RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
 };
 pub use watch::CompletionWatch;

@@ -225,6 +225,13 @@ impl AllToAll {
         Some([p.times(Stage::Dispatch), p.times(Stage::Combine)])
     }
 
+    /// For a rank reached through the proxy, the path the engine's writes into its window
+    /// take (`GpuPath::Ipc` to another process of this host, else the NICs' GPUDirect or
+    /// staged path); `None` for an NVLink rank.
+    pub fn proxy_path(&self, rank: usize) -> Option<fabric_async::GpuPath> {
+        self.proxy.as_ref()?.path(rank)
+    }
+
     /// Rows per local expert in [`recv_x`](Self::recv_x) and in `expert_out`.
     pub fn capacity(&self) -> usize {
         self.layout.capacity as usize
@@ -309,25 +316,6 @@ impl AllToAll {
         let (c, l) = (&self.config, &self.layout);
         let (state, status) = self.common();
         let (idx, idx64) = input.topk_idx.parts();
-        let route = KernelArgs::new()
-            .u64(idx)
-            .u32(idx64)
-            .u32(input.num_tokens as u32)
-            .u32(c.topk as u32)
-            .u32(c.ranks as u32)
-            .u32(c.experts_per_rank as u32)
-            .u64(self.private_ptr(l.off_send_slot))
-            .u64(self.private_ptr(l.off_send_count))
-            .u64(self.private_ptr(l.off_send_pos))
-            .u64(self.private_ptr(l.off_send_ecount))
-            .u64(state)
-            .u64(status);
-        // SAFETY: moe_route(const void*, u32, u32, u32, u32, u32, int*, int*, int*, int*, u64*,
-        // u64*): reads num_tokens * topk ids (the caller's contract), writes send_slot
-        // (max_tokens * ranks), send_count (ranks), send_pos (max_tokens * topk), send_ecount
-        // (ranks * experts_per_rank) and the state, all inside `private` (layout.rs), and the
-        // status word. One block of 1024.
-        unsafe { launch(&self.kernels.route, stream, 1, 1024, route)? };
         let send = KernelArgs::new()
             .u64(input.x)
             .u64(idx)
@@ -339,6 +327,8 @@ impl AllToAll {
             .u64(self.private_ptr(l.off_send_ecount))
             .u64(self.private_ptr(l.off_peers))
             .u64(state)
+            .u64(status)
+            .u32(input.num_tokens as u32)
             .u32(c.rank as u32)
             .u32(c.ranks as u32)
             .u32(c.max_tokens as u32)
@@ -349,11 +339,16 @@ impl AllToAll {
             .u64(l.off_ecount)
             .u64(l.off_meta)
             .u64(l.off_rx)
+            .u64(timeout_ns(c))
             .u64(self.proxy_words());
-        // SAFETY: moe_dispatch_send's parameters in order. It reads the caller's rows, ids and
-        // weights of the tokens routed above, and writes, in each peer's window (mapped for
-        // the life of `self`, same layout), only this rank's section of ecount, meta and rx
-        // and this rank's flag.
+        // SAFETY: moe_dispatch_send's parameters in order. Its block 0 reads num_tokens *
+        // topk ids (the caller's contract) and writes send_slot (max_tokens * ranks),
+        // send_count (ranks), send_pos (max_tokens * topk), send_ecount (ranks *
+        // experts_per_rank) and the state, all inside `private` (layout.rs), and the status
+        // word; then every block reads the caller's rows, ids and weights of the tokens so
+        // routed, and writes, in each peer's window (mapped for the life of `self`, same
+        // layout) or this rank's outbox, only this rank's section of ecount, meta and rx and
+        // this rank's flag.
         unsafe { launch(&self.kernels.dispatch_send, stream, self.seg_blocks, THREADS, send) }
     }
 

@@ -2,14 +2,13 @@
 // rank's window). Compiled at run time by NVRTC (no headers: everything used is a builtin).
 //
 // Per step, on every rank, on the caller's stream:
-//   moe_route          topk_idx -> send_slot[t][d] (slot of token t in rank d's rows from us,
-//                      or -1), send_count[d], send_pos[t][j] (the token's place among our
-//                      rows for expert j) and send_ecount[e] (our rows per expert); notes
-//                      num_tokens
-//   moe_dispatch_send  token rows + meta (token index, experts, weights, places) into each
-//                      peer's window, a (row, 2 KiB segment) per warp; the last block writes
-//                      our rows per expert into each peer's ecount and raises
-//                      flag[d][me] = (seq << 32) | count
+//   moe_dispatch_send  block 0 routes: topk_idx -> send_slot[t][d] (slot of token t in rank
+//                      d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's
+//                      place among our rows for expert j), send_ecount[e] (our rows per
+//                      expert); then every block: token rows + meta (token index, experts,
+//                      weights, places) into each peer's window, a (row, segment) per warp;
+//                      the last block writes our rows per expert into each peer's ecount
+//                      and raises flag[d][me] = (seq << 32) | count
 //   moe_dispatch_recv  waits for every source's flag, then copies each received row segment
 //                      into the expert-major x_expert[le][pos]: pos = the rows of earlier
 //                      sources for that expert plus the row's place (no atomics)
@@ -43,6 +42,8 @@ struct alignas(16) V16 {
 #define ST_CRECV 3
 #define ST_BARRIER 4
 #define ST_TOKENS 5
+// The step whose route block 0 of moe_dispatch_send finished (the other blocks wait for it).
+#define ST_ROUTED 6
 // Done-block counters of the kernels that end with a "last block" step.
 #define ST_DONE_DSEND 8
 #define ST_DONE_DRECV 9
@@ -263,14 +264,24 @@ __device__ bool last_block(u64* done) {
     return last;
 }
 
-extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
-                                     u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
-                                     int* send_ecount, u64* state, u64* status) {
+// Experts counted in shared memory by the route (the global counts otherwise).
+#define ROUTE_SMEM_EXPERTS 4096
+
+// The route of a step, by one block (block 0 of moe_dispatch_send): send_slot[t][d] (slot of
+// token t in rank d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's place
+// among our rows for its j-th expert) and send_ecount[e] (our rows per expert); notes
+// num_tokens in the state.
+__device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
+                             u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
+                             int* send_ecount, u64* state, u64* status) {
     __shared__ int wcount[32][MAX_RANKS];
     __shared__ int carry[MAX_RANKS];
+    __shared__ int scount[ROUTE_SMEM_EXPERTS];
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     i64 total = (i64)ranks * experts_per_rank;
-    for (i64 e = tid; e < total; e += blockDim.x) send_ecount[e] = 0;
+    bool smem = total <= ROUTE_SMEM_EXPERTS;
+    int* counts = smem ? scount : send_ecount;
+    for (i64 e = tid; e < total; e += blockDim.x) counts[e] = 0;
     if (tid < ranks) carry[tid] = 0;
     if (tid == 0) state[ST_TOKENS] = num_tokens;
     __syncthreads();
@@ -288,7 +299,7 @@ extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_to
                     mask |= 1ull << (u32)(e / experts_per_rank);
                     // The token's place among this rank's rows for expert e (any order, each
                     // place once): where the receiver puts it, after the earlier sources'.
-                    pos = atomicAdd(&send_ecount[e], 1);
+                    pos = atomicAdd(&counts[e], 1);
                 }
                 send_pos[(u64)t * k + j] = pos;
             }
@@ -318,6 +329,9 @@ extern "C" __global__ void moe_route(const void* topk_idx, u32 idx64, u32 num_to
         __syncthreads();
     }
     if (tid < ranks) send_count[tid] = carry[tid];
+    if (smem) {
+        for (i64 e = tid; e < total; e += blockDim.x) send_ecount[e] = scount[e];
+    }
 }
 
 // One warp copies chunks [c0, c1) (16 B each) of `src` to each non-null dst[j] (j < FAST_K):
@@ -336,15 +350,42 @@ __device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __r
 }
 
 extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
-                                             const float* topk_weights, const int* send_slot,
-                                             const int* send_count, const int* send_pos,
-                                             const int* send_ecount, const u64* peers, u64* state,
-                                             u32 rank, u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
-                                             u32 row_bytes, u64 off_dflag, u64 off_ecount, u64 off_meta,
-                                             u64 off_rx, const u64* proxy) {
+                                             const float* topk_weights, int* send_slot, int* send_count,
+                                             int* send_pos, int* send_ecount, const u64* peers, u64* state,
+                                             u64* status, u32 num_tokens, u32 rank, u32 ranks, u32 max_tokens,
+                                             u32 k, u32 experts_per_rank, u32 row_bytes, u64 off_dflag,
+                                             u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
+                                             const u64* proxy) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
-    u32 num_tokens = (u32)state[ST_TOKENS];
+    // Block 0 routes the step's tokens; the other blocks wait for its word (blocks start in
+    // order, so block 0 is running or done by then; the wait is bounded all the same).
+    __shared__ int unrouted;
+    u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
+    if (blockIdx.x == 0) {
+        route_tokens(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
+                     send_ecount, state, status);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unrouted = 0;
+            st_release_sys(&state[ST_ROUTED], seq);
+        }
+        __syncthreads();
+    } else {
+        if (threadIdx.x == 0) {
+            unrouted = 0;
+            u64 start = now_ns();
+            while (ld_acquire_sys(&state[ST_ROUTED]) != seq) {
+                if (now_ns() - start > timeout_ns) {
+                    unrouted = 1;
+                    report(status, ERR_DISPATCH_TIMEOUT, 0);
+                    break;
+                }
+            }
+        }
+        __syncthreads();
+    }
     u32 meta_words = 1 + 3 * k;
     // Work items: (token, destination, segment: row_seg_len) where rows move 16 B a lane;
     // whole rows otherwise.
@@ -352,7 +393,7 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
     u32 chunks = row_bytes / 16;
     u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens * ranks) : chunks;
     u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
-    u64 items = (u64)num_tokens * ranks * segs;
+    u64 items = unrouted ? 0 : (u64)num_tokens * ranks * segs;
     for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
         u32 i = (u32)(it / segs), seg = (u32)(it % segs);
         u32 t = i / ranks, d = i % ranks;
@@ -393,7 +434,6 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
     }
     __threadfence_system();
     __syncthreads();
-    u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
     if (threadIdx.x < ranks) {
         u32 d = threadIdx.x;
         px_raise(peers, proxy, d, rank, off_dflag, PX_DISPATCH, (seq << 32) | (u32)send_count[d]);

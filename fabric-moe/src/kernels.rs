@@ -16,7 +16,6 @@ pub(crate) const THREADS: u32 = 256;
 
 /// The loaded kernels of one device.
 pub(crate) struct Kernels {
-    pub route: Function,
     pub dispatch_send: Function,
     pub dispatch_recv: Function,
     pub combine_send: Function,
@@ -28,7 +27,7 @@ pub(crate) struct Kernels {
 
 impl fmt::Debug for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Kernels").field("module", self.route.module()).finish_non_exhaustive()
+        f.debug_struct("Kernels").field("module", self.dispatch_send.module()).finish_non_exhaustive()
     }
 }
 
@@ -51,7 +50,6 @@ impl Kernels {
         };
         let m = Module::load(ctx, &cubin)?;
         Ok(Kernels {
-            route: m.function("moe_route")?,
             dispatch_send: m.function("moe_dispatch_send")?,
             dispatch_recv: m.function("moe_dispatch_recv")?,
             combine_send: m.function("moe_combine_send")?,

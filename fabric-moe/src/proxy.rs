@@ -273,6 +273,8 @@ pub struct ProxyTimes {
 /// The proxy thread of one all-to-all. Stopped (and joined) by [`stop`](Self::stop) or on
 /// drop; it never blocks on anything but its own short sleeps, so the join is bounded.
 pub(crate) struct Proxy {
+    /// The path the engine takes to each rank's window (`None`: not a proxy rank).
+    paths: Vec<Option<fabric_async::GpuPath>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     error: Arc<Mutex<Option<Failure>>>,
@@ -335,7 +337,13 @@ impl Proxy {
             .name(format!("moe-proxy-{}", config.rank))
             .spawn(move || worker.run())
             .map_err(|e| MoeError::Argument(format!("starting the proxy thread: {e}")))?;
-        Ok(Proxy { stop, thread: Some(thread), error, times })
+        let paths = links.remotes.iter().map(|r| r.as_ref().and_then(|r| r.gpu_path())).collect();
+        Ok(Proxy { paths, stop, thread: Some(thread), error, times })
+    }
+
+    /// The path the engine's writes to `rank`'s window take (`None`: not a proxy rank).
+    pub(crate) fn path(&self, rank: usize) -> Option<fabric_async::GpuPath> {
+        self.paths.get(rank).copied().flatten()
     }
 
     /// The first write that failed, if one did.
