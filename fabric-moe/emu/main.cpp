@@ -21,13 +21,13 @@ static u64 rnd() { rng_s += 0x9e3779b97f4a7c15ull; u64 z = rng_s; z = (z ^ (z >>
 static float bf(u16 h) { return __uint_as_float((u32)h << 16); }
 static u16 tobf(float f) { return (u16)f32_to_bf16(f); }
 
-int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int steps, bool one_expert, int mode = 0) {
+int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int steps, bool one_expert, int mode = 0, u32 rm = 0) {
   u32 rb = H * 2, mw = 1 + 3 * K;
   // window: dflag cflag bflag ecount meta rx cx
   u64 wo[7]; u64 wlen = stack({8ull*R, 8ull*R, 8ull*R, 4ull*R*E, 4ull*R*T*mw, (u64)R*T*rb, (u64)R*T*rb}, wo);
   const u64 PXW = 3 + 4 * MAX_RANKS;
   // private: state peers send_slot send_count recv_count recv_pos expert_count src_info x_expert combined send_pos send_ecount proxy
-  u64 po[13]; u64 plen = stack({8ull*16, 8ull*R, 4ull*T*R, 4ull*R, 4ull*R, 4ull*R*T*K, 4ull*E, 4ull*E*cap, (u64)E*cap*rb, (u64)T*rb, 4ull*T*K, 4ull*R*E, 8*PXW}, po);
+  u64 po[14]; u64 plen = stack({8ull*16, 8ull*R, 4ull*T*R, 4ull*R, 4ull*R, 4ull*R*T*K, 4ull*E, 4ull*E*cap, (u64)E*cap*rb, (u64)T*rb, 4ull*T*K, 4ull*R*E, 8*PXW, 4ull*E*cap}, po);
   std::vector<Buf> win(R, Buf(wlen + 64)), priv(R, Buf(plen + 64)), outb(R, Buf((u64)E*cap*rb + 64)), obox(R, Buf(wlen + 64));
   std::vector<u64> status(R * 8, 0);
   auto W = [&](u32 r) { return (char*)(((uintptr_t)win[r].data() + 63) & ~63ull); };
@@ -87,7 +87,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     }
     proxy_pass(0);
     for (u32 r = 0; r < R; ++r)
-      launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
+      launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (float*)(P(r)+po[13]), rm, (const u64*)(P(r)+po[12]));
     // dispatch check
     for (u32 r = 0; r < R; ++r) {
       if (status[r*8]) { printf("status rank %u: %llx\n", r, status[r*8]); }
@@ -96,8 +96,12 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
         std::vector<std::pair<int,int>> want, got;
         for (u32 s = 0; s < R; ++s) for (u32 t = 0; t < ntok; ++t) for (u32 j = 0; j < K; ++j) if (idx[s][t*K+j] == (i64)(r*E+le)) want.push_back({s, t});
         for (int i = 0; i < cnt[le]; ++i) {
-          int v = si[le*cap+i]; int s = v / T, t = v % T; got.push_back({s, t});
-          if (memcmp(P(r)+po[8]+((u64)le*cap+i)*rb, &x[s][(u64)t*H], rb)) { if (bad++ < 5) printf("row mismatch r%u le%u i%d\n", r, le, i); }
+          int v = si[le*cap+i]; int s = v / T, t = v % T;
+          // Rank-major: v is the row's index in the window's rows; its token is in the meta.
+          const char* row = P(r)+po[8]+((u64)le*cap+i)*rb;
+          if (rm) { t = ((const int*)(W(r) + wo[4]))[(u64)v * mw]; row = W(r) + wo[5] + (u64)v * rb; }
+          got.push_back({s, t});
+          if (memcmp(row, &x[s][(u64)t*H], rb)) { if (bad++ < 5) printf("row mismatch r%u le%u i%d\n", r, le, i); }
         }
         std::sort(want.begin(), want.end()); std::sort(got.begin(), got.end());
         if (want.size() > cap) want.resize(got.size()); // overflow cases: compare counts only
@@ -105,9 +109,10 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       }
     }
     for (u32 r = 0; r < R; ++r)
-      launch(moe_toy_experts, blocks, 256, (const char*)(P(r)+po[8]), O(r), (const int*)(P(r)+po[6]), r, E, cap, H);
+      if (rm) launch(moe_toy_experts_rank, blocks, 256, (const char*)W(r), O(r), (const int*)(P(r)+po[4]), r, R, T, K, E, H, wo[4], wo[5]);
+      else launch(moe_toy_experts, blocks, 256, (const char*)(P(r)+po[8]), O(r), (const int*)(P(r)+po[6]), r, E, cap, H);
     for (u32 r = 0; r < R; ++r)
-      launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], (const u64*)(P(r)+po[12]));
+      launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]));
     proxy_pass(1);
     for (u32 r = 0; r < R; ++r)
       launch(moe_combine_recv, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
@@ -129,7 +134,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     // Every step wrote every stage's writes, and the kernels' doorbells carry the last step.
     if (ctr[(d * 2 + 0) * MAX_RANKS + r] != 7 + 4ull * steps || ctr[(d * 2 + 1) * MAX_RANKS + r] != 7 + 2ull * steps || (bells[(r * 3) * MAX_RANKS + d] >> 32) != (u64)steps) { if (bad++ < 5) printf("proxy counts r%u d%u\n", r, d); }
   }
-  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", bad ? "FAIL" : "ok", bad);
+  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? " rank-major" : "", bad ? "FAIL" : "ok", bad);
   return bad;
 }
 int main() {
@@ -153,5 +158,11 @@ int main() {
   bad += run(3, 40, 16, 2, 4, 40, 120, false, 3, false, 2);
   bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 2);
   bad += run(2, 64, 24, 4, 1, 64, 128, false, 2, true, 1);
+  // RecvLayout::RankMajor: rows stay in the window, indices and weights per expert, the
+  // caller's rows summed over its experts go back as they are.
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 0, 1);
+  bad += run(3, 40, 16, 2, 4, 40, 120, true, 2, false, 0, 1);
+  bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false, 0, 1);
+  bad += run(2, 8, 2056, 8, 9, 8, 16, true, 2, false, 1, 1);
   return bad ? 1 : 0;
 }

@@ -11,7 +11,7 @@ use fabric_async::bootstrap::{all_gather, Rendezvous};
 use fabric_async::cuda::{self, Context, DeviceBuffer, KernelArgs, PinnedHostBuffer};
 use fabric_async::Engine;
 
-use crate::config::{Config, DispatchInput, Transport};
+use crate::config::{Config, DispatchInput, RecvLayout, Transport};
 use crate::error::{MoeError, Result};
 use crate::kernels::{launch, CudaStream, Kernels, THREADS};
 use crate::layout::Layout;
@@ -241,9 +241,22 @@ impl AllToAll {
         self.private.device_ptr() + off
     }
 
-    /// Device address of the dispatched rows, `[experts_per_rank, capacity, hidden]`.
+    /// Device address of the dispatched rows: `[experts_per_rank, capacity, hidden]`
+    /// (expert-major), or `[ranks, max_tokens, hidden]` by source (rank-major: the window's
+    /// rows themselves, source `s`'s at `[s][0..n]`; see [`RecvLayout`]).
     pub fn recv_x(&self) -> u64 {
-        self.private_ptr(self.layout.off_x_expert)
+        match self.config.layout {
+            RecvLayout::RankMajor => self.window.device_ptr() + self.layout.off_rx,
+            _ => self.private_ptr(self.layout.off_x_expert),
+        }
+    }
+
+    /// Device address of each expert row's weight (the token's weight for that expert),
+    /// `[experts_per_rank, capacity]` f32, beside [`src_info`](Self::src_info): what a
+    /// rank-major caller weights its experts' outputs by (the expert-major combine does it
+    /// itself).
+    pub fn recv_weight(&self) -> u64 {
+        self.private_ptr(self.layout.off_expert_w)
     }
 
     /// Device address of the rows per local expert, `[experts_per_rank]` i32.
@@ -251,8 +264,9 @@ impl AllToAll {
         self.private_ptr(self.layout.off_expert_count)
     }
 
-    /// Device address of where each row came from, `[experts_per_rank, capacity]` i32
-    /// (`src_rank * max_tokens + token`).
+    /// Device address of where each row came from, `[experts_per_rank, capacity]` i32:
+    /// `src_rank * max_tokens + token` (expert-major), or the row's index in
+    /// [`recv_x`](Self::recv_x), `src_rank * max_tokens + slot` (rank-major).
     pub fn src_info(&self) -> u64 {
         self.private_ptr(self.layout.off_src_info)
     }
@@ -266,7 +280,11 @@ impl AllToAll {
     /// Bytes of an `expert_out` buffer for [`combine_send`](Self::combine_send): the size of
     /// [`recv_x`](Self::recv_x).
     pub fn expert_out_len(&self) -> usize {
-        (self.config.experts_per_rank as u64 * self.layout.capacity * self.layout.row_bytes) as usize
+        let rows = match self.config.layout {
+            RecvLayout::RankMajor => (self.config.ranks * self.config.max_tokens) as u64,
+            _ => self.config.experts_per_rank as u64 * self.layout.capacity,
+        };
+        (rows * self.layout.row_bytes) as usize
     }
 
     fn check_stream(&self, stream: CudaStream<'_>) -> Result<()> {
@@ -382,9 +400,12 @@ impl AllToAll {
             .u64(l.off_meta)
             .u64(l.off_rx)
             .u64(timeout_ns(c))
+            .u64(self.private_ptr(l.off_expert_w))
+            .u32(u32::from(c.layout == RecvLayout::RankMajor))
             .u64(self.proxy_words());
         // SAFETY: moe_dispatch_recv's parameters in order; it reads this rank's window and
-        // writes x_expert (positions checked against the capacity), counts, src_info,
+        // writes x_expert (positions checked against the capacity; none rank-major, where it
+        // is empty), expert_w, counts, src_info,
         // recv_pos and recv_count, all inside buffers `self` owns until Drop synchronizes.
         unsafe { launch(&self.kernels.dispatch_recv, stream, self.seg_blocks, THREADS, args) }
     }
@@ -437,8 +458,10 @@ impl AllToAll {
             .u64(l.off_cflag)
             .u64(l.off_meta)
             .u64(l.off_cx)
+            .u32(u32::from(c.layout == RecvLayout::RankMajor))
             .u64(self.proxy_words());
-        // SAFETY: moe_combine_send's parameters in order; reads expert_out at positions
+        // SAFETY: moe_combine_send's parameters in order; reads expert_out (rank-major: the
+        // rows received, `expert_out_len`) at positions
         // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
         // writes this rank's section of cx and its flag in each peer's window.
         unsafe { launch(&self.kernels.combine_send, stream, self.seg_blocks, THREADS, args) }
@@ -535,6 +558,24 @@ impl AllToAll {
         let stream = stream.into();
         self.check_stream(stream)?;
         let (c, l) = (&self.config, &self.layout);
+        if c.layout == RecvLayout::RankMajor {
+            let args = KernelArgs::new()
+                .u64(self.window.device_ptr())
+                .u64(expert_out)
+                .u64(self.private_ptr(l.off_recv_count))
+                .u32(c.rank as u32)
+                .u32(c.ranks as u32)
+                .u32(c.max_tokens as u32)
+                .u32(c.topk as u32)
+                .u32(c.experts_per_rank as u32)
+                .u32(c.hidden as u32)
+                .u64(l.off_meta)
+                .u64(l.off_rx);
+            // SAFETY: moe_toy_experts_rank's parameters in order; reads the window's meta and
+            // rows below each source's count (owned), writes the same rows of expert_out
+            // (`expert_out_len`, the caller's contract).
+            return unsafe { launch(&self.kernels.toy_experts_rank, stream, self.blocks, THREADS, args) };
+        }
         let args = KernelArgs::new()
             .u64(self.private_ptr(l.off_x_expert))
             .u64(expert_out)
@@ -576,6 +617,9 @@ impl AllToAll {
         let (c, l) = (&self.config, &self.layout);
         let counts = self.read_i32s(l.off_expert_count, c.experts_per_rank)?;
         let mut out = Received { sources: Vec::new(), rows: Vec::new() };
+        if c.layout == RecvLayout::RankMajor {
+            return self.read_received_rank_major(&counts);
+        }
         for (le, &n) in counts.iter().enumerate() {
             let n = (n.max(0) as usize).min(self.capacity());
             let info = self.read_i32s(l.off_src_info + 4 * le as u64 * l.capacity, n)?;
@@ -585,6 +629,38 @@ impl AllToAll {
             let off = l.off_x_expert + le as u64 * l.capacity * l.row_bytes;
             self.private.copy_to_host(off as usize, &mut rows)?;
             out.rows.push(rows.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect());
+        }
+        Ok(out)
+    }
+
+    /// `read_received` of a rank-major dispatch: each expert's rows by their indices into
+    /// the window's rows, their source tokens from the window's meta.
+    fn read_received_rank_major(&self, counts: &[i32]) -> Result<Received> {
+        let (c, l) = (&self.config, &self.layout);
+        let (t, rb) = (c.max_tokens, l.row_bytes as usize);
+        let mut meta = vec![0u8; c.ranks * t * l.meta_words as usize * 4];
+        self.window.copy_to_host(l.off_meta as usize, &mut meta)?;
+        let mut rx = vec![0u8; c.ranks * t * rb];
+        self.window.copy_to_host(l.off_rx as usize, &mut rx)?;
+        let token = |i: usize| {
+            let at = i * l.meta_words as usize * 4;
+            i32::from_le_bytes([meta[at], meta[at + 1], meta[at + 2], meta[at + 3]]) as usize
+        };
+        let mut out = Received { sources: Vec::new(), rows: Vec::new() };
+        for (le, &n) in counts.iter().enumerate() {
+            let n = (n.max(0) as usize).min(self.capacity());
+            let info = self.read_i32s(l.off_src_info + 4 * le as u64 * l.capacity, n)?;
+            let mut sources = Vec::with_capacity(n);
+            let mut rows = Vec::with_capacity(n * c.hidden);
+            for &v in &info {
+                let i = (v.max(0) as usize).min(c.ranks * t - 1);
+                sources.push((i / t, token(i)));
+                rows.extend(
+                    rx[i * rb..(i + 1) * rb].chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])),
+                );
+            }
+            out.sources.push(sources);
+            out.rows.push(rows);
         }
         Ok(out)
     }

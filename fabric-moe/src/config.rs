@@ -73,6 +73,47 @@ impl std::str::FromStr for Transport {
     }
 }
 
+/// Where a dispatch leaves the rows it received (a choice of each rank: the senders do the
+/// same either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum RecvLayout {
+    /// Each received row is copied to every local expert it names: `recv_x` is
+    /// `[experts_per_rank, capacity, hidden]`, so an expert reads its rows contiguously, and
+    /// `combine_send` does the weighted sum over this rank's experts. The decode layout (a
+    /// few rows, a grouped GEMM over contiguous rows).
+    #[default]
+    ExpertMajor,
+    /// Rows stay where they arrived, by source: `recv_x` is `[ranks, max_tokens, hidden]`
+    /// (source `s`'s rows at `[s][0..recv_count[s]]`); per local expert, `src_info` gives
+    /// its rows' indices in `recv_x` and `recv_weight` their weights. The caller's experts
+    /// write `expert_out` in the same `[ranks, max_tokens, hidden]` shape, one row per
+    /// received row, already weighted and summed over this rank's experts, and
+    /// `combine_send` sends those rows back as they are. No row is copied per expert: the
+    /// prefill layout (many rows, where the copies would cost more than the transfer).
+    RankMajor,
+}
+
+impl std::fmt::Display for RecvLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RecvLayout::ExpertMajor => "expert-major",
+            RecvLayout::RankMajor => "rank-major",
+        })
+    }
+}
+
+impl std::str::FromStr for RecvLayout {
+    type Err = MoeError;
+    fn from_str(s: &str) -> Result<RecvLayout> {
+        match s {
+            "expert" | "expert-major" => Ok(RecvLayout::ExpertMajor),
+            "rank" | "rank-major" => Ok(RecvLayout::RankMajor),
+            other => Err(MoeError::Config(format!("layout {other:?} (expert-major or rank-major)"))),
+        }
+    }
+}
+
 /// The shape of an all-to-all, the same on every rank except `rank` and `device`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -105,6 +146,9 @@ pub struct Config {
     /// How ranks reach each other (every rank must give the same). Default
     /// [`Transport::Auto`].
     pub transport: Transport,
+    /// Where this rank's dispatch leaves the rows it received ([`RecvLayout`]; this rank's
+    /// own choice). Default [`RecvLayout::ExpertMajor`].
+    pub layout: RecvLayout,
     /// Prefix of the keys this all-to-all uses in the rendezvous store; distinct all-to-alls
     /// that meet through one store need distinct tags.
     pub tag: String,
@@ -112,7 +156,7 @@ pub struct Config {
 
 impl Config {
     /// A config with the defaults: bf16, device `rank % devices`, capacity `ranks *
-    /// max_tokens`, a 10 s timeout, transport `Auto`, tag `"moe"`.
+    /// max_tokens`, a 10 s timeout, transport `Auto`, expert-major rows, tag `"moe"`.
     pub fn new(
         ranks: usize,
         rank: usize,
@@ -133,6 +177,7 @@ impl Config {
             expert_capacity: None,
             timeout: Duration::from_secs(10),
             transport: Transport::Auto,
+            layout: RecvLayout::ExpertMajor,
             tag: "moe".into(),
         }
     }

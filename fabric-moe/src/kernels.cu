@@ -458,7 +458,8 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
                                              u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
                                              u32 experts_per_rank, u32 capacity, u32 row_bytes,
                                              u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
-                                             u64 timeout_ns, const u64* proxy) {
+                                             u64 timeout_ns, float* expert_w, u32 rank_major,
+                                             const u64* proxy) {
     __shared__ int cnt[MAX_RANKS];
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
@@ -486,8 +487,10 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
         u32 chunks = row_bytes / 16;
         u32 rows = 0;
         for (u32 q = 0; q < ranks; ++q) rows += (u32)cnt[q];
-        u32 seg_len = vec ? row_seg_len(chunks, warps, rows) : chunks;
-        u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
+        // Rank-major: rows stay in the window; only their places, indices and weights.
+        bool copy = !rank_major;
+        u32 seg_len = vec && copy ? row_seg_len(chunks, warps, rows) : chunks;
+        u32 segs = vec && copy ? (chunks + seg_len - 1) / seg_len : 1;
         u64 items = (u64)ranks * max_tokens * segs;
         for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
             u32 i = (u32)(it / segs), seg = (u32)(it % segs);
@@ -495,7 +498,9 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
             if ((int)slot >= cnt[s]) continue;
             const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
             const char* src = window + off_rx + (u64)i * row_bytes;
-            int tok = meta[0];
+            // src_info of the row is s * max_tokens + tok: its source token, or (rank-major)
+            // its slot, which makes it the row's index in the window's rows.
+            int tok = rank_major ? (int)slot : meta[0];
             if (k <= FAST_K) {
                 // Lane j places the row's j-th expert; the warp then copies its segment once
                 // into every place.
@@ -510,6 +515,7 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
                             pos = -1;
                         } else if (seg == 0) {
                             src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                            expert_w[(u64)le * capacity + pos] = __int_as_float(meta[1 + k + lane]);
                         }
                     }
                     if (seg == 0) recv_pos[(u64)i * k + lane] = pos;
@@ -521,6 +527,7 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
                     int l = __shfl_sync(0xffffffffu, le, j);
                     dsts[j] = ((u32)j < k && p >= 0) ? x_expert + ((u64)l * capacity + p) * row_bytes : (char*)0;
                 }
+                if (!copy) continue;
                 if (vec) {
                     copy_seg_multi(dsts, src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
                 } else {
@@ -538,9 +545,13 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
                         if (seg == 0 && lane == 0) report(status, ERR_CAPACITY, (u64)le);
                         pos = -1;
                     } else {
-                        if (seg == 0 && lane == 0) src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                        if (seg == 0 && lane == 0) {
+                            src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                            expert_w[(u64)le * capacity + pos] = __int_as_float(meta[1 + k + j]);
+                        }
                         char* dst = x_expert + ((u64)le * capacity + pos) * row_bytes;
-                        if (vec) {
+                        if (!copy) {
+                        } else if (vec) {
                             u32 end = min(chunks, (seg + 1) * seg_len);
                             for (u32 c = seg * seg_len + lane; c < end; c += 32) ((V16*)dst)[c] = ((const V16*)src)[c];
                         } else {
@@ -591,7 +602,7 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
                                             const int* recv_count, const u64* peers, u64* state, u32 rank,
                                             u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
                                             u32 capacity, u32 hidden, u64 off_cflag, u64 off_meta,
-                                            u64 off_cx, const u64* proxy) {
+                                            u64 off_cx, u32 rank_major, const u64* proxy) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     u32 meta_words = 1 + 3 * k;
@@ -612,7 +623,18 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
         const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
         u32 sec;
         char* dst = px_base(peers, proxy, s, rank, &sec) + off_cx + ((u64)sec * max_tokens + slot) * row_bytes;
-        if (vec && k <= FAST_K) {
+        if (rank_major) {
+            // The caller's row for this received row is already weighted and summed over
+            // this rank's experts: it goes back as it is.
+            const char* src = expert_out + (u64)i * row_bytes;
+            if (vec) {
+                u32 end = min(chunks, (seg + 1) * seg_len);
+#pragma unroll 4
+                for (u32 c = seg * seg_len + lane; c < end; c += 32) ((V16*)dst)[c] = ((const V16*)src)[c];
+            } else {
+                copy_row(dst, src, (u32)row_bytes, lane);
+            }
+        } else if (vec && k <= FAST_K) {
             // The row's expert outputs and weights first, in registers: the loads of one chunk
             // are then independent of each other.
             const V16* rows[FAST_K];
@@ -800,5 +822,36 @@ extern "C" __global__ void moe_toy_experts(const char* x_expert, char* expert_ou
         const u16* src = (const u16*)(x_expert + r * hidden * 2);
         u16* dst = (u16*)(expert_out + r * hidden * 2);
         for (u32 h = lane; h < hidden; h += 32) dst[h] = (u16)f32_to_bf16(bf16_to_f32(src[h]) * scale);
+    }
+}
+
+// The stand-in experts for RecvLayout::RankMajor: for each received row (source s, slot),
+// out[s][slot] = bf16(sum over the row's experts e on this rank of w_e * bf16(x * (1 + (e % 8)
+// / 8))), f32 sums: what moe_toy_experts then moe_combine_send compute for the expert-major
+// layout, so the combined rows are the same.
+extern "C" __global__ void moe_toy_experts_rank(const char* window, char* expert_out, const int* recv_count,
+                                                u32 rank, u32 ranks, u32 max_tokens, u32 k,
+                                                u32 experts_per_rank, u32 hidden, u64 off_meta, u64 off_rx) {
+    u32 lane = threadIdx.x & 31;
+    u32 warps = gridDim.x * (blockDim.x >> 5);
+    u32 meta_words = 1 + 3 * k;
+    int first = (int)(rank * experts_per_rank);
+    for (u64 i = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); i < (u64)ranks * max_tokens; i += warps) {
+        u32 s = (u32)(i / max_tokens), slot = (u32)(i % max_tokens);
+        if ((int)slot >= recv_count[s]) continue;
+        const int* meta = (const int*)(window + off_meta) + i * meta_words;
+        const u16* src = (const u16*)(window + off_rx + i * hidden * 2);
+        u16* dst = (u16*)(expert_out + i * hidden * 2);
+        for (u32 h = lane; h < hidden; h += 32) {
+            float x = bf16_to_f32(src[h]);
+            float acc = 0.f;
+            for (u32 j = 0; j < k; ++j) {
+                int e = meta[1 + j];
+                if (e < first || e >= first + (int)experts_per_rank) continue;
+                float scale = 1.0f + (float)(e % 8) / 8.0f;
+                acc += __int_as_float(meta[1 + k + j]) * bf16_to_f32(f32_to_bf16(x * scale));
+            }
+            dst[h] = (u16)f32_to_bf16(acc);
+        }
     }
 }

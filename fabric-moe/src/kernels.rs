@@ -23,6 +23,7 @@ pub(crate) struct Kernels {
     pub barrier: Function,
     pub clock: Function,
     pub toy_experts: Function,
+    pub toy_experts_rank: Function,
 }
 
 impl fmt::Debug for Kernels {
@@ -57,6 +58,7 @@ impl Kernels {
             barrier: m.function("moe_barrier")?,
             clock: m.function("moe_clock")?,
             toy_experts: m.function("moe_toy_experts")?,
+            toy_experts_rank: m.function("moe_toy_experts_rank")?,
         })
     }
 }

@@ -11,7 +11,8 @@
 //! private (this rank only):
 //!   state[16] u64 | peers[R] u64 | send_slot[T][R] | send_count[R] | recv_count[R] |
 //!   recv_pos[R][T][K] | expert_count[E] | src_info[E][C] | x_expert[E][C][H] | combined[T][H] |
-//!   send_pos[T][K] | send_ecount[R][E] | proxy[PROXY_WORDS] u64
+//!   send_pos[T][K] | send_ecount[R][E] | proxy[PROXY_WORDS] u64 | expert_w[E][C] f32
+//!   (x_expert is empty with `RecvLayout::RankMajor`: the rows stay in the window's rx)
 //!
 //! outbox (proxy transport only, registered with the engine): the window's layout, section
 //!   d holding what goes to rank d; the proxy writes section d of each region to section
@@ -30,7 +31,7 @@
 //! placed independently.
 #![forbid(unsafe_code)]
 
-use crate::config::Config;
+use crate::config::{Config, RecvLayout};
 
 /// Every region starts on this boundary (16 B rows need 16; 256 keeps regions apart in
 /// cache lines).
@@ -84,6 +85,7 @@ pub(crate) struct Layout {
     pub off_send_pos: u64,
     pub off_send_ecount: u64,
     pub off_proxy: u64,
+    pub off_expert_w: u64,
     pub private_len: u64,
 }
 
@@ -115,7 +117,7 @@ impl Layout {
             r * t * row_bytes,
         ]);
         let (
-            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_send_pos, off_send_ecount, off_proxy],
+            [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_send_pos, off_send_ecount, off_proxy, off_expert_w],
             private_len,
         ) = stack([
             8 * STATE_WORDS,
@@ -126,11 +128,12 @@ impl Layout {
             4 * r * t * k,
             4 * e,
             4 * e * capacity,
-            e * capacity * row_bytes,
+            if c.layout == RecvLayout::RankMajor { 0 } else { e * capacity * row_bytes },
             t * row_bytes,
             4 * t * k,
             4 * r * e,
             8 * PROXY_WORDS,
+            4 * e * capacity,
         ]);
         Layout {
             row_bytes,
@@ -158,6 +161,7 @@ impl Layout {
             off_send_pos,
             off_send_ecount,
             off_proxy,
+            off_expert_w,
             private_len,
         }
     }
@@ -218,12 +222,13 @@ mod tests {
             l.off_send_pos,
             l.off_send_ecount,
             l.off_proxy,
+            l.off_expert_w,
             l.private_len,
         ];
         assert!(private.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
         assert_eq!(l.off_combined - l.off_x_expert, 128 * 256 * 14336);
         assert_eq!(l.meta_words, 25);
-        assert_eq!(l.private_len - l.off_proxy, align(8 * PROXY_WORDS));
+        assert_eq!(l.off_expert_w - l.off_proxy, align(8 * PROXY_WORDS));
         assert_eq!(l.meta_section(128, 1) - l.off_meta, 128 * 25 * 4);
         assert_eq!(l.ecount_section(1) - l.off_ecount, 128 * 4);
         assert_eq!(l.cx_section(128, 1) - l.rx_section(128, 1), l.off_cx - l.off_rx);

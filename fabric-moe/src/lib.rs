@@ -57,7 +57,7 @@ mod proxy;
 pub mod reference;
 
 pub use alltoall::{AllToAll, Received, CLOCK_SLOTS};
-pub use config::{Config, DispatchInput, Dtype, TopkIdx, Transport, MAX_RANKS};
+pub use config::{Config, DispatchInput, Dtype, RecvLayout, TopkIdx, Transport, MAX_RANKS};
 pub use error::{MoeError, Result};
 pub use kernels::CudaStream;
 pub use proxy::ProxyTimes;

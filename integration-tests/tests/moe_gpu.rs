@@ -20,6 +20,9 @@
 //!   between processes of one host; receives wait on `GpuCounter`s). With two ranks there
 //!   is no mixed case (a rank reaches itself directly); `fabric-moe/emu` checks three ranks
 //!   with one pair NVLink and two through the proxy.
+//! - `moe_rank_major`: `RecvLayout::RankMajor` receivers (rows left by source in the window,
+//!   indices and weights per expert, the caller's summed rows sent back) on both ranks and
+//!   on one, random and uneven routing, back to back, and replayed from a CUDA graph.
 //!
 //! Ranks go on devices `rank % devices`: two GPUs where there are two (NVLink or PCIe P2P),
 //! else both on one; `FABRIC_REQUIRE_GPUS=2` makes a single GPU a failure. Without a CUDA
@@ -40,7 +43,7 @@ use fabric_async::bootstrap::TcpStore;
 use fabric_async::cuda::{self, DeviceBuffer, Stream};
 use fabric_async::{Engine, Error};
 use fabric_moe::reference::{self, check_combined, check_received, Inputs, Routing};
-use fabric_moe::{AllToAll, Config, DispatchInput, MoeError, TopkIdx, Transport};
+use fabric_moe::{AllToAll, Config, DispatchInput, MoeError, RecvLayout, TopkIdx, Transport};
 use integration_tests::store;
 
 const CHILD_ENV: &str = "FABRIC_MOE_CHILD";
@@ -95,6 +98,8 @@ struct Case {
     pipelined: bool,
     /// Capture a step in a CUDA graph and replay it, alternating with eager steps.
     graph: bool,
+    /// Bit r set: rank r receives rank-major (`RecvLayout::RankMajor`), else expert-major.
+    rank_major: u8,
 }
 
 const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Routing, steps: usize) -> Case {
@@ -109,6 +114,7 @@ const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Rout
         capacity: None,
         pipelined: false,
         graph: false,
+        rank_major: 0,
     }
 }
 
@@ -144,6 +150,16 @@ fn cases(kind: &str) -> Vec<Case> {
         ],
         "proxy-repeat" => vec![Case { pipelined: true, ..case(128, 4, 4, MASKED, 50) }],
         "proxy-graph" => vec![Case { graph: true, ..case(7168, 8, 8, RANDOM, 40) }],
+        // Rank-major receivers, on both ranks and on one (each rank's own choice).
+        "rank-major" => vec![
+            Case { rank_major: 3, ..case(128, 2, 4, RANDOM, 3) },
+            Case { rank_major: 3, idx64: true, tokens: 100, ..case(128, 8, 8, MASKED, 3) },
+            Case { rank_major: 1, ..case(100, 4, 4, MASKED, 2) },
+            Case { rank_major: 3, ..case(7168, 8, 128, MASKED, 2) },
+            Case { rank_major: 2, ..case(7168, 2, 4, Routing::OneExpert, 2) },
+            Case { rank_major: 3, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
+            Case { rank_major: 3, graph: true, ..case(7168, 8, 8, RANDOM, 20) },
+        ],
         other => panic!("no case list {other}"),
     }
 }
@@ -250,6 +266,9 @@ async fn run_case(
     c.device = Some(if spread { rank } else { 0 });
     c.expert_capacity = case.capacity;
     c.transport = transport(kind);
+    if case.rank_major >> rank & 1 == 1 {
+        c.layout = RecvLayout::RankMajor;
+    }
     let a2a = AllToAll::new(engine, store, c.clone()).await.map_err(s)?;
     if a2a.transport_to(1 - rank) != c.transport || a2a.transport_to(rank) != Transport::Nvlink {
         return Err(format!("rank {rank}: transport to the peer is {}", a2a.transport_to(1 - rank)));
@@ -549,6 +568,17 @@ async fn moe_proxy_repeat_50_steps() {
         return;
     }
     two_ranks("moe_proxy_repeat_50_steps", "proxy-repeat", spread()).await;
+}
+
+/// `RecvLayout::RankMajor` (the prefill layout): the same checks of the received rows (by
+/// their indices into the window's rows) and of the combined rows, on both ranks and on one,
+/// launched back to back and replayed from a CUDA graph.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_rank_major() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_rank_major") {
+        return;
+    }
+    two_ranks("moe_rank_major", "rank-major", spread()).await;
 }
 
 /// A captured step replays through the proxy too: the proxy reacts to the doorbells the
