@@ -9,7 +9,8 @@ Fails (exit 1, with the reasons) unless the file is a JSON object with a non-emp
 where it names them a `pattern` ("hot" or "cold") and `domains` (a whole number above 0); every
 row with a `fabtests` string (the fabtests command, or "skipped: ...") has
 `fabtests_<unit>`, `ratio_engine_fabtests` and `ratio_raw_fabtests` (numbers or null); and at
-least one bw row has a finite, positive ratio.
+least one bw row has a finite, positive ratio. A `fabric-bench moe --json` file has moe rows
+instead: each has `engine_us`, `baseline_us` and `ratio` (numbers or null); no bw row needed.
 """
 
 import json
@@ -67,7 +68,7 @@ def check(doc):
     if not isinstance(results, list) or not results:
         errs.append("results: want a non-empty list")
         return errs
-    bw, good = 0, []
+    bw, moe, good = 0, 0, []
     for i, r in enumerate(results):
         if not isinstance(r, dict) or not isinstance(r.get("test"), str):
             errs.append(f"results[{i}]: want an object with a string 'test', got {r!r}")
@@ -76,6 +77,14 @@ def check(doc):
             errs += check_fabtests(i, r)
         if "engine_x" in r:
             errs += check_rounds(i, r)
+            continue
+        if r["test"] == "moe":
+            moe += 1
+            for k in ("engine_us", "baseline_us", "ratio"):
+                if k not in r:
+                    errs.append(f"results[{i}] ({r.get('case')}): no '{k}'")
+                elif not num_or_null(r[k]):
+                    errs.append(f"results[{i}] ({r.get('case')}): '{k}' is {r[k]!r}, not a number or null")
             continue
         if r["test"] != "bw":
             continue
@@ -93,6 +102,10 @@ def check(doc):
         ratio = r.get("ratio")
         if isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0:
             good.append(f"{r.get('case')} {ratio:.2f}")
+    if bw == 0 and moe > 0:
+        if not errs:
+            print(f"json ok: provider {prov}, {len(results)} moe results")
+        return errs
     if bw == 0:
         errs.append("no bw row")
     elif not good:

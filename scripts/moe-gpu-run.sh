@@ -10,7 +10,8 @@
 # rank, 256 experts, top-8, every step checked), over NVLink and through the proxy
 # transport (--transport proxy, shm engine), and the NCCL baseline of the same bytes.
 # STEPS=N changes the timed steps of both (default 200). Then, on two GPUs, the prefill
-# shape (4096 tokens per rank) and its NCCL baseline (PREFILL=0 leaves them out).
+# shape (4096 tokens per rank; rank-major rows, then expert-major) and its NCCL baseline
+# (PREFILL=0 leaves them out).
 set -u
 cd "$(dirname "$0")"
 export FI_TCP_IFACE=lo FABRIC_REQUIRE_CUDA=1
@@ -51,7 +52,9 @@ timeout -k 5 45 python3 moe_gpu_nccl.py --steps "${STEPS:-200}" 2>&1 | grep -Ev 
 if [ "${PREFILL:-1}" = 1 ] && [ "$n" -ge 2 ]; then
   # Prefill: 4096 tokens per rank (112 MiB sent per step), experts bounded to 1024 rows
   # each (the default, every token of every rank, would be 15 GB per rank).
-  echo "== example moe_gpu, prefill shape ($(since))"
+  echo "== example moe_gpu, prefill shape, rank-major rows ($(since))"
+  timeout -k 5 150 ./moe_gpu --tokens 4096 --capacity 1024 --steps 20 --warmup 3 --layout rank-major 2>&1 | grep -v "^\s*$" | head -20
+  echo "== example moe_gpu, prefill shape, expert-major rows ($(since))"
   timeout -k 5 150 ./moe_gpu --tokens 4096 --capacity 1024 --steps 20 --warmup 3 2>&1 | grep -v "^\s*$" | head -20
   echo "== NCCL all_to_all_single, prefill bytes ($(since))"
   timeout -k 5 60 python3 moe_gpu_nccl.py --tokens 4096 --steps 50 2>&1 | grep -Ev "^\s*$|Warning|warn\(" | tail -8

@@ -22,6 +22,8 @@
 //! the only verbs device here is Soft-RoCE in an emulated VM, ~20-45 MB/s.
 //!
 //! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`, `rtt.rs`.
+//! `soak` (`soak/`) and `moe` (`moe.rs`: fabric-moe on GPUs beside NCCL) have command lines of
+//! their own.
 //! Shared: `session.rs` (the two processes, their meeting point, engine and raw sides; it
 //! imports no test), `pattern.rs` (bw's `--buffer hot|cold` offsets), `measure.rs` (CPU, RSS,
 //! percentiles, units), `report.rs` (table, JSON, plot), `progress.rs` (the progress
@@ -33,6 +35,7 @@ mod fabtests;
 mod gpu;
 mod lat;
 mod measure;
+mod moe;
 mod pattern;
 mod peers;
 mod perftest;
@@ -72,7 +75,10 @@ use fabric_async::ReactorMode;
                   The options go before or after the test's name. Progress goes to stderr, the \
                   table to stdout.\n\
                   `fabric-bench soak --help`: the soak (peers killed and restarted, every byte and \
-                  immediate checked), a command of its own."
+                  immediate checked), a command of its own.\n\
+                  `fabric-bench moe --help`: fabric-moe's dispatch/combine on this host's GPUs \
+                  (NVLink, proxy over shm and tcp) beside NCCL's all_to_all_single, a command of \
+                  its own."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -547,6 +553,10 @@ fn main() {
     pin::remember_start_mask();
     // `soak` and its peers have their own command line (soak/mod.rs).
     if let Some(code) = soak::main_if_soak() {
+        std::process::exit(code);
+    }
+    // So do `moe` and its ranks (moe.rs).
+    if let Some(code) = moe::main_if_moe() {
         std::process::exit(code);
     }
     let cli = Cli::parse();

@@ -29,6 +29,8 @@ pub struct Row {
     fabtests: Option<FtRef>,
     /// A row that is the median of per-round figures: how they spread.
     rounds: Option<Rounds>,
+    /// Further JSON keys of the row (`moe`: `p90_us`, `shape`, `transport`, ...).
+    fields: Vec<(&'static str, Value)>,
 }
 
 /// Per-round figures (bw's and rtt's engine/raw ratios) summarised: how many, the 95%
@@ -81,7 +83,14 @@ impl Row {
             domains: None,
             fabtests: None,
             rounds: None,
+            fields: Vec::new(),
         }
+    }
+
+    /// A further JSON key of this row (not in the table).
+    pub fn field(mut self, key: &'static str, v: Value) -> Row {
+        self.fields.push((key, v));
+        self
     }
 
     /// This row's figure is the median of per-round figures that spread as `r` says.
@@ -374,6 +383,9 @@ impl Report {
                     let c: Map<String, Value> =
                         r.ceilings.iter().map(|(n, v)| (n.to_string(), num(*v))).collect();
                     m.insert(format!("ceilings_{}", r.unit), Value::Object(c));
+                }
+                for (k, v) in &r.fields {
+                    m.insert(k.to_string(), v.clone());
                 }
                 Value::Object(m)
             })

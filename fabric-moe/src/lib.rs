@@ -28,6 +28,8 @@
 //! all-to-all is made; nothing CUDA is needed to build. On a machine without a driver
 //! [`AllToAll::new`] fails with `fabric_async::Error::Unsupported` (inside
 //! [`MoeError::Cuda`]). `docs/moe.md` has the design, the figures and what is left.
+//! [`harness`] is the measuring harness of `examples/moe_gpu.rs` and `fabric-bench moe`
+//! (ranks started as processes, the timed and checked passes), not part of the API.
 //!
 //! ```no_run
 //! # async fn demo(engine: fabric_async::Engine, store: fabric_async::TcpStore,
@@ -50,6 +52,7 @@
 mod alltoall;
 mod config;
 mod error;
+pub mod harness;
 pub mod kernels;
 mod layout;
 mod nvlink;

@@ -1,0 +1,817 @@
+//! The measuring harness of `examples/moe_gpu.rs` and `fabric-bench moe`: one world of
+//! ranks on the GPUs of this host, every step checked, dispatch and combine timed on the GPU.
+//! It is not part of the all-to-all's API; it uses only its public methods.
+//!
+//! ```text
+//!  leader (the example's rank 0, or fabric-bench)       ranks (copies of the running binary)
+//!  TcpStoreServer on 127.0.0.1:0 ── spawn(args) ──────►  follow(): connect, run_rank()
+//!  [rank 0 here: run_rank()]                              AllToAll::new, the passes, checks
+//!  wait for the ranks, then get {KEY}/{r} ◄── put ─────  RankReport::encode(), close
+//! ```
+//!
+//! [`lead`] starts a [`TcpStoreServer`], starts ranks with the caller's `spawn` (each binary
+//! re-runs itself: the example with its own flags, fabric-bench with a hidden subcommand; both
+//! pass [`Params::args`] plus `--rank R --store ADDR`), runs rank 0 in this process or as one
+//! more copy ([`Rank0`]), waits for the copies and returns every rank's [`RankReport`]. A copy
+//! calls [`follow`]. [`Params::parse_args`] reads the arguments back for binaries whose own
+//! command line does not take them.
+//!
+//! Each rank, per step, on its stream and with no host wait inside:
+//!
+//! ```text
+//! barrier (GPU) ─ clock ─ dispatch_send ─ dispatch_recv ─ clock ─ toy experts ─ barrier ─ clock ─ combine_send ─ combine_recv ─ clock
+//! ```
+//!
+//! Passes of `warmup + steps` steps each, timed between the GPU clocks: **checked** (after
+//! each step the host compares every received row and combined element with
+//! [`crate::reference`], so the GPU idles between steps), **back to back** (batches of
+//! [`BATCH`] steps with no host wait, the last of each checked), **CUDA graph** ([`BATCH`]
+//! steps captured once and replayed, the last step of each replay checked) and, with
+//! [`Params::stages`], each stage between clocks of its own.
+
+use std::net::SocketAddr;
+use std::process::{Child, ExitStatus};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
+use fabric_async::cuda::{self, DeviceBuffer, Stream};
+use fabric_async::{Engine, ReactorMode};
+
+use crate::reference::{self, check_combined, check_received, Inputs, Routing};
+use crate::{AllToAll, Config, DispatchInput, ProxyTimes, RecvLayout, TopkIdx, Transport, CLOCK_SLOTS};
+
+/// The harness's error type.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Distinct input sets, uploaded once and used in turn (step `s` uses set `s % SETS`).
+pub const SETS: usize = 8;
+/// The seed of the inputs (`reference::inputs`).
+pub const SEED: u64 = 0x6d6f_655f_6770;
+/// Steps launched back to back between host waits, and captured per CUDA graph (four clock
+/// slots each).
+pub const BATCH: usize = CLOCK_SLOTS / 4;
+/// Where each rank puts its report in the store.
+const KEY: &str = "moe_gpu/report";
+
+/// One world's shape and run: what every rank must agree on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Params {
+    /// Ranks (processes); rank r uses GPU r % devices.
+    pub ranks: usize,
+    /// Timed steps per pass (after the warm-up).
+    pub steps: usize,
+    /// Untimed steps first.
+    pub warmup: usize,
+    /// Tokens per rank per step.
+    pub tokens: usize,
+    /// Elements (bf16) per token.
+    pub hidden: usize,
+    /// Experts in all (a multiple of `ranks`).
+    pub experts: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Rows each expert can receive per step (`None`: every token of every rank).
+    pub capacity: Option<usize>,
+    /// Also time each stage alone.
+    pub stages: bool,
+    /// How ranks reach each other.
+    pub transport: Transport,
+    /// The engine's provider (what the proxy writes with).
+    pub provider: String,
+    /// Where each rank's dispatch leaves the rows it received.
+    pub layout: RecvLayout,
+}
+
+impl Params {
+    /// DeepSeek-V3's decode shape: 2 ranks, 128 tokens x 7168 bf16 per rank, 256 experts,
+    /// top-8, 200 steps after 10, NVLink, an shm engine.
+    pub fn decode() -> Params {
+        Params {
+            ranks: 2,
+            steps: 200,
+            warmup: 10,
+            tokens: 128,
+            hidden: 7168,
+            experts: 256,
+            topk: 8,
+            capacity: None,
+            stages: false,
+            transport: Transport::Nvlink,
+            provider: "shm".into(),
+            layout: RecvLayout::ExpertMajor,
+        }
+    }
+
+    /// The prefill shape: as [`Params::decode`] with 4096 tokens per rank, rank-major rows
+    /// ([`RecvLayout::RankMajor`]: no copy per expert), experts bounded to 1024 rows each,
+    /// 20 steps after 3.
+    pub fn prefill() -> Params {
+        Params {
+            tokens: 4096,
+            capacity: Some(1024),
+            steps: 20,
+            warmup: 3,
+            layout: RecvLayout::RankMajor,
+            ..Params::decode()
+        }
+    }
+
+    /// What no rank can run: counts of 0, experts not a multiple of ranks or fewer than top-k.
+    pub fn check(&self) -> Result<(), String> {
+        if [self.ranks, self.steps, self.tokens, self.hidden, self.experts, self.topk].contains(&0) {
+            return Err("ranks, steps, tokens, hidden, experts and topk must be above 0".into());
+        }
+        if !self.experts.is_multiple_of(self.ranks) || self.topk > self.experts {
+            return Err(format!(
+                "--experts {} must be a multiple of --ranks {} and at least --topk",
+                self.experts, self.ranks
+            ));
+        }
+        Ok(())
+    }
+
+    /// The options a rank is started with (the example's flags), without `--rank`/`--store`.
+    pub fn args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        for (k, v) in [
+            ("--ranks", self.ranks),
+            ("--steps", self.steps),
+            ("--warmup", self.warmup),
+            ("--tokens", self.tokens),
+            ("--hidden", self.hidden),
+            ("--experts", self.experts),
+            ("--topk", self.topk),
+        ] {
+            a.extend([k.to_string(), v.to_string()]);
+        }
+        if let Some(c) = self.capacity {
+            a.extend(["--capacity".to_string(), c.to_string()]);
+        }
+        if self.stages {
+            a.push("--stages".into());
+        }
+        a.extend([
+            "--transport".to_string(),
+            self.transport.to_string(),
+            "--provider".into(),
+            self.provider.clone(),
+            "--layout".into(),
+            self.layout.to_string(),
+        ]);
+        a
+    }
+
+    /// Reads [`Params::args`] plus `--rank R --store ADDR` back: the parameters, the rank and
+    /// the store. Options not given keep [`Params::decode`]'s values.
+    pub fn parse_args<S: AsRef<str>>(args: &[S]) -> Result<(Params, usize, SocketAddr), String> {
+        let mut p = Params::decode();
+        let (mut rank, mut store) = (None, None);
+        let mut it = args.iter().map(AsRef::as_ref);
+        while let Some(k) = it.next() {
+            if k == "--stages" {
+                p.stages = true;
+                continue;
+            }
+            let v = it.next().ok_or_else(|| format!("{k} needs a value"))?;
+            let n = || v.parse::<usize>().map_err(|_| format!("{k} {v}: not a count"));
+            match k {
+                "--ranks" => p.ranks = n()?,
+                "--steps" => p.steps = n()?,
+                "--warmup" => p.warmup = n()?,
+                "--tokens" => p.tokens = n()?,
+                "--hidden" => p.hidden = n()?,
+                "--experts" => p.experts = n()?,
+                "--topk" => p.topk = n()?,
+                "--capacity" => p.capacity = Some(n()?),
+                "--rank" => rank = Some(n()?),
+                "--transport" => p.transport = v.parse().map_err(|e| format!("--transport {v}: {e}"))?,
+                "--provider" => p.provider = v.to_string(),
+                "--layout" => p.layout = v.parse().map_err(|e| format!("--layout {v}: {e}"))?,
+                "--store" => store = Some(v.parse().map_err(|_| format!("--store {v}: not an address"))?),
+                _ => return Err(format!("unexpected argument {k}")),
+            }
+        }
+        p.check()?;
+        let rank = rank.ok_or("no --rank")?;
+        if rank >= p.ranks {
+            return Err(format!("--rank {rank} of {} ranks", p.ranks));
+        }
+        Ok((p, rank, store.ok_or("no --store")?))
+    }
+
+    /// The line rank 0 prints first (`prog`: the program's name), given rank 0's report.
+    pub fn header(&self, prog: &str, rank0: &RankReport) -> String {
+        format!(
+            "{prog}: {} ranks ({}), transport {} (engine {}), {} rows, {} tokens x {} bf16 per rank, {} experts, top-{}, {} steps (+{} warm-up)",
+            self.ranks,
+            rank0.device_name,
+            self.transport,
+            rank0.engine,
+            self.layout,
+            self.tokens,
+            self.hidden,
+            self.experts,
+            self.topk,
+            self.steps,
+            self.warmup
+        )
+    }
+}
+
+/// The 50th and 90th percentiles of a stage, in µs.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Pcts {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+}
+
+impl Pcts {
+    /// Of `v` (ns), nearest rank; zeros for an empty list.
+    pub fn of(mut v: Vec<u64>) -> Pcts {
+        Pcts { p50: pct(&mut v, 0.5), p90: pct(&mut v, 0.9) }
+    }
+}
+
+/// Dispatch and combine of one pass.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassTimes {
+    /// From the barrier's clock to the clock after `dispatch_recv`.
+    pub dispatch: Pcts,
+    /// From the clock after the second barrier to the clock after `combine_recv`.
+    pub combine: Pcts,
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankReport {
+    /// This rank.
+    pub rank: usize,
+    /// Its CUDA device ordinal.
+    pub device: usize,
+    /// The device's name.
+    pub device_name: String,
+    /// The engine's transport (`engine.transport()`).
+    pub engine: String,
+    /// The rank its lines name (the next one) and how this rank reaches it.
+    pub peer: usize,
+    /// `transport_to(peer)`: nvlink or proxy.
+    pub to_peer: String,
+    /// Rows this rank sends per step (mean over the input sets).
+    pub rows: usize,
+    /// Those rows' bytes, MiB.
+    pub mib: f64,
+    /// Steps launched back to back (the headline).
+    pub back_to_back: PassTimes,
+    /// Steps replayed from a CUDA graph.
+    pub graph: PassTimes,
+    /// Every step checked, the GPU idle between steps.
+    pub checked: PassTimes,
+    /// With [`Params::stages`]: p50 of dispatch_send, dispatch_recv, combine_send,
+    /// combine_recv, µs.
+    pub stages: Option<[f64; 4]>,
+    /// Through the proxy: its last step's doorbell-to-done time of dispatch and combine, µs.
+    pub proxy: Option<[f64; 2]>,
+}
+
+impl RankReport {
+    /// The lines the example prints for this rank (`prog`: the program's name).
+    pub fn lines(&self, prog: &str) -> String {
+        let (rank, peer, to, dev) = (self.rank, self.peer, &self.to_peer, self.device);
+        let pass = |name: &str, t: &PassTimes, note: &str| {
+            format!(
+                "{prog}: rank {rank} (cuda:{dev}, {to} to rank {peer}): {name} dispatch p50 {:7.1} us  p90 {:7.1} us   combine p50 {:7.1} us  p90 {:7.1} us   ({note})",
+                t.dispatch.p50, t.dispatch.p90, t.combine.p50, t.combine.p90
+            )
+        };
+        let mut s = [
+            pass(
+                "back to back:",
+                &self.back_to_back,
+                &format!("{} rows = {:.2} MiB sent per step", self.rows, self.mib),
+            ),
+            pass(
+                "CUDA graph:  ",
+                &self.graph,
+                &format!("batches of {BATCH} steps captured once and replayed"),
+            ),
+            pass("checked:     ", &self.checked, "every step checked, the GPU idle between steps"),
+        ]
+        .join("\n");
+        if let Some([d, c]) = self.proxy {
+            s += &format!("   proxy (last step, doorbell to done): dispatch {d:.1} us, combine {c:.1} us");
+        }
+        if let Some([ds, dr, cs, cr]) = self.stages {
+            s += &format!(
+                "\n{prog}: rank {rank} (cuda:{dev}): stages p50: dispatch_send {ds:6.1} us  dispatch_recv {dr:6.1} us  combine_send {cs:6.1} us  combine_recv {cr:6.1} us   (a clock between stages)"
+            );
+        }
+        s
+    }
+
+    /// The report as text for the store (`key value` lines).
+    pub fn encode(&self) -> String {
+        let f = |p: &PassTimes| {
+            format!("{} {} {} {}", p.dispatch.p50, p.dispatch.p90, p.combine.p50, p.combine.p90)
+        };
+        let list = |v: &[f64]| v.iter().map(f64::to_string).collect::<Vec<_>>().join(" ");
+        let mut s = format!(
+            "rank {}\ndevice {}\npeer {}\nrows {}\nmib {}\nto_peer {}\nengine {}\ndevice_name {}\nback_to_back {}\ngraph {}\nchecked {}\n",
+            self.rank,
+            self.device,
+            self.peer,
+            self.rows,
+            self.mib,
+            self.to_peer,
+            self.engine.replace('\n', " "),
+            self.device_name.replace('\n', " "),
+            f(&self.back_to_back),
+            f(&self.graph),
+            f(&self.checked)
+        );
+        if let Some(v) = self.stages {
+            s += &format!("stages {}\n", list(&v));
+        }
+        if let Some(v) = self.proxy {
+            s += &format!("proxy {}\n", list(&v));
+        }
+        s
+    }
+
+    /// Reads [`RankReport::encode`]'s text back.
+    pub fn decode(text: &str) -> Result<RankReport, String> {
+        let mut r = RankReport::default();
+        let nums = |k: &str, v: &str, n: usize| -> Result<Vec<f64>, String> {
+            let x: Vec<f64> =
+                v.split(' ').map(str::parse).collect::<Result<_, _>>().map_err(|_| bad(k, v))?;
+            if x.len() == n {
+                Ok(x)
+            } else {
+                Err(bad(k, v))
+            }
+        };
+        let pass = |k: &str, v: &str| -> Result<PassTimes, String> {
+            let x = nums(k, v, 4)?;
+            Ok(PassTimes { dispatch: Pcts { p50: x[0], p90: x[1] }, combine: Pcts { p50: x[2], p90: x[3] } })
+        };
+        let mut seen = 0;
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            let (k, v) = line.split_once(' ').unwrap_or((line, ""));
+            let count = || v.parse::<usize>().map_err(|_| bad(k, v));
+            match k {
+                "rank" => r.rank = count()?,
+                "device" => r.device = count()?,
+                "peer" => r.peer = count()?,
+                "rows" => r.rows = count()?,
+                "mib" => r.mib = v.parse().map_err(|_| bad(k, v))?,
+                "to_peer" => r.to_peer = v.into(),
+                "engine" => r.engine = v.into(),
+                "device_name" => r.device_name = v.into(),
+                "back_to_back" => r.back_to_back = pass(k, v)?,
+                "graph" => r.graph = pass(k, v)?,
+                "checked" => r.checked = pass(k, v)?,
+                "stages" => {
+                    let x = nums(k, v, 4)?;
+                    r.stages = Some([x[0], x[1], x[2], x[3]]);
+                    continue;
+                }
+                "proxy" => {
+                    let x = nums(k, v, 2)?;
+                    r.proxy = Some([x[0], x[1]]);
+                    continue;
+                }
+                _ => return Err(format!("unknown key {k:?} in a rank's report")),
+            }
+            seen += 1;
+        }
+        if seen < 11 {
+            return Err(format!("a rank's report has {seen} of its 11 fields"));
+        }
+        Ok(r)
+    }
+}
+
+fn bad(k: &str, v: &str) -> String {
+    format!("bad {k} {v:?} in a rank's report")
+}
+
+/// Where [`lead`] runs rank 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rank0 {
+    /// In this process (the example).
+    Here,
+    /// As one more copy, like the others (fabric-bench: every world in fresh processes).
+    Spawned,
+}
+
+/// Runs one world of `p.ranks` ranks and returns their reports in rank order. `spawn(args)`
+/// starts a copy of the running binary that calls [`follow`] with those arguments
+/// ([`Params::args`], `--rank R`, `--store ADDR`); ranks started this way get `deadline` to
+/// exit after the last rank started (rank 0 here: after rank 0 is done), then are killed.
+pub async fn lead<F>(
+    p: &Params,
+    rank0: Rank0,
+    deadline: Duration,
+    mut spawn: F,
+) -> Result<Vec<RankReport>, BoxError>
+where
+    F: FnMut(Vec<String>) -> Result<Child, BoxError>,
+{
+    p.check()?;
+    let server = TcpStoreServer::bind("127.0.0.1:0".parse()?).await?;
+    let addr = server.local_addr();
+    let first = match rank0 {
+        Rank0::Here => 1,
+        Rank0::Spawned => 0,
+    };
+    let mut children = Vec::new();
+    for r in first..p.ranks {
+        let mut a = p.args();
+        a.extend(["--rank".to_string(), r.to_string(), "--store".into(), addr.to_string()]);
+        match spawn(a) {
+            Ok(c) => children.push((r, c)),
+            Err(e) => {
+                for (_, c) in children.iter_mut() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("cannot start rank {r}: {e}").into());
+            }
+        }
+    }
+    let store = TcpStore::connect(addr).await?.with_timeout(Duration::from_secs(120));
+    let mut failed = Vec::new();
+    if rank0 == Rank0::Here {
+        if let Err(e) = run_rank(p, 0, &store).await {
+            failed.push(format!("rank 0: {e}"));
+        }
+    }
+    for (r, c) in children.iter_mut() {
+        match wait_child(c, deadline).await {
+            Ok(s) if s.success() => {}
+            Ok(s) => failed.push(format!("rank {r}: exited with {s}")),
+            Err(e) => failed.push(format!("rank {r}: {e}")),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(format!("a rank failed: {}", failed.join("; ")).into());
+    }
+    let mut out = Vec::new();
+    for r in 0..p.ranks {
+        let v = store.get(&format!("{KEY}/{r}")).await?;
+        out.push(RankReport::decode(&String::from_utf8_lossy(&v))?);
+    }
+    drop(server);
+    Ok(out)
+}
+
+/// A rank started by [`lead`]: exits as soon as its parent is gone, meets the others at
+/// `store`, runs the passes and puts its report there.
+pub async fn follow(p: &Params, rank: usize, store: SocketAddr) -> Result<(), BoxError> {
+    exit_with_parent("moe rank");
+    let store = TcpStore::connect(store).await?.with_timeout(Duration::from_secs(120));
+    run_rank(p, rank, &store).await
+}
+
+/// One input set of this rank on its device, and every rank's inputs for the checks.
+struct Set {
+    all: Vec<Inputs>,
+    x: DeviceBuffer,
+    idx: DeviceBuffer,
+    weights: DeviceBuffer,
+}
+
+fn upload(ctx: &Arc<cuda::Context>, c: &Config, all: Vec<Inputs>) -> Result<Set, BoxError> {
+    let mine = &all[c.rank];
+    let x = DeviceBuffer::new(ctx, c.max_tokens * c.hidden * 2)?;
+    let idx = DeviceBuffer::new(ctx, c.max_tokens * c.topk * 8)?;
+    let weights = DeviceBuffer::new(ctx, c.max_tokens * c.topk * 4)?;
+    x.copy_from_host(0, &mine.x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>())?;
+    idx.copy_from_host(0, &mine.topk_idx.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>())?;
+    weights.copy_from_host(0, &mine.topk_weights.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<_>>())?;
+    Ok(Set { all, x, idx, weights })
+}
+
+/// One rank's whole run: the all-to-all, the passes, every check; its report goes into the
+/// store under `moe_gpu/report/{rank}` before the all-to-all closes.
+pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), BoxError> {
+    let ranks = p.ranks;
+    // The proxy's writes complete as soon as the engine's reactor sees them: a spinning
+    // reactor (the MoE paths' mode); NVLink does not use the engine.
+    let mode = if p.transport == Transport::Nvlink { ReactorMode::Event } else { ReactorMode::BusyPoll };
+    let engine = Engine::builder().provider(&p.provider).mode(mode).build()?;
+    let mut c = Config::new(ranks, rank, p.experts / ranks, p.tokens, p.hidden, p.topk);
+    c.expert_capacity = p.capacity;
+    c.transport = p.transport;
+    c.layout = p.layout;
+    let a2a = AllToAll::new(&engine, store, c.clone()).await?;
+    let ctx = cuda::context(a2a.device())?;
+    let sets: Vec<Set> = (0..SETS)
+        .map(|s| {
+            let all = (0..ranks)
+                .map(|r| reference::inputs(&c, Routing::Random { masked: false }, SEED, r, s, p.tokens))
+                .collect();
+            upload(&ctx, &c, all)
+        })
+        .collect::<Result<_, _>>()?;
+    // Copies from pageable memory may return before their DMA lands; the stream below does
+    // not wait for them.
+    ctx.synchronize()?;
+    let rows: usize = sets.iter().map(|s| rows_sent(&c, &s.all[rank])).sum::<usize>() / SETS;
+    let stream = Stream::new(&ctx)?;
+    let out = DeviceBuffer::new(&ctx, a2a.expert_out_len())?;
+    // Its zero-fill ran on the legacy stream, which `stream` does not wait for.
+    ctx.synchronize()?;
+    let input = |set: &Set| DispatchInput {
+        x: set.x.device_ptr(),
+        topk_idx: TopkIdx::I64(set.idx.device_ptr()),
+        topk_weights: set.weights.device_ptr(),
+        num_tokens: p.tokens,
+    };
+    // One step on the stream, its four GPU clocks in slots `4 * i ..`.
+    let enqueue = |set: &Set, i: usize| -> Result<(), BoxError> {
+        let input = input(set);
+        a2a.barrier(&stream)?;
+        a2a.clock(&stream, 4 * i)?;
+        // SAFETY: the set's buffers and `out` outlive the step (synchronized before they go).
+        unsafe { a2a.dispatch(&stream, &input)? };
+        a2a.clock(&stream, 4 * i + 1)?;
+        // SAFETY: as above.
+        unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
+        a2a.barrier(&stream)?;
+        a2a.clock(&stream, 4 * i + 2)?;
+        // SAFETY: as above.
+        unsafe { a2a.combine(&stream, out.device_ptr())? };
+        a2a.clock(&stream, 4 * i + 3)?;
+        Ok(())
+    };
+    let check = |set: &Set, step: usize| -> Result<(), BoxError> {
+        a2a.check()?;
+        let got = a2a.read_received()?;
+        check_received(&c, &set.all, rank, &got.sources, &got.rows)
+            .map_err(|e| format!("step {step}: {e}"))?;
+        check_combined(&c, &set.all[rank], rank, &a2a.read_combined(p.tokens)?)
+            .map_err(|e| format!("step {step}: {e}"))?;
+        Ok(())
+    };
+    let times = |i: usize| {
+        (
+            a2a.clock_ns(4 * i + 1).saturating_sub(a2a.clock_ns(4 * i)),
+            a2a.clock_ns(4 * i + 3).saturating_sub(a2a.clock_ns(4 * i + 2)),
+        )
+    };
+    let total = p.warmup + p.steps;
+    // Pass 1, checked: every step's received rows and combined rows are read back and
+    // compared, so the GPU idles for the host's check between steps.
+    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
+    for step in 0..total {
+        let set = &sets[step % SETS];
+        enqueue(set, 0)?;
+        stream.synchronize()?;
+        check(set, step)?;
+        if step >= p.warmup {
+            let (d, k) = times(0);
+            dispatch.push(d);
+            combine.push(k);
+        }
+    }
+    let checked = PassTimes { dispatch: Pcts::of(dispatch), combine: Pcts::of(combine) };
+    // Pass 2, back to back: steps are launched in batches of up to BATCH with no host wait
+    // between them, as a model's layers run; the last step of each batch is checked.
+    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
+    let mut step = 0;
+    while step < total {
+        let n = BATCH.min(total - step);
+        for i in 0..n {
+            enqueue(&sets[(step + i) % SETS], i)?;
+        }
+        stream.synchronize()?;
+        check(&sets[(step + n - 1) % SETS], step + n - 1)?;
+        for i in 0..n {
+            if step + i >= p.warmup {
+                let (d, k) = times(i);
+                dispatch.push(d);
+                combine.push(k);
+            }
+        }
+        step += n;
+    }
+    let back_to_back = PassTimes { dispatch: Pcts::of(dispatch), combine: Pcts::of(combine) };
+    // Pass 3, CUDA graph: a batch of BATCH steps captured once, then replayed (no host
+    // launch inside a replay); the last step of each replay is checked.
+    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
+    {
+        stream.begin_capture()?;
+        let captured = (0..BATCH).try_for_each(|i| enqueue(&sets[i % SETS], i));
+        let graph = stream.end_capture()?;
+        captured?;
+        // The first replay warms up; then enough replays for `steps` steps.
+        for replay in 0..=p.steps.div_ceil(BATCH) {
+            // SAFETY: every buffer the captured steps use (the sets, `out`, the all-to-all's)
+            // lives until after the synchronize below.
+            unsafe { graph.launch(&stream)? };
+            stream.synchronize()?;
+            check(&sets[(BATCH - 1) % SETS], BATCH - 1)?;
+            if replay > 0 {
+                for i in 0..BATCH {
+                    let (d, k) = times(i);
+                    dispatch.push(d);
+                    combine.push(k);
+                }
+            }
+        }
+    }
+    let graph = PassTimes { dispatch: Pcts::of(dispatch), combine: Pcts::of(combine) };
+    // Pass 4 (stages): each stage between clocks of its own, back to back.
+    let mut stages: Vec<Vec<u64>> = vec![Vec::new(); 4];
+    if p.stages {
+        const SLOTS: usize = 6;
+        let per_batch = CLOCK_SLOTS / SLOTS;
+        let mut step = 0;
+        while step < total {
+            let n = per_batch.min(total - step);
+            for i in 0..n {
+                let inp = input(&sets[(step + i) % SETS]);
+                let at = |j: usize| SLOTS * i + j;
+                a2a.barrier(&stream)?;
+                a2a.clock(&stream, at(0))?;
+                // SAFETY: as in `enqueue`.
+                unsafe { a2a.dispatch_send(&stream, &inp)? };
+                a2a.clock(&stream, at(1))?;
+                a2a.dispatch_recv(&stream)?;
+                a2a.clock(&stream, at(2))?;
+                // SAFETY: as above.
+                unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
+                a2a.barrier(&stream)?;
+                a2a.clock(&stream, at(3))?;
+                // SAFETY: as above.
+                unsafe { a2a.combine_send(&stream, out.device_ptr())? };
+                a2a.clock(&stream, at(4))?;
+                a2a.combine_recv(&stream)?;
+                a2a.clock(&stream, at(5))?;
+            }
+            stream.synchronize()?;
+            check(&sets[(step + n - 1) % SETS], step + n - 1)?;
+            for i in 0..n {
+                if step + i >= p.warmup {
+                    let t = |j: usize| a2a.clock_ns(SLOTS * i + j);
+                    for (k, (a, b)) in [(0, 1), (1, 2), (3, 4), (4, 5)].into_iter().enumerate() {
+                        stages[k].push(t(b).saturating_sub(t(a)));
+                    }
+                }
+            }
+            step += n;
+        }
+    }
+    drop(stream);
+    let peer = (rank + 1) % ranks;
+    let span = |t: ProxyTimes| t.completed_ns.saturating_sub(t.seen_ns) as f64 / 1e3;
+    let report = RankReport {
+        rank,
+        device: a2a.device(),
+        device_name: ctx.name().to_string(),
+        engine: engine.transport().to_string(),
+        peer,
+        to_peer: match a2a.proxy_path(peer) {
+            Some(path) => format!("{} ({path:?})", a2a.transport_to(peer)),
+            None => a2a.transport_to(peer).to_string(),
+        },
+        rows,
+        mib: (rows * p.hidden * 2) as f64 / (1 << 20) as f64,
+        back_to_back,
+        graph,
+        checked,
+        stages: p.stages.then(|| {
+            let q = |v: &mut Vec<u64>| pct(v, 0.5);
+            [q(&mut stages[0]), q(&mut stages[1]), q(&mut stages[2]), q(&mut stages[3])]
+        }),
+        proxy: a2a.proxy_times().map(|[d, c]| [span(d), span(c)]),
+    };
+    store.put(&format!("{KEY}/{rank}"), report.encode().into_bytes()).await?;
+    a2a.close(store).await?;
+    Ok(())
+}
+
+/// Rows this rank sends in one step: one per token and destination rank holding one of its
+/// experts.
+fn rows_sent(c: &Config, inp: &Inputs) -> usize {
+    (0..inp.tokens)
+        .map(|t| {
+            let mut ranks: Vec<usize> = inp.topk_idx[t * c.topk..(t + 1) * c.topk]
+                .iter()
+                .filter(|&&e| e >= 0)
+                .map(|&e| e as usize / c.experts_per_rank)
+                .collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            ranks.len()
+        })
+        .sum()
+}
+
+/// The `q` quantile of `v` (ns) in µs, nearest rank.
+fn pct(v: &mut [u64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1e3
+}
+
+/// Exits (status 1) as soon as the parent process is gone, so that a leader that failed or
+/// was killed never leaves its ranks behind. Checks every 200 ms on a tokio task.
+fn exit_with_parent(who: &'static str) {
+    let parent = std::os::unix::process::parent_id();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if std::os::unix::process::parent_id() != parent {
+                eprintln!("{who}: the parent process is gone; exiting");
+                std::process::exit(1);
+            }
+        }
+    });
+}
+
+/// Waits up to `timeout` for `child` to exit without blocking the runtime; then kills it
+/// and fails.
+async fn wait_child(child: &mut Child, timeout: Duration) -> Result<ExitStatus, BoxError> {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status);
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("did not exit within {} s (killed)", timeout.as_secs()).into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_read_back() {
+        let mut p = Params::prefill();
+        p.stages = true;
+        p.transport = Transport::Proxy;
+        p.provider = "tcp".into();
+        let mut a = p.args();
+        a.extend(["--rank".into(), "1".into(), "--store".into(), "127.0.0.1:5".into()]);
+        let (q, rank, store) = Params::parse_args(&a).unwrap();
+        assert_eq!((q, rank, store), (p, 1, "127.0.0.1:5".parse().unwrap()));
+        for bad in [
+            &["--rank", "2", "--store", "127.0.0.1:5"][..],
+            &["--rank", "0"],
+            &["--store", "127.0.0.1:5"],
+            &["--rank", "0", "--store", "127.0.0.1:5", "--experts", "255"],
+            &["--rank", "0", "--store", "127.0.0.1:5", "--bogus", "1"],
+            &["--rank", "0", "--store", "127.0.0.1:5", "--steps"],
+        ] {
+            assert!(Params::parse_args(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn reports_travel_and_print_as_before() {
+        let t = |a: f64| PassTimes {
+            dispatch: Pcts { p50: a, p90: a + 1.0 },
+            combine: Pcts { p50: a + 2.0, p90: a + 3.0 },
+        };
+        let mut r = RankReport {
+            rank: 1,
+            device: 1,
+            device_name: "NVIDIA H200".into(),
+            engine: "shm".into(),
+            peer: 0,
+            to_peer: "nvlink".into(),
+            rows: 255,
+            mib: 3.49,
+            back_to_back: t(39.25),
+            graph: t(35.0),
+            checked: t(42.5),
+            stages: None,
+            proxy: None,
+        };
+        assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
+        let lines = r.lines("moe_gpu");
+        assert!(lines.starts_with(
+            "moe_gpu: rank 1 (cuda:1, nvlink to rank 0): back to back: dispatch p50    39.2 us  p90    40.2 us   combine p50    41.2 us  p90    42.2 us   (255 rows = 3.49 MiB sent per step)\n"
+        ), "{lines}");
+        assert_eq!(lines.lines().count(), 3);
+        r.stages = Some([1.0, 2.0, 3.0, 4.5]);
+        r.proxy = Some([10.0, 20.5]);
+        assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
+        let lines = r.lines("moe_gpu");
+        assert!(lines.contains("proxy (last step, doorbell to done): dispatch 10.0 us, combine 20.5 us"));
+        assert!(lines.lines().nth(3).unwrap().contains("stages p50: dispatch_send    1.0 us"));
+        assert!(RankReport::decode("rank 1\n").is_err());
+        assert!(RankReport::decode(&r.encode().replace("graph 35", "graph x")).is_err());
+    }
+}
