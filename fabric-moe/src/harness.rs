@@ -274,6 +274,10 @@ pub struct RankReport {
     pub stages: Option<[f64; 4]>,
     /// Through the proxy: its last step's doorbell-to-done time of dispatch and combine, µs.
     pub proxy: Option<[f64; 2]>,
+    /// Through the proxy: the engine's CUDA copy gates (its writes through CUDA IPC), their
+    /// count and, per gate, µs of plan, hand-over, enqueue, copy and signal
+    /// (`fabric_async::GpuStats`).
+    pub gates: Option<[f64; 6]>,
 }
 
 impl RankReport {
@@ -302,6 +306,11 @@ impl RankReport {
         .join("\n");
         if let Some([d, c]) = self.proxy {
             s += &format!("   proxy (last step, doorbell to done): dispatch {d:.1} us, combine {c:.1} us");
+        }
+        if let Some([n, plan, handoff, enqueue, copy, signal]) = self.gates {
+            s += &format!(
+                "\n{prog}: rank {rank} (cuda:{dev}): the engine's {n} copy gates, per gate: plan {plan:.1} us, hand-over {handoff:.1} us, enqueue {enqueue:.1} us, copy {copy:.1} us, signal {signal:.1} us"
+            );
         }
         if let Some([ds, dr, cs, cr]) = self.stages {
             s += &format!(
@@ -336,6 +345,9 @@ impl RankReport {
         }
         if let Some(v) = self.proxy {
             s += &format!("proxy {}\n", list(&v));
+        }
+        if let Some(v) = self.gates {
+            s += &format!("gates {}\n", list(&v));
         }
         s
     }
@@ -380,6 +392,11 @@ impl RankReport {
                 "proxy" => {
                     let x = nums(k, v, 2)?;
                     r.proxy = Some([x[0], x[1]]);
+                    continue;
+                }
+                "gates" => {
+                    let x = nums(k, v, 6)?;
+                    r.gates = Some([x[0], x[1], x[2], x[3], x[4], x[5]]);
                     continue;
                 }
                 _ => return Err(format!("unknown key {k:?} in a rank's report")),
@@ -688,6 +705,11 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
             [q(&mut stages[0]), q(&mut stages[1]), q(&mut stages[2]), q(&mut stages[3])]
         }),
         proxy: a2a.proxy_times().map(|[d, c]| [span(d), span(c)]),
+        gates: a2a.proxy_times().map(|_| {
+            let g = engine.stats().gpu;
+            let per = |d: Duration| d.as_secs_f64() * 1e6 / g.gates.max(1) as f64;
+            [g.gates as f64, per(g.plan), per(g.handoff), per(g.enqueue), per(g.copy), per(g.signal)]
+        }),
     };
     store.put(&format!("{KEY}/{rank}"), report.encode().into_bytes()).await?;
     a2a.close(store).await?;
@@ -798,6 +820,7 @@ mod tests {
             checked: t(42.5),
             stages: None,
             proxy: None,
+            gates: None,
         };
         assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
         let lines = r.lines("moe_gpu");
@@ -811,6 +834,11 @@ mod tests {
         let lines = r.lines("moe_gpu");
         assert!(lines.contains("proxy (last step, doorbell to done): dispatch 10.0 us, combine 20.5 us"));
         assert!(lines.lines().nth(3).unwrap().contains("stages p50: dispatch_send    1.0 us"));
+        r.gates = Some([4.0, 1.5, 2.5, 3.5, 900.25, 2.0]);
+        assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
+        assert!(r.lines("moe_gpu").contains(
+            "the engine's 4 copy gates, per gate: plan 1.5 us, hand-over 2.5 us, enqueue 3.5 us, copy 900.2 us, signal 2.0 us"
+        ));
         assert!(RankReport::decode("rank 1\n").is_err());
         assert!(RankReport::decode(&r.encode().replace("graph 35", "graph x")).is_err());
     }
