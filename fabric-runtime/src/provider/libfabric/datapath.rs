@@ -462,6 +462,8 @@ impl Domain for LibfabricDomain {
         }
         // A peer's death, retired endpoints, re-posts: after the CQ was read, so that a
         // completion already there is not reported as a failure.
+        // Closing shm domains of this process wait for us to take them out of the AV.
+        self.shm_serve_removals();
         if (self.shm.is_some() || self.tcp_live.is_some()) && self.tick.due() {
             self.shm_maintenance(&mut pending);
             self.tcp_maintenance(&mut pending);

@@ -359,7 +359,7 @@ fn open_endpoint_once(
 }
 
 /// `fi_getname` of the endpoint.
-fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
+pub(super) fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
     let mut buf = vec![0u8; 128];
     for _ in 0..2 {
         let mut len = buf.len();
@@ -378,10 +378,14 @@ fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
 
 impl Drop for LibfabricDomain {
     fn drop(&mut self) {
-        // Peers in this process stop posting to us before anything closes (`shm.rs`, LOCAL).
+        // The other shm domains of this process take us out of their AV while our regions
+        // are mapped, and stop posting to us, before anything closes (`shm.rs`, LOCAL,
+        // Removal); then we serve what the others that closed meanwhile asked of us.
+        self.shm_before_close();
         if let Some(shm) = self.shm.as_mut() {
             shm.unregister_local();
         }
+        self.shm_serve_removals();
         // Registrations must be closed before the endpoint (FI_MR_ENDPOINT binds them to it)
         // and the domain; the engine normally deregisters everything first.
         for (_, mr) in self.mrs.drain() {

@@ -99,11 +99,113 @@ pub(super) fn shm_pid(addr: &[u8]) -> Option<libc::pid_t> {
 /// `smr_generic_rma`, when the engine's own `Revoke` went to an engine of the same process
 /// that had shut down). So a domain registers its address here while it is open, a post to
 /// an in-process peer holds the read lock and fails if the peer's address is gone, and a
-/// domain removes its address under the write lock before it closes anything.
-static LOCAL: RwLock<Vec<Vec<u8>>> = RwLock::new(Vec::new());
+/// domain removes its address under the write lock before it closes anything. Before that,
+/// a closing domain has every other domain here take it out of its AV ([`Removal`]).
+static LOCAL: RwLock<Vec<Local>> = RwLock::new(Vec::new());
 
-fn local() -> std::sync::RwLockReadGuard<'static, Vec<Vec<u8>>> {
+/// The read guard of [`LOCAL`] that a post or an `fi_enable` holds.
+pub(super) type LocalGuard = std::sync::RwLockReadGuard<'static, Vec<Local>>;
+
+fn local() -> LocalGuard {
     LOCAL.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn local_mut() -> std::sync::RwLockWriteGuard<'static, Vec<Local>> {
+    LOCAL.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One open shm domain of this process, in [`LOCAL`].
+pub(super) struct Local {
+    addr: Vec<u8>,
+    /// Where other domains ask it to take them out of its AV.
+    inbox: Arc<Inbox>,
+    /// It is asking the others to forget it ([`LibfabricDomain::shm_before_close`]): no
+    /// domain adds it as a new peer any more, posts to it still go.
+    closing: bool,
+}
+
+/// Whether `addr` is an open shm endpoint of this process (closing or not).
+fn is_open(g: &[Local], addr: &[u8]) -> bool {
+    g.iter().any(|l| l.addr == addr)
+}
+
+/// How long a closing domain waits for the other domains of the process to take it out of
+/// their AV: a domain whose reactor is stuck must not hang the close.
+const REMOVAL_WAIT: Duration = Duration::from_secs(1);
+
+/// A domain's requests from closing domains of the process, served on its own reactor
+/// thread by its next poll ([`LibfabricDomain::shm_serve_removals`]).
+#[derive(Default)]
+struct Inbox {
+    pending: std::sync::atomic::AtomicBool,
+    requests: Mutex<Vec<Removal>>,
+}
+
+/// A closing domain asks another of the process to take it out of its AV, while its
+/// regions are still mapped. libfabric 1.17's shm keeps, for a peer in this process, a
+/// pointer to that peer's own region, in the AV's map: for the peers in the AV, and for
+/// every endpoint that sent it a message (a connection request adds the sender's region to
+/// the map, outside the AV: here the closing domain's one-sided endpoint to this domain).
+/// Progress (responses, signals), `fi_enable` (`smr_exchange_all_peers`) and closing the
+/// AV (`smr_map_del` unmaps a region that is no longer an open endpoint of the process,
+/// reading its size through the pointer) would all go through a pointer to a region
+/// unmapped, or mapped again for something else. `fi_av_remove` while the region is mapped
+/// takes it out of the map without touching it.
+struct Removal {
+    /// The closing domain's address (its main endpoint), as this domain's peers know it.
+    main: Vec<u8>,
+    /// The names of its one-sided endpoints to this domain: not in this domain's AV, only in
+    /// its map; put in the AV and taken out again.
+    extra: Vec<Vec<u8>>,
+    done: Arc<Latch>,
+}
+
+/// Counts the domains that have not served a [`Removal`] yet; the closing domain waits for
+/// zero, [`REMOVAL_WAIT`] at most.
+struct Latch {
+    state: Mutex<LatchState>,
+    zero: std::sync::Condvar,
+}
+
+struct LatchState {
+    left: usize,
+    /// The closing domain stopped waiting: its endpoints may be closed, and a removal
+    /// served now would go through their pointers (`smr_map_del` of an endpoint that is no
+    /// longer open unmaps it): too late, nothing is done.
+    expired: bool,
+}
+
+impl Latch {
+    fn new(n: usize) -> Latch {
+        Latch { state: Mutex::new(LatchState { left: n, expired: false }), zero: std::sync::Condvar::new() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LatchState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Waits up to `d` for zero; whether it is zero. `last`: on a timeout, the waiting
+    /// ends (later removals are not done).
+    fn wait(&self, d: Duration, last: bool) -> bool {
+        let g = self.lock();
+        let (mut g, _) = self
+            .zero
+            .wait_timeout_while(g, d, |s| s.left > 0)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if g.left > 0 && last {
+            g.expired = true;
+        }
+        g.left == 0
+    }
+}
+
+/// See [`ShmState::retired`].
+struct Retired {
+    addr: Vec<u8>,
+    ep: Option<Fid<sys::fid_ep>>,
+    /// The peer's operations in flight when it was taken out of the AV (its handle may be
+    /// another peer's by the time they are failed).
+    ops: Vec<(std::ptr::NonNull<super::ctx::OpCtx>, u64)>,
 }
 
 /// One watched peer.
@@ -316,6 +418,13 @@ pub(super) struct ShmState {
     av_dropped: std::collections::HashSet<PeerHandle>,
     /// Our own address while it is registered in [`LOCAL`].
     registered: Option<Vec<u8>>,
+    /// Where closing domains of the process ask this one to forget them ([`Removal`]).
+    inbox: Arc<Inbox>,
+    /// In-process peers taken out of the AV while they close ([`Removal`]): their
+    /// one-sided endpoint and operations in flight, closed and failed once the peer's
+    /// address is gone from [`LOCAL`] (as when such a peer is found closed), not while the
+    /// peer may still have that endpoint's region in its map.
+    retired: Vec<Retired>,
     liveness_off: bool,
     /// The pidfd check's `poll` buffers, reused (a check in a pass allocates nothing).
     scratch: crate::sys::PollScratch,
@@ -343,7 +452,8 @@ impl ShmState {
 
     /// Registers this domain's address among the process's open shm endpoints ([`LOCAL`]).
     pub(super) fn register_local(&mut self, address: &[u8]) {
-        LOCAL.write().unwrap_or_else(std::sync::PoisonError::into_inner).push(address.to_vec());
+        let inbox = self.inbox.clone();
+        local_mut().push(Local { addr: address.to_vec(), inbox, closing: false });
         self.registered = Some(address.to_vec());
     }
 
@@ -351,8 +461,8 @@ impl ShmState {
     /// other domains of the process. Before the domain closes anything.
     pub(super) fn unregister_local(&mut self) {
         if let Some(a) = self.registered.take() {
-            let mut g = LOCAL.write().unwrap_or_else(std::sync::PoisonError::into_inner);
-            if let Some(i) = g.iter().position(|x| *x == a) {
+            let mut g = local_mut();
+            if let Some(i) = g.iter().position(|x| x.addr == a) {
                 g.swap_remove(i);
             }
         }
@@ -360,23 +470,24 @@ impl ShmState {
 
     /// For a post to `peer`: `Ok(None)` when it is not in this process; for an in-process
     /// peer, the read lock of [`LOCAL`], to hold until the post returns, or an error when
-    /// the peer has closed.
-    pub(super) fn local_guard(
-        &self,
-        peer: PeerHandle,
-    ) -> Result<Option<std::sync::RwLockReadGuard<'static, Vec<Vec<u8>>>>, crate::error::Error> {
-        if self.local_peers.is_empty() {
+    /// the peer has closed or is out of the AV (it is closing: [`Removal`]).
+    pub(super) fn local_guard(&self, peer: PeerHandle) -> Result<Option<LocalGuard>, crate::error::Error> {
+        if self.local_peers.is_empty() && self.local_gone.is_empty() {
             return Ok(None);
+        }
+        let closed = || crate::error::Error::PeerUnreachable {
+            peer: peer as u32,
+            message: "an shm peer in this process closed its endpoint".into(),
+        };
+        if self.local_gone.contains_key(&peer) || self.av_dropped.contains(&peer) {
+            return Err(closed());
         }
         let Some(addr) = self.local_peers.get(&peer) else { return Ok(None) };
         let g = local();
-        if g.iter().any(|a| a == addr) {
+        if is_open(&g, addr) {
             Ok(Some(g))
         } else {
-            Err(crate::error::Error::PeerUnreachable {
-                peer: peer as u32,
-                message: "an shm peer in this process closed its endpoint".into(),
-            })
+            Err(closed())
         }
     }
 
@@ -464,7 +575,7 @@ impl ShmState {
         let mut closed = Vec::new();
         if !self.local_peers.is_empty() {
             let g = local();
-            closed.extend(self.local_peers.iter().filter(|(_, a)| !g.contains(a)).map(|(&p, _)| p));
+            closed.extend(self.local_peers.iter().filter(|(_, a)| !is_open(&g, a)).map(|(&p, _)| p));
         }
         for p in &closed {
             if let Some(a) = self.local_peers.remove(p) {
@@ -503,15 +614,12 @@ impl LibfabricDomain {
     /// (`tests/shm_reuse.rs`: engines made and dropped pair after pair in one process). So
     /// the returned guard holds [`LOCAL`] until the endpoint is enabled (no endpoint of this
     /// process closes meanwhile; a closing one takes `LOCAL` for writing first), an address
-    /// of this process that is not open is refused (`Error::Stale`), and this domain's
+    /// of this process that is not open, or is closing, is refused (`Error::Stale`), and this domain's
     /// in-process peers that closed are taken out of the AV first (they stay down).
-    pub(super) fn shm_prepare_add(
-        &mut self,
-        addr: &[u8],
-    ) -> Result<std::sync::RwLockReadGuard<'static, Vec<Vec<u8>>>, crate::error::Error> {
+    pub(super) fn shm_prepare_add(&mut self, addr: &[u8]) -> Result<LocalGuard, crate::error::Error> {
         let g = local();
         let me = std::process::id() as libc::pid_t;
-        if shm_pid(addr) == Some(me) && !g.iter().any(|a| a.as_slice() == addr) {
+        if shm_pid(addr) == Some(me) && !g.iter().any(|l| l.addr == addr && !l.closing) {
             return Err(crate::error::Error::Stale {
                 what: "engine address",
                 reason: "an shm endpoint of this process that has closed".into(),
@@ -522,7 +630,7 @@ impl LibfabricDomain {
             .local_peers
             .iter()
             .chain(shm.local_gone.iter())
-            .filter(|(p, a)| !shm.av_dropped.contains(p) && !g.contains(a))
+            .filter(|(p, a)| !shm.av_dropped.contains(p) && !is_open(&g, a))
             .map(|(&p, _)| p)
             .collect();
         for p in closed {
@@ -542,6 +650,9 @@ impl LibfabricDomain {
     pub(super) fn shm_add_peer(&mut self, peer: PeerHandle, addr: &[u8]) -> Result<(), crate::error::Error> {
         let ep = self.open_endpoint(RMA_EP_CQ_FLAGS)?;
         let shm = self.shm.as_mut().expect("an shm domain");
+        // A handle that the AV gives out again: nothing of the peer that had it applies.
+        shm.av_dropped.remove(&peer);
+        shm.local_gone.remove(&peer);
         shm.rma_eps.insert(peer, ep);
         shm.watch(peer, addr);
         Ok(())
@@ -558,7 +669,7 @@ impl LibfabricDomain {
             });
         }
         if let Some(addr) = shm.local_gone.remove(&peer) {
-            if !local().contains(&addr) {
+            if !is_open(&local(), &addr) {
                 shm.local_gone.insert(peer, addr);
                 return Err(crate::error::Error::PeerUnreachable {
                     peer: peer as u32,
@@ -618,8 +729,183 @@ impl LibfabricDomain {
         }
     }
 
+    /// Before this domain closes anything (its `Drop`, on its reactor thread): every other
+    /// open shm domain of the process takes it out of its AV while its regions are still
+    /// mapped ([`Removal`]), on its own reactor thread, and this one waits for them,
+    /// [`REMOVAL_WAIT`] at most (a domain whose reactor is stuck is logged and not waited
+    /// for). Meanwhile no domain adds it as a new peer (it is marked closing in [`LOCAL`]),
+    /// and this one serves the requests of the others that close too. No lock is held
+    /// while waiting. Their peer goes down as before, once this domain's address is gone
+    /// from [`LOCAL`]; from the removal on, posts to it fail.
+    pub(super) fn shm_before_close(&mut self) {
+        let Some(shm) = self.shm.as_ref() else { return };
+        let Some(me) = shm.registered.clone() else { return };
+        // Our one-sided endpoints to in-process peers, by the peer's address: only that
+        // peer has their region in its map (a connection request put it there).
+        let mut ours: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        for (peer, ep) in shm.rma_eps.iter() {
+            if let Some(addr) = shm.local_peers.get(peer) {
+                match super::domain::getname(ep) {
+                    Ok(name) => ours.push((addr.clone(), name)),
+                    Err(e) => {
+                        tracing::debug!(peer = *peer, error = %e, "no name of a one-sided shm endpoint")
+                    }
+                }
+            }
+        }
+        let latch = {
+            let mut g = local_mut();
+            let n = g.iter().filter(|l| l.addr != me).count();
+            if n == 0 {
+                return;
+            }
+            let latch = Arc::new(Latch::new(n));
+            for l in g.iter_mut() {
+                if l.addr == me {
+                    l.closing = true;
+                    continue;
+                }
+                let extra = ours.iter().filter(|(a, _)| *a == l.addr).map(|(_, n)| n.clone()).collect();
+                let r = Removal { main: me.clone(), extra, done: latch.clone() };
+                l.inbox.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(r);
+                l.inbox.pending.store(true, std::sync::atomic::Ordering::Release);
+            }
+            latch
+        };
+        let start = Instant::now();
+        loop {
+            self.shm_serve_removals();
+            let last = start.elapsed() >= REMOVAL_WAIT;
+            if latch.wait(Duration::from_millis(1), last) {
+                tracing::debug!(waited = ?start.elapsed(), "the process's other shm domains took this one out of their AV");
+                break;
+            }
+            if last {
+                tracing::warn!(
+                    left = latch.lock().left,
+                    "shm domains of this process did not take a closing one out of their AV within 1 s (a reactor stuck?); closing anyway"
+                );
+                break;
+            }
+        }
+    }
+
+    /// Serves the [`Removal`]s that closing domains of the process left in this domain's
+    /// inbox: their peers go out of the AV (and stay out: `av_dropped`, posts to them fail),
+    /// and so do the names of their one-sided endpoints to us. On this domain's thread: in
+    /// its polls, and while it closes. One atomic load when there is nothing.
+    pub(super) fn shm_serve_removals(&mut self) {
+        let Some(shm) = self.shm.as_ref() else { return };
+        if !shm.inbox.pending.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
+        let requests = std::mem::take(
+            &mut *shm.inbox.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for r in requests {
+            let done = r.done.clone();
+            // Under the latch: the closing domain does not close its endpoints meanwhile.
+            let mut st = done.lock();
+            if !st.expired {
+                self.forget_local(&r);
+            } else {
+                tracing::warn!("a closing shm domain of this process stopped waiting; it stays in the AV");
+            }
+            st.left = st.left.saturating_sub(1);
+            if st.left == 0 {
+                done.zero.notify_all();
+            }
+        }
+    }
+
+    /// [`LibfabricDomain::shm_serve_removals`] for one request, its endpoints still open.
+    fn forget_local(&mut self, r: &Removal) {
+        let Some(shm) = self.shm.as_mut() else { return };
+        let peers: Vec<PeerHandle> = shm
+            .local_peers
+            .iter()
+            .chain(shm.local_gone.iter())
+            .filter(|(p, a)| **a == r.main && !shm.av_dropped.contains(p))
+            .map(|(&p, _)| p)
+            .collect();
+        shm.av_dropped.extend(peers.iter().copied());
+        let in_flight = if peers.is_empty() { Vec::new() } else { self.ctxs.in_flight() };
+        let Some(shm) = self.shm.as_mut() else { return };
+        for &p in &peers {
+            // It goes down now (its handle may be given to a new peer once out of the AV);
+            // its one-sided endpoint is closed, and its operations failed, later (`retired`).
+            if let Some(a) = shm.local_peers.remove(&p) {
+                shm.local_gone.insert(p, a);
+            }
+            shm.locks.remove(&p);
+            let ops = in_flight.iter().filter(|o| o.peer() == Some(p)).map(|o| (o.slot, o.token)).collect();
+            shm.retired.push(Retired { addr: r.main.clone(), ep: shm.rma_eps.remove(&p), ops });
+        }
+        for p in peers {
+            tracing::debug!(peer = p, "an shm peer of this process is closing: out of the AV, down");
+            let message = "an shm peer in this process closed its endpoint".to_owned();
+            self.overflow.push_back(Completion::PeerDown { peer: p, message });
+            // `fi_av_remove` of a peer still open: shm (1.17 `smr_map_del`) takes it out of
+            // the map without unmapping or writing to its region.
+            self.av_remove(p);
+        }
+        for name in &r.extra {
+            self.forget_name(name);
+        }
+    }
+
+    /// Takes the region named `name` (an open endpoint of this process that is not our
+    /// peer, only in the map: it sent us messages) out of this domain's map: inserted into
+    /// the AV, which finds it in the map, and removed again.
+    fn forget_name(&mut self, name: &[u8]) {
+        if name.last() != Some(&0) {
+            return; // shm names are NUL-terminated strings; never read past the slice
+        }
+        let mut fi_addr: sys::fi_addr_t = sys::FI_ADDR_NOTAVAIL;
+        // SAFETY: av is open; name is one NUL-terminated shm address (checked above), read up
+        // to its NUL; fi_addr receives one entry; FI_AV_TABLE inserts synchronously.
+        let ret = unsafe {
+            sys::fabric_shim_fi_av_insert(
+                self.av.as_ptr(),
+                name.as_ptr().cast(),
+                1,
+                &mut fi_addr,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        if ret == 1 && fi_addr != sys::FI_ADDR_NOTAVAIL {
+            self.av_remove(fi_addr);
+        } else {
+            tracing::debug!(ret, "a closing shm endpoint of this process could not be taken out of the map");
+        }
+    }
+
     /// The periodic shm work of a poll: peers whose process exited go down.
     pub(super) fn shm_maintenance(&mut self, out: &mut std::collections::VecDeque<Completion>) {
+        let Some(shm) = self.shm.as_mut() else { return };
+        if !shm.retired.is_empty() {
+            let g = local();
+            let (gone, keep): (Vec<Retired>, Vec<Retired>) =
+                std::mem::take(&mut shm.retired).into_iter().partition(|r| !is_open(&g, &r.addr));
+            drop(g);
+            shm.retired = keep;
+            for r in gone {
+                // As `shm_drop_peer`: failed, then the endpoint holding them closed.
+                for (slot, token) in r.ops {
+                    if self.ctxs.holds(slot, token) {
+                        self.ctxs.abandon(slot);
+                        out.push_back(Completion::Failed {
+                            token,
+                            errno: libc::ECONNRESET,
+                            message: "an shm peer in this process closed its endpoint".to_owned(),
+                            cause: FailCause::of_errno(libc::ECONNRESET),
+                        });
+                    }
+                }
+                drop(r.ep);
+            }
+        }
         let Some(shm) = self.shm.as_mut() else { return };
         for (peer, pid) in shm.take_dead() {
             let message = if pid == std::process::id() as libc::pid_t {
