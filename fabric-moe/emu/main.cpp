@@ -1,4 +1,4 @@
-// The kernels of ../src/kernels.cu run on the CPU (shim.h) for two and three ranks whose
+// The kernels of ../src/kernels/ run on the CPU (shim.h) for two and three ranks whose
 // windows are plain host memory: dispatch rows and sources checked exactly, combine within
 // the tolerance of fabric_moe::reference, several steps (sequence flags). The layout below
 // mirrors src/layout.rs. Run by run.sh; no GPU, no CUDA toolkit.

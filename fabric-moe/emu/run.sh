@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs fabric-moe's kernels on the CPU (no GPU, no CUDA toolkit: a C++20 compiler): the
-# three PTX helpers of kernels.cu (globaltimer, acquire load, release store) are swapped for
+# three PTX helpers of ../src/kernels/ (globaltimer, acquire load, release store) are swapped for
 # host equivalents, everything else is compiled as written against shim.h, and main.cpp
 # checks dispatch and combine of several steps. What it cannot check: the GPU's memory
 # model across NVLink, CUDA IPC, launches. Usage: fabric-moe/emu/run.sh
@@ -8,7 +8,10 @@ set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 - "$here/../src/kernels.cu" "$work/kernels_emu.h" <<'PY'
+# The parts in the order kernels.rs concatenates them.
+k=$here/../src/kernels
+cat "$k/common.cu" "$k/dispatch.cu" "$k/combine.cu" "$k/misc.cu" > "$work/kernels.cu"
+python3 - "$work/kernels.cu" "$work/kernels_emu.h" <<'PY'
 import sys
 src = open(sys.argv[1]).read()
 def replace_body(signature, body):

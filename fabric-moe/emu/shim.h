@@ -1,4 +1,4 @@
-// CPU emulation of the CUDA features kernels.cu uses, for run.sh (no GPU needed): each block
+// CPU emulation of the CUDA features the kernels (../src/kernels/) use, for run.sh (no GPU needed): each block
 // runs its threads as OS threads (one block at a time), warps exchange ballots and shuffles
 // through per-warp barriers, __shared__ is static, atomics and fences are the host's.
 #include <atomic>

@@ -163,7 +163,7 @@ impl AllToAll {
         private.copy_from_host(layout.off_proxy as usize, &words)?;
         let sms = ctx.multiprocessor_count()?;
         let blocks = sms.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
-        // As kernels.cu's row_seg_len splits a row at most: 32 chunks of 8 bf16 (512 B).
+        // As kernels/common.cu's row_seg_len splits a row at most: 32 chunks of 8 bf16 (512 B).
         let segs = config.hidden.div_ceil(8).div_ceil(32);
         let seg_blocks = sms.min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
         let combine_recv_blocks = sms.min((config.max_tokens * segs).div_ceil(8) as u32).max(1);

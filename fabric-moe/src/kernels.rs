@@ -1,4 +1,4 @@
-//! The kernels (`kernels.cu`, CUDA C compiled by NVRTC when an [`AllToAll`](crate::AllToAll)
+//! The kernels (`kernels/*.cu`, CUDA C compiled by NVRTC when an [`AllToAll`](crate::AllToAll)
 //! is made) and the one function that launches them.
 
 use std::fmt;
@@ -8,8 +8,14 @@ use fabric_async::cuda::{self, Context, Function, KernelArgs, LaunchConfig, Modu
 
 use crate::error::Result;
 
-/// The CUDA C source of every kernel of this crate.
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The CUDA C source of every kernel of this crate: `kernels/` in the order the parts build
+/// on each other (`emu/run.sh` concatenates them in the same order).
+pub const SOURCE: &str = concat!(
+    include_str!("kernels/common.cu"),
+    include_str!("kernels/dispatch.cu"),
+    include_str!("kernels/combine.cu"),
+    include_str!("kernels/misc.cu"),
+);
 
 /// Threads per block of the row kernels (8 warps; each warp moves one row at a time).
 pub(crate) const THREADS: u32 = 256;

@@ -18,7 +18,7 @@
 //!   d holding what goes to rank d; the proxy writes section d of each region to section
 //!   `rank` of rank d's window (`proxy::plan`).
 //!
-//! proxy words (u64; `kernels.cu` has the same numbers, `proxy.rs` fills them):
+//! proxy words (u64; `kernels/common.cu` has the same numbers, `proxy.rs` fills them):
 //!   [0] mask of the ranks reached through the proxy | [1] outbox address |
 //!   [2] doorbells address (pinned, mapped: [stage][MAX_RANKS] u64) |
 //!   [3 + stage * MAX_RANKS + s] address of the GpuCounter of source s (dispatch, combine) |
@@ -37,7 +37,7 @@ use crate::config::{Config, RecvLayout};
 /// cache lines).
 const ALIGN: u64 = 256;
 
-/// The words of the private `state` array (`kernels.cu` has the same numbers).
+/// The words of the private `state` array (`kernels/common.cu` has the same numbers).
 pub(crate) const STATE_WORDS: u64 = 16;
 
 /// The words of the private `proxy` array (see the module docs).

@@ -45,7 +45,7 @@ use crate::config::{Config, MAX_RANKS};
 use crate::error::{MoeError, Result};
 use crate::layout::{Layout, PX_BASE, PX_COUNTER, PX_DOORBELL, PX_MASK, PX_OUTBOX};
 
-/// The stages that go through the proxy (the doorbell rows, in `kernels.cu`'s order).
+/// The stages that go through the proxy (the doorbell rows, in `kernels/common.cu`'s order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Stage {
     Dispatch = 0,
@@ -64,7 +64,7 @@ impl Stage {
         }
     }
 
-    /// Writes (so arrivals of its immediate) per step: `kernels.cu`'s `PX_WRITES`.
+    /// Writes (so arrivals of its immediate) per step: `kernels/common.cu`'s `PX_WRITES`.
     pub(crate) fn writes(self) -> u64 {
         match self {
             Stage::Dispatch => 4,
@@ -78,7 +78,7 @@ impl Stage {
     }
 }
 
-/// Error kind of the proxy in the status word (`kernels.cu` has 1..=5).
+/// Error kind of the proxy in the status word (`kernels/common.cu` has 1..=5).
 pub(crate) const ERR_PROXY: u64 = 6;
 
 /// Doorbell words: `[stage][MAX_RANKS]`.

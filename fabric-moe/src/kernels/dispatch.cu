@@ -1,0 +1,317 @@
+// fabric-moe's kernels, part 2 of 4 (kernels.rs concatenates common, dispatch, combine,
+// misc in that order): the route and the dispatch stages.
+
+// Experts counted in shared memory by the route (the global counts otherwise).
+#define ROUTE_SMEM_EXPERTS 4096
+
+// The route of a step, by one block (block 0 of moe_dispatch_send): send_slot[t][d] (slot of
+// token t in rank d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's place
+// among our rows for its j-th expert) and send_ecount[e] (our rows per expert); notes
+// num_tokens in the state.
+__device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
+                             u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
+                             int* send_ecount, u64* state, u64* status) {
+    __shared__ int wcount[32][MAX_RANKS];
+    __shared__ int carry[MAX_RANKS];
+    __shared__ int scount[ROUTE_SMEM_EXPERTS];
+    u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    i64 total = (i64)ranks * experts_per_rank;
+    bool smem = total <= ROUTE_SMEM_EXPERTS;
+    int* counts = smem ? scount : send_ecount;
+    for (i64 e = tid; e < total; e += blockDim.x) counts[e] = 0;
+    if (tid < ranks) carry[tid] = 0;
+    if (tid == 0) state[ST_TOKENS] = num_tokens;
+    __syncthreads();
+    u32 below = (1u << lane) - 1u;
+    for (u32 base = 0; base < num_tokens; base += blockDim.x) {
+        u32 t = base + tid;
+        u64 mask = 0;
+        if (t < num_tokens) {
+            for (u32 j = 0; j < k; ++j) {
+                i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
+                int pos = -1;
+                if (e >= total) {
+                    report(status, ERR_BAD_EXPERT, t);
+                } else if (e >= 0) {
+                    mask |= 1ull << (u32)(e / experts_per_rank);
+                    // The token's place among this rank's rows for expert e (any order, each
+                    // place once): where the receiver puts it, after the earlier sources'.
+                    pos = atomicAdd(&counts[e], 1);
+                }
+                send_pos[(u64)t * k + j] = pos;
+            }
+        }
+        for (u32 d = 0; d < ranks; ++d) {
+            u32 ballot = __ballot_sync(0xffffffffu, (u32)(mask >> d) & 1u);
+            if (lane == 0) wcount[warp][d] = __popc(ballot);
+        }
+        __syncthreads();
+        if (tid < ranks) {
+            int run = carry[tid];
+            for (u32 w = 0; w < nwarps; ++w) {
+                int c = wcount[w][tid];
+                wcount[w][tid] = run;
+                run += c;
+            }
+            carry[tid] = run;
+        }
+        __syncthreads();
+        for (u32 d = 0; d < ranks; ++d) {
+            u32 bit = (u32)(mask >> d) & 1u;
+            u32 ballot = __ballot_sync(0xffffffffu, bit);
+            if (t < num_tokens) {
+                send_slot[(u64)t * ranks + d] = bit ? wcount[warp][d] + __popc(ballot & below) : -1;
+            }
+        }
+        __syncthreads();
+    }
+    if (tid < ranks) send_count[tid] = carry[tid];
+    if (smem) {
+        for (i64 e = tid; e < total; e += blockDim.x) send_ecount[e] = scount[e];
+    }
+}
+
+// One warp copies chunks [c0, c1) (16 B each) of `src` to each non-null dst[j] (j < FAST_K):
+// each chunk is loaded once and stored to every destination.
+__device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __restrict__ src, u32 c0, u32 c1,
+                                               u32 lane) {
+    const V16* s = (const V16*)src;
+#pragma unroll 4
+    for (u32 i = c0 + lane; i < c1; i += 32) {
+        V16 v = s[i];
+#pragma unroll
+        for (int j = 0; j < FAST_K; ++j) {
+            if (dst[j]) ((V16*)dst[j])[i] = v;
+        }
+    }
+}
+
+extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
+                                             const float* topk_weights, int* send_slot, int* send_count,
+                                             int* send_pos, int* send_ecount, const u64* peers, u64* state,
+                                             u64* status, u32 num_tokens, u32 rank, u32 ranks, u32 max_tokens,
+                                             u32 k, u32 experts_per_rank, u32 row_bytes, u64 off_dflag,
+                                             u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
+                                             const u64* proxy) {
+    u32 lane = threadIdx.x & 31;
+    u32 warps = gridDim.x * (blockDim.x >> 5);
+    // Block 0 routes the step's tokens; the other blocks wait for its word (blocks start in
+    // order, so block 0 is running or done by then; the wait is bounded all the same).
+    __shared__ int unrouted;
+    u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
+    if (blockIdx.x == 0) {
+        route_tokens(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
+                     send_ecount, state, status);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unrouted = 0;
+            st_release_sys(&state[ST_ROUTED], seq);
+        }
+        __syncthreads();
+    } else {
+        if (threadIdx.x == 0) {
+            unrouted = 0;
+            u64 start = now_ns();
+            while (ld_acquire_sys(&state[ST_ROUTED]) != seq) {
+                if (now_ns() - start > timeout_ns) {
+                    unrouted = 1;
+                    report(status, ERR_DISPATCH_TIMEOUT, 0);
+                    break;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    u32 meta_words = 1 + 3 * k;
+    // Work items: (token, destination, segment: row_seg_len) where rows move 16 B a lane;
+    // whole rows otherwise.
+    bool vec = ((row_bytes | (u32)(u64)x) & 15u) == 0;
+    u32 chunks = row_bytes / 16;
+    u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens * ranks) : chunks;
+    u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
+    u64 items = unrouted ? 0 : (u64)num_tokens * ranks * segs;
+    for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        u32 i = (u32)(it / segs), seg = (u32)(it % segs);
+        u32 t = i / ranks, d = i % ranks;
+        int slot = send_slot[i];
+        if (slot < 0) continue;
+        u32 sec;
+        char* base = px_base(peers, proxy, d, rank, &sec);
+        u64 row = (u64)sec * max_tokens + (u32)slot;
+        char* dst = base + off_rx + row * row_bytes;
+        const char* src = x + (u64)t * row_bytes;
+        if (vec) {
+            const V16* s4 = (const V16*)src;
+            V16* d4 = (V16*)dst;
+            u32 end = min(chunks, (seg + 1) * seg_len);
+#pragma unroll 4
+            for (u32 c = seg * seg_len + lane; c < end; c += 32) d4[c] = s4[c];
+        } else {
+            copy_row(dst, src, row_bytes, lane);
+        }
+        if (seg != 0) continue;
+        int* meta = (int*)(base + off_meta) + row * meta_words;
+        if (lane == 0) meta[0] = (int)t;
+        for (u32 j = lane; j < k; j += 32) {
+            i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
+            meta[1 + j] = (e < 0 || e > 0x7fffffffll) ? -1 : (int)e;
+            meta[1 + k + j] = __float_as_int(topk_weights[(u64)t * k + j]);
+            meta[1 + 2 * k + j] = send_pos[(u64)t * k + j];
+        }
+    }
+    if (!last_block(&state[ST_DONE_DSEND])) return;
+    // Our rows per expert of each destination, then (ordered after them) its flag.
+    for (u32 q = threadIdx.x; q < ranks * experts_per_rank; q += blockDim.x) {
+        u32 d = q / experts_per_rank, le = q % experts_per_rank;
+        u32 sec;
+        char* base = px_base(peers, proxy, d, rank, &sec);
+        int* ecount = (int*)(base + off_ecount) + (u64)sec * experts_per_rank;
+        ecount[le] = send_ecount[q];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < ranks) {
+        u32 d = threadIdx.x;
+        px_raise(peers, proxy, d, rank, off_dflag, PX_DISPATCH, (seq << 32) | (u32)send_count[d]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        state[ST_DSEND] = seq;
+        state[ST_DONE_DSEND] = 0;
+    }
+}
+
+// Where a row of source s goes in local expert le, given its place p among s's rows for le:
+// after every earlier source's rows for le (the caller checks it against the capacity).
+__device__ __forceinline__ int place(const int* ecount, u32 s, u32 experts_per_rank, int le, int p) {
+    int pos = p;
+    for (u32 q = 0; q < s; ++q) pos += ecount[(u64)q * experts_per_rank + le];
+    return pos;
+}
+
+extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
+                                             int* src_info, int* recv_pos, int* recv_count, u64* state,
+                                             u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
+                                             u32 experts_per_rank, u32 capacity, u32 row_bytes,
+                                             u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
+                                             u64 timeout_ns, float* expert_w, u32 rank_major,
+                                             const u64* proxy) {
+    __shared__ int cnt[MAX_RANKS];
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
+    __syncthreads();
+    if (threadIdx.x < ranks) {
+        u32 s = threadIdx.x;
+        u32 want = (u32)(state[ST_DRECV] + 1);
+        u64 w = px_wait(proxy, PX_DISPATCH, s, want, PX_WRITES_DISPATCH, timeout_ns, &failed)
+                    ? wait_seq((const u64*)(window + off_dflag) + s, want, timeout_ns, &failed)
+                    : 0;
+        cnt[s] = (int)(u32)w;
+        if (blockIdx.x == 0) recv_count[s] = (int)(u32)w;
+    }
+    __syncthreads();
+    __threadfence();
+    const int* ecount = (const int*)(window + off_ecount);
+    if (failed) {
+        if (threadIdx.x == 0) report(status, ERR_DISPATCH_TIMEOUT, blockIdx.x);
+    } else {
+        u32 lane = threadIdx.x & 31;
+        u32 warps = gridDim.x * (blockDim.x >> 5);
+        u32 meta_words = 1 + 3 * k;
+        int first = (int)(rank * experts_per_rank);
+        bool vec = ((row_bytes | (u32)(u64)x_expert) & 15u) == 0;
+        u32 chunks = row_bytes / 16;
+        u32 rows = 0;
+        for (u32 q = 0; q < ranks; ++q) rows += (u32)cnt[q];
+        // Rank-major: rows stay in the window; only their places, indices and weights.
+        bool copy = !rank_major;
+        u32 seg_len = vec && copy ? row_seg_len(chunks, warps, rows) : chunks;
+        u32 segs = vec && copy ? (chunks + seg_len - 1) / seg_len : 1;
+        u64 items = (u64)ranks * max_tokens * segs;
+        for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+            u32 i = (u32)(it / segs), seg = (u32)(it % segs);
+            u32 s = i / max_tokens, slot = i % max_tokens;
+            if ((int)slot >= cnt[s]) continue;
+            const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
+            const char* src = window + off_rx + (u64)i * row_bytes;
+            // src_info of the row is s * max_tokens + tok: its source token, or (rank-major)
+            // its slot, which makes it the row's index in the window's rows.
+            int tok = rank_major ? (int)slot : meta[0];
+            if (k <= FAST_K) {
+                // Lane j places the row's j-th expert; the warp then copies its segment once
+                // into every place.
+                int pos = -1, le = -1;
+                if (lane < k) {
+                    int e = meta[1 + lane];
+                    if (e >= first && e < first + (int)experts_per_rank) {
+                        le = e - first;
+                        pos = place(ecount, s, experts_per_rank, le, meta[1 + 2 * k + lane]);
+                        if (pos < 0 || pos >= (int)capacity) {
+                            if (seg == 0) report(status, ERR_CAPACITY, (u64)le);
+                            pos = -1;
+                        } else if (seg == 0) {
+                            src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                            expert_w[(u64)le * capacity + pos] = __int_as_float(meta[1 + k + lane]);
+                        }
+                    }
+                    if (seg == 0) recv_pos[(u64)i * k + lane] = pos;
+                }
+                char* dsts[FAST_K];
+#pragma unroll
+                for (int j = 0; j < FAST_K; ++j) {
+                    int p = __shfl_sync(0xffffffffu, pos, j);
+                    int l = __shfl_sync(0xffffffffu, le, j);
+                    dsts[j] = ((u32)j < k && p >= 0) ? x_expert + ((u64)l * capacity + p) * row_bytes : (char*)0;
+                }
+                if (!copy) continue;
+                if (vec) {
+                    copy_seg_multi(dsts, src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
+                } else {
+                    copy_row_multi(dsts, src, row_bytes, lane);
+                }
+                continue;
+            }
+            for (u32 j = 0; j < k; ++j) {
+                int e = meta[1 + j];
+                int pos = -1;
+                if (e >= first && e < first + (int)experts_per_rank) {
+                    int le = e - first;
+                    pos = place(ecount, s, experts_per_rank, le, meta[1 + 2 * k + j]);
+                    if (pos < 0 || pos >= (int)capacity) {
+                        if (seg == 0 && lane == 0) report(status, ERR_CAPACITY, (u64)le);
+                        pos = -1;
+                    } else {
+                        if (seg == 0 && lane == 0) {
+                            src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
+                            expert_w[(u64)le * capacity + pos] = __int_as_float(meta[1 + k + j]);
+                        }
+                        char* dst = x_expert + ((u64)le * capacity + pos) * row_bytes;
+                        if (!copy) {
+                        } else if (vec) {
+                            u32 end = min(chunks, (seg + 1) * seg_len);
+                            for (u32 c = seg * seg_len + lane; c < end; c += 32) ((V16*)dst)[c] = ((const V16*)src)[c];
+                        } else {
+                            copy_row(dst, src, row_bytes, lane);
+                        }
+                    }
+                }
+                if (seg == 0 && lane == 0) recv_pos[(u64)i * k + j] = pos;
+            }
+        }
+    }
+    if (!last_block(&state[ST_DONE_DRECV])) return;
+    // Rows per local expert: every source's, clamped to what fits (an overflow was reported).
+    if (!failed) {
+        for (u32 le = threadIdx.x; le < experts_per_rank; le += blockDim.x) {
+            long long n = 0;
+            for (u32 q = 0; q < ranks; ++q) n += ecount[(u64)q * experts_per_rank + le];
+            expert_count[le] = n > (long long)capacity ? (int)capacity : (int)n;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        state[ST_DRECV] = (state[ST_DRECV] + 1) & 0xffffffffull;
+        state[ST_DONE_DRECV] = 0;
+    }
+}
