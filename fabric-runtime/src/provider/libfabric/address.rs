@@ -2,9 +2,31 @@
 //! before one is handed to `fi_av_insert` its shape is checked against ours, so that the
 //! provider never reads past what a peer sent.
 
+use std::ffi::c_int;
+
 use libfabric_sys as sys;
 
+use super::error::{check, provider_error};
+use super::fid::Fid;
 use crate::error::Error;
+
+/// `fi_getname` of the endpoint: our own address, as peers name us.
+pub(super) fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
+    let mut buf = vec![0u8; 128];
+    for _ in 0..2 {
+        let mut len = buf.len();
+        // SAFETY: ep is open and enabled; buf is writable for len bytes; len is updated.
+        let ret = unsafe { sys::fabric_shim_fi_getname(ep.fid(), buf.as_mut_ptr().cast(), &mut len) };
+        if ret == -(sys::FI_ETOOSMALL as c_int) && len > buf.len() {
+            buf.resize(len, 0);
+            continue;
+        }
+        check("fi_getname", ret as isize)?;
+        buf.truncate(len);
+        return Ok(buf);
+    }
+    Err(provider_error("fi_getname", sys::FI_ETOOSMALL as i32))
+}
 
 /// Checks that `peer` can safely be handed to `fi_av_insert` as one address in `format`,
 /// judged against our own address `ours`:

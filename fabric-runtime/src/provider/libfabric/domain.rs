@@ -9,9 +9,10 @@ use std::ptr::{self, NonNull};
 
 use libfabric_sys as sys;
 
+use super::address::getname;
 use super::config::{is_socket_provider, prov_name_for, LibfabricConfig};
 use super::ctx::CtxPool;
-use super::error::{check, provider_error};
+use super::error::check;
 use super::fid::{Fid, FidObject, Info};
 use super::info::{getinfo_failure, Extras, Query};
 use super::liveness::{sockaddr_in, TcpLiveness};
@@ -356,24 +357,6 @@ fn open_endpoint_once(
         check("fi_enable", sys::fabric_shim_fi_enable(ep.as_ptr()) as isize)?;
     }
     Ok(ep)
-}
-
-/// `fi_getname` of the endpoint.
-pub(super) fn getname(ep: &Fid<sys::fid_ep>) -> Result<Vec<u8>, Error> {
-    let mut buf = vec![0u8; 128];
-    for _ in 0..2 {
-        let mut len = buf.len();
-        // SAFETY: ep is open and enabled; buf is writable for len bytes; len is updated.
-        let ret = unsafe { sys::fabric_shim_fi_getname(ep.fid(), buf.as_mut_ptr().cast(), &mut len) };
-        if ret == -(sys::FI_ETOOSMALL as c_int) && len > buf.len() {
-            buf.resize(len, 0);
-            continue;
-        }
-        check("fi_getname", ret as isize)?;
-        buf.truncate(len);
-        return Ok(buf);
-    }
-    Err(provider_error("fi_getname", sys::FI_ETOOSMALL as i32))
 }
 
 impl Drop for LibfabricDomain {

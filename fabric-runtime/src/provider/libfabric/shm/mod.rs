@@ -571,7 +571,7 @@ impl LibfabricDomain {
         let mut ours: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
         for (peer, ep) in shm.rma_eps.iter() {
             if let Some(addr) = shm.local_peers.get(peer) {
-                match super::domain::getname(ep) {
+                match super::address::getname(ep) {
                     Ok(name) => ours.push((addr.clone(), name)),
                     Err(e) => {
                         tracing::debug!(peer = *peer, error = %e, "no name of a one-sided shm endpoint")
