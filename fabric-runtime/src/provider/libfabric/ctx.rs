@@ -21,12 +21,12 @@ pub(super) struct OpCtx {
     fi: sys::fi_context2,
     token: u64,
     in_flight: bool,
-    /// The operation as posted: its peer names whom it waits on (`shm.rs` fails a dead
+    /// The operation as posted: its peer names whom it waits on (`shm/` fails a dead
     /// peer's operations itself).
     op: Op,
 }
 
-/// What an in-flight slot holds, for the shm bookkeeping (`shm.rs`).
+/// What an in-flight slot holds, for the shm bookkeeping (`shm/`).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct InFlightOp {
     pub(super) slot: NonNull<OpCtx>,

@@ -67,7 +67,7 @@ impl LibfabricDomain {
         }
     }
 
-    /// Posts `op` with `token`: one-sided operations on shm's one-sided endpoint (`shm.rs`),
+    /// Posts `op` with `token`: one-sided operations on shm's one-sided endpoint (`shm/`),
     /// everything else on the main endpoint.
     ///
     /// # Safety
@@ -255,7 +255,7 @@ impl LibfabricDomain {
             }
             // shm's fast RMA path (a plain write or read copied with CMA in the post call)
             // reports a failed copy without the operation's context: it is the oldest such
-            // operation still in flight (`shm.rs`, `ShmState::fast`). Target-side errors
+            // operation still in flight (`shm/mod.rs`, `ShmState::fast`). Target-side errors
             // (an incoming operation that failed here) carry FI_REMOTE_* or FI_RECV.
             None if self.shm.is_some()
                 && err.op_context.is_null()

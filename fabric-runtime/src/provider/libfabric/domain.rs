@@ -29,7 +29,7 @@ use crate::provider::Completion;
 /// and CQ are closed).
 pub struct LibfabricDomain {
     pub(super) ep: Fid<sys::fid_ep>,
-    /// shm only: peer liveness and the endpoint for one-sided operations (`shm.rs`).
+    /// shm only: peer liveness and the endpoint for one-sided operations (`shm/`).
     pub(super) shm: Option<ShmState>,
     /// tcp only: the liveness listener and connections (`liveness.rs`).
     pub(super) tcp_live: Option<TcpLiveness>,
@@ -362,7 +362,7 @@ fn open_endpoint_once(
 impl Drop for LibfabricDomain {
     fn drop(&mut self) {
         // The other shm domains of this process take us out of their AV while our regions
-        // are mapped, and stop posting to us, before anything closes (`shm.rs`, LOCAL,
+        // are mapped, and stop posting to us, before anything closes (`shm/mod.rs`, LOCAL,
         // Removal); then we serve what the others that closed meanwhile asked of us.
         self.shm_before_close();
         if let Some(shm) = self.shm.as_mut() {

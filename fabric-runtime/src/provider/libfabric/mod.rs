@@ -33,9 +33,9 @@
 //! | `fid.rs` | the owning wrappers: `fi_info` lists and `fi_close`d objects |
 //! | `ctx.rs` | the operation contexts: stable `fi_context2` slots mapped back to tokens |
 //! | `memory.rs` | memory registration under the provider's `mr_mode` |
-//! | `address.rs` | checking a peer's address before `fi_av_insert` |
+//! | `address.rs` | our own address (`fi_getname`), checking a peer's before `fi_av_insert` |
 //! | `datapath.rs` | the [`Domain`] impl: post, poll (CQ entries and error entries), arm |
-//! | `shm.rs` | shm only: peers' liveness (pidfds) and the replaceable one-sided endpoint |
+//! | `shm/` | shm only: peers' liveness (pidfds), the replaceable one-sided endpoint, in-process peers closing (`mod.rs`); a dead peer's region lock, libfabric < 1.18 (`lock.rs`) |
 //! | `liveness.rs` | tcp only: a TCP connection per peer whose closing says the peer died |
 //! | `error.rs` | return codes as [`Error`]s (`fi_strerror` text) |
 //!
