@@ -236,6 +236,11 @@ pub enum Rank0 {
 /// starts a copy of the running binary that calls [`follow`] with those arguments
 /// ([`Params::args`], `--rank R`, `--store ADDR`); ranks started this way get `deadline` to
 /// exit after the last rank started (rank 0 here: after rank 0 is done), then are killed.
+///
+/// # Cancel safety
+///
+/// Not cancel safe as a measurement: dropping the future drops the store, and the started
+/// ranks then fail at the store's timeout and exit (each also exits when its parent does).
 pub async fn lead<F>(
     p: &Params,
     rank0: Rank0,
@@ -295,6 +300,10 @@ where
 
 /// A rank started by [`lead`]: exits as soon as its parent is gone, meets the others at
 /// `store`, runs the passes and puts its report there.
+///
+/// # Cancel safety
+///
+/// As [`run_rank`]'s.
 pub async fn follow(p: &Params, rank: usize, store: SocketAddr) -> Result<(), BoxError> {
     exit_with_parent("moe rank");
     let store = TcpStore::connect(store).await?.with_timeout(Duration::from_secs(120));
@@ -322,6 +331,11 @@ fn upload(ctx: &Arc<cuda::Context>, c: &Config, all: Vec<Inputs>) -> Result<Set,
 
 /// One rank's whole run: the all-to-all, the passes, every check; its report goes into the
 /// store under `moe_gpu/report/{rank}` before the all-to-all closes.
+///
+/// # Cancel safety
+///
+/// Dropping the future drops the all-to-all without `close` (`AllToAll::close`'s section:
+/// the other ranks fail at their timeouts); let it run to the end.
 pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), BoxError> {
     let ranks = p.ranks;
     // The proxy's writes complete as soon as the engine's reactor sees them: a spinning
