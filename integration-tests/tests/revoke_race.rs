@@ -9,11 +9,13 @@
 //! immediate into that region (a window of 16, each with its own immediate, slot and bytes)
 //! and, once the first have completed, asks the owner to drop it, and goes on posting until
 //! one fails `Stale` (the revocation arrived), a count or 5 s. Sizes 8 B (inline), 4 KiB
-//! (inject) and 1 MiB (CMA), three rounds each, on tcp and shm. Then for every operation:
-//! `Ok` means its immediate was counted once (and each slot holds the bytes of the last
-//! counted write to it); an error is `Stale` (or, on tcp, `ConnectionLost` for what shared
-//! the connection the owner's provider closed over the raced key) and came within 2 s; on
-//! shm nothing failed was counted. A write with immediate to a live region of the owner
+//! (inject) and 1 MiB (CMA), three rounds each, on tcp and shm (and verbs, in the rxe VM).
+//! Then for every operation: `Ok` means its immediate was counted once (and each slot holds
+//! the bytes of the last counted write to it); an error is `Stale` (or, on tcp and verbs,
+//! `ConnectionLost` / `RemoteAccess` for what shared the connection or queue pair the raced
+//! key tore down: such a write may have been placed, whole or in part, without being
+//! counted, so its slot's bytes are not checked) and came within 2 s; on shm nothing failed
+//! was counted and every slot is checked. A write with immediate to a live region of the owner
 //! lands afterwards (its bytes checked).
 
 use std::time::{Duration, Instant};
@@ -156,6 +158,11 @@ async fn a_write_imm_racing_the_free_lands_or_fails_typed() {
             let (mut slowest_ok, mut slowest_err) = (Duration::ZERO, Duration::ZERO);
             let mut first_stale: Option<u64> = None;
             let mut last_counted = vec![None; slots];
+            // Slots a write failed to with the connection or the queue pair it was on (tcp,
+            // verbs): such a write may have been placed before the transport gave up on it
+            // (`ConnectionLost`: "may or may not have landed", docs/faults.md), whole or in
+            // part, without its immediate being counted; those slots' bytes are not checked.
+            let mut torn = vec![false; slots];
             for (i, r) in records.iter().enumerate() {
                 let after = r.at > t_drop;
                 assert!(counts[i] <= 1, "{p}: race {k}: write {i} counted {} times", counts[i]);
@@ -174,6 +181,9 @@ async fn a_write_imm_racing_the_free_lands_or_fails_typed() {
                             || (p != "shm"
                                 && matches!(e, Error::ConnectionLost { .. } | Error::RemoteAccess { .. }));
                         assert!(typed, "{p}: race {k} ({size} B): write {i}: {e:?}");
+                        if !matches!(e, Error::Stale { .. }) {
+                            torn[r.slot] = true;
+                        }
                         if p == "shm" {
                             assert_eq!(counts[i], 0, "{p}: race {k}: write {i} failed ({e}) but was counted");
                         }
@@ -192,6 +202,9 @@ async fn a_write_imm_racing_the_free_lands_or_fails_typed() {
                 assert_eq!(counted, ok as u64, "{p}: race {k}: arrivals counted against writes completed Ok");
             }
             for (s, last) in last_counted.iter().enumerate() {
+                if torn[s] {
+                    continue;
+                }
                 let want = match last {
                     Some(i) => {
                         fill_pattern(&mut buf, u64::from(base) + *i as u64, 0);
