@@ -28,7 +28,7 @@
 //! exit and a message that names the peer and the error, instead of a hang.
 
 use std::future::Future;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use fabric_async::{
@@ -300,38 +300,9 @@ where
     Ok(Command::new(std::env::current_exe()?).args(args).stdin(Stdio::null()).spawn()?)
 }
 
-/// In a process started by [`spawn_self`]: exits (status 1) as soon as the parent process is
-/// gone, so a parent that failed or was killed never leaves its peers behind. Checks every
-/// 200 ms on a tokio task.
-pub fn exit_with_parent(who: &'static str) {
-    let parent = std::os::unix::process::parent_id();
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            if std::os::unix::process::parent_id() != parent {
-                eprintln!("{who}: the parent process is gone; exiting");
-                std::process::exit(1);
-            }
-        }
-    });
-}
-
-/// Waits up to `timeout` for `child` to exit, without blocking the runtime; after that, kills
-/// it (SIGKILL) and returns an error (a stuck peer is a failure, not a hang).
-pub async fn wait_child(child: &mut Child, timeout: Duration) -> Result<ExitStatus, BoxError> {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status);
-        }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("process {} did not exit within {} s", child.id(), timeout.as_secs()).into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+/// In a process started by [`spawn_self`]: exits as soon as its parent is gone; waiting for
+/// a child without blocking the runtime, bounded (`fabric_async::process`).
+pub use fabric_async::process::{exit_with_parent, wait_child};
 
 /// The 50th and 99th percentiles of `v` in µs (nearest rank; 0 for an empty list).
 pub fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {

@@ -27,6 +27,7 @@ pub mod bootstrap;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 mod ext;
+pub mod process;
 mod watch;
 
 pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreServer};

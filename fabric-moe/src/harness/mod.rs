@@ -30,12 +30,13 @@
 //! [`Params::stages`], each stage between clocks of its own.
 
 use std::net::SocketAddr;
-use std::process::{Child, ExitStatus};
+use std::process::Child;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
 use fabric_async::cuda::{self, DeviceBuffer, Stream};
+use fabric_async::process::{exit_with_parent, wait_child};
 use fabric_async::{Engine, ReactorMode};
 
 use crate::reference::{self, check_combined, check_received, Inputs, Routing};
@@ -563,38 +564,6 @@ fn pct(v: &mut [u64], q: f64) -> f64 {
     }
     v.sort_unstable();
     v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1e3
-}
-
-/// Exits (status 1) as soon as the parent process is gone, so that a leader that failed or
-/// was killed never leaves its ranks behind. Checks every 200 ms on a tokio task.
-fn exit_with_parent(who: &'static str) {
-    let parent = std::os::unix::process::parent_id();
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            if std::os::unix::process::parent_id() != parent {
-                eprintln!("{who}: the parent process is gone; exiting");
-                std::process::exit(1);
-            }
-        }
-    });
-}
-
-/// Waits up to `timeout` for `child` to exit without blocking the runtime; then kills it
-/// and fails.
-async fn wait_child(child: &mut Child, timeout: Duration) -> Result<ExitStatus, BoxError> {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(status);
-        }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(format!("did not exit within {} s (killed)", timeout.as_secs()).into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[cfg(test)]
