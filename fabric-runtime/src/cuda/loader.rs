@@ -67,6 +67,7 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuEventRecordWithFlags",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
@@ -78,11 +79,14 @@ const DRIVER_SYMBOLS: &[&str] = &[
     "cuModuleGetFunction",
     "cuModuleUnload",
     "cuLaunchKernel",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
 ];
 
 /// Driver entry points that only some drivers have; checked right before their call with
 /// [`has_driver_symbol`].
 pub(crate) const DMABUF_SYMBOL: &str = "cuMemGetHandleForAddressRange";
+/// `Event::elapsed_ms`: the entry point `cuda-13000` bindings call, CUDA 12.8 and later.
+pub(crate) const ELAPSED_SYMBOL: &str = "cuEventElapsedTime_v2";
 /// CUDA graphs (`graph.rs`): stream capture and replay, CUDA 11.4 and later.
 pub(crate) const GRAPH_SYMBOLS: &[&str] = &[
     "cuStreamBeginCapture_v2",

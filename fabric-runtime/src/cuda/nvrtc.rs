@@ -190,6 +190,24 @@ impl Function {
     pub fn module(&self) -> &Arc<Module> {
         &self.module
     }
+
+    /// How many blocks of `threads` threads (and `shared_mem_bytes` of dynamic shared memory)
+    /// of this kernel one multiprocessor holds at once: a kernel whose blocks wait for each
+    /// other needs its whole grid resident, at most this times the multiprocessor count.
+    pub fn max_active_blocks_per_sm(&self, threads: u32, shared_mem_bytes: usize) -> Result<u32> {
+        let _cur = self.module.ctx.enter()?;
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: live function of the current context; valid out-pointer.
+        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                self.raw,
+                threads as std::ffi::c_int,
+                shared_mem_bytes,
+            )
+        })?;
+        Ok(n.max(0) as u32)
+    }
 }
 
 /// Grid and block dimensions of a launch.

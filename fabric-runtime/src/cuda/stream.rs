@@ -16,8 +16,9 @@ use cudarc::driver::sys as cu;
 use cudarc::driver::sys::CUresult;
 
 use super::driver::{check, Context};
+use super::loader;
 use super::memory::{check_range, DeviceMemory, PinnedHostBuffer};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Something a copy or kernel uses, held until it has completed.
 pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
@@ -316,8 +317,9 @@ pub enum EventStatus {
     NotReady,
 }
 
-/// A CUDA event (`CU_EVENT_DISABLE_TIMING`): a point in a stream that the host can poll
-/// without blocking, and that other streams can wait for.
+/// A CUDA event: a point in a stream that the host can poll without blocking, and that other
+/// streams can wait for. [`Event::new`] makes one without timing (`CU_EVENT_DISABLE_TIMING`,
+/// the cheap kind a reactor polls); [`Event::timed`] one that [`Event::elapsed_ms`] can read.
 pub struct Event {
     raw: cu::CUevent,
     /// Dropped after the event is destroyed.
@@ -344,6 +346,53 @@ impl Event {
         // SAFETY: a context is current; valid out-pointer. Destroyed in Drop.
         check("cuEventCreate", unsafe { cu::cuEventCreate(&mut raw, flags) })?;
         Ok(Event { raw, ctx: ctx.clone() })
+    }
+
+    /// A new event on `ctx`'s device that records a timestamp (for [`Event::elapsed_ms`]),
+    /// as benchmarks time stream work (NCCL's and PyTorch's figures are taken this way).
+    pub fn timed(ctx: &Arc<Context>) -> Result<Event> {
+        let _cur = ctx.enter()?;
+        let mut raw: cu::CUevent = ptr::null_mut();
+        // SAFETY: a context is current; valid out-pointer. Destroyed in Drop.
+        check("cuEventCreate", unsafe { cu::cuEventCreate(&mut raw, 0) })?;
+        Ok(Event { raw, ctx: ctx.clone() })
+    }
+
+    /// Records the event at the current end of the raw stream `stream` (a `CUstream` as an
+    /// integer, of this event's device). With `captured`, the stream is being captured into
+    /// a CUDA graph and the record becomes a node of the graph (`CU_EVENT_RECORD_EXTERNAL`):
+    /// each replay records the event again.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of this event's device (or 0) for the call.
+    pub unsafe fn record_raw(&self, stream: u64, captured: bool) -> Result<()> {
+        let _cur = self.ctx.enter()?;
+        let s = stream as usize as cu::CUstream;
+        if captured {
+            let flags = cu::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32;
+            // SAFETY: live event; the caller vouches for the stream.
+            check("cuEventRecordWithFlags", unsafe { cu::cuEventRecordWithFlags(self.raw, s, flags) })
+        } else {
+            // SAFETY: as above.
+            check("cuEventRecord", unsafe { cu::cuEventRecord(self.raw, s) })
+        }
+    }
+
+    /// Milliseconds from `self`'s last recorded point to `end`'s (resolution about 0.5 µs).
+    /// Both must be [`timed`](Event::timed) and completed.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        let _cur = self.ctx.enter()?;
+        if !loader::has_driver_symbol(loader::ELAPSED_SYMBOL) {
+            return Err(Error::Unsupported(format!(
+                "event timing needs {} (a CUDA 12.8 or later driver)",
+                loader::ELAPSED_SYMBOL
+            )));
+        }
+        let mut ms = 0f32;
+        // SAFETY: live events, valid out-pointer; the symbol is present (checked above).
+        check("cuEventElapsedTime", unsafe { cu::cuEventElapsedTime_v2(&mut ms, self.raw, end.raw) })?;
+        Ok(ms)
     }
 
     /// The device the event belongs to.
