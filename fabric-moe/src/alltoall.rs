@@ -21,6 +21,10 @@ use crate::proxy::{self, Links, Proxy, ProxyTimes, Stage};
 /// Slots of the GPU clock that [`AllToAll::clock`] writes.
 pub const CLOCK_SLOTS: usize = 256;
 
+/// Probe points of a step (`kernels/`'s `PROBE`, [`AllToAll::probe_ns`]).
+#[doc(hidden)]
+pub const PROBES: usize = 24;
+
 /// An MoE dispatch/combine between `ranks` processes, over NVLink (CUDA IPC) between ranks
 /// of one host and through the proxy (the engine's writes, driven by a host thread)
 /// between hosts or where [`Config::transport`] asks for it.
@@ -72,6 +76,10 @@ pub struct AllToAll {
     /// 2 KiB segment), so that a few rows of a wide hidden size still spread over the SMs.
     seg_blocks: u32,
     combine_recv_blocks: u32,
+    /// [`dispatch`](Self::dispatch) and [`combine`](Self::combine) launch one kernel each
+    /// (`seg_blocks` blocks, all resident at once) instead of their two stages: no proxy
+    /// ranks, and the device holds the grid.
+    fused: bool,
     /// The engine of the proxy transport (its thread holds a clone).
     _engine: Engine,
     /// Dropped last: every buffer above holds it too.
@@ -138,7 +146,8 @@ impl AllToAll {
         };
         let window = Arc::new(DeviceBuffer::new(&ctx, len(layout.window_len)?)?);
         let private = DeviceBuffer::new(&ctx, len(layout.private_len)?)?;
-        let status = Arc::new(PinnedHostBuffer::new(&ctx, 64)?);
+        // Word 0 the status, then the probes (`kernels/common.cu`'s PROBE).
+        let status = Arc::new(PinnedHostBuffer::new(&ctx, 8 * (8 + PROBES))?);
         let clocks = PinnedHostBuffer::new(&ctx, 8 * CLOCK_SLOTS)?;
         let peers = nvlink::connect(world, &config, &ctx, &window).await?;
         let bases: Vec<u8> = peers.bases.iter().flat_map(|b| b.to_le_bytes()).collect();
@@ -167,6 +176,12 @@ impl AllToAll {
         let segs = config.hidden.div_ceil(8).div_ceil(32);
         let seg_blocks = sms.min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
         let combine_recv_blocks = sms.min((config.max_tokens * segs).div_ceil(8) as u32).max(1);
+        // A fused kernel's blocks wait for a flag its last block raises: the whole grid must
+        // be resident at once (one block per SM at most here, so any device holds it).
+        let resident = |f: &cuda::Function| -> Result<bool> {
+            Ok(f.max_active_blocks_per_sm(THREADS, 0)?.saturating_mul(sms) >= seg_blocks)
+        };
+        let fused = links.is_none() && resident(&kernels.dispatch)? && resident(&kernels.combine)?;
         // The zero-fills and the copy above went to the legacy default stream, which the
         // caller's (non-blocking) streams do not wait for, and a blocking copy from pageable
         // memory may return before its DMA has landed: finish them before any kernel or
@@ -194,6 +209,7 @@ impl AllToAll {
             blocks,
             seg_blocks,
             combine_recv_blocks,
+            fused,
             _engine: engine.clone(),
             ctx,
         })
@@ -325,6 +341,20 @@ impl AllToAll {
     ) -> Result<()> {
         let stream = stream.into();
         self.check_stream(stream)?;
+        let send = self.dispatch_send_args(input)?;
+        // SAFETY: moe_dispatch_send's parameters in order. Its block 0 reads num_tokens *
+        // topk ids (the caller's contract) and writes send_slot (max_tokens * ranks),
+        // send_count (ranks), send_pos (max_tokens * topk), send_ecount (ranks *
+        // experts_per_rank) and the state, all inside `private` (layout.rs), and the status
+        // word; then every block reads the caller's rows, ids and weights of the tokens so
+        // routed, and writes, in each peer's window (mapped for the life of `self`, same
+        // layout) or this rank's outbox, only this rank's section of ecount, meta and rx and
+        // this rank's flag.
+        unsafe { launch(&self.kernels.dispatch_send, stream, self.seg_blocks, THREADS, send) }
+    }
+
+    /// `moe_dispatch_send`'s parameters (the first ones of `moe_dispatch`).
+    fn dispatch_send_args(&self, input: &DispatchInput) -> Result<KernelArgs> {
         if input.num_tokens > self.config.max_tokens {
             return Err(MoeError::Argument(format!(
                 "{} tokens, max_tokens is {}",
@@ -359,15 +389,7 @@ impl AllToAll {
             .u64(l.off_rx)
             .u64(timeout_ns(c))
             .u64(self.proxy_words());
-        // SAFETY: moe_dispatch_send's parameters in order. Its block 0 reads num_tokens *
-        // topk ids (the caller's contract) and writes send_slot (max_tokens * ranks),
-        // send_count (ranks), send_pos (max_tokens * topk), send_ecount (ranks *
-        // experts_per_rank) and the state, all inside `private` (layout.rs), and the status
-        // word; then every block reads the caller's rows, ids and weights of the tokens so
-        // routed, and writes, in each peer's window (mapped for the life of `self`, same
-        // layout) or this rank's outbox, only this rank's section of ecount, meta and rx and
-        // this rank's flag.
-        unsafe { launch(&self.kernels.dispatch_send, stream, self.seg_blocks, THREADS, send) }
+        Ok(send)
     }
 
     /// Waits (on the GPU) for every rank's dispatch flag of this step, then places the
@@ -410,7 +432,12 @@ impl AllToAll {
         unsafe { launch(&self.kernels.dispatch_recv, stream, self.seg_blocks, THREADS, args) }
     }
 
-    /// [`dispatch_send`](Self::dispatch_send) then [`dispatch_recv`](Self::dispatch_recv).
+    /// [`dispatch_send`](Self::dispatch_send) then [`dispatch_recv`](Self::dispatch_recv),
+    /// the same bytes and results. Without proxy ranks it is **one kernel** (`moe_dispatch`:
+    /// a block that has sent its rows goes on to wait and place, one launch and one kernel
+    /// boundary less than the two stages); its blocks must all be resident at once, which
+    /// `new` checked, so a kernel of another stream that never ends (one waiting for this
+    /// step's rows) delays it until it ends. Call the two stages to overlap micro-batches.
     ///
     /// # Safety
     ///
@@ -421,9 +448,29 @@ impl AllToAll {
         input: &DispatchInput,
     ) -> Result<()> {
         let stream = stream.into();
-        // SAFETY: the caller's contract.
-        unsafe { self.dispatch_send(stream, input)? };
-        self.dispatch_recv(stream)
+        if !self.fused {
+            // SAFETY: the caller's contract.
+            unsafe { self.dispatch_send(stream, input)? };
+            return self.dispatch_recv(stream);
+        }
+        self.check_stream(stream)?;
+        let (c, l) = (&self.config, &self.layout);
+        let args = self
+            .dispatch_send_args(input)?
+            .u64(self.window.device_ptr())
+            .u64(self.private_ptr(l.off_x_expert))
+            .u64(self.private_ptr(l.off_expert_count))
+            .u64(self.private_ptr(l.off_src_info))
+            .u64(self.private_ptr(l.off_recv_pos))
+            .u64(self.private_ptr(l.off_recv_count))
+            .u32(l.capacity as u32)
+            .u64(self.private_ptr(l.off_expert_w))
+            .u32(u32::from(c.layout == RecvLayout::RankMajor));
+        // SAFETY: moe_dispatch's parameters in order (moe_dispatch_send's, then what
+        // moe_dispatch_recv adds); it does what the two stages do (see dispatch_send and
+        // dispatch_recv) in one launch of `seg_blocks` blocks, which `new` checked the device
+        // holds at once (its blocks wait for a flag the last one raises).
+        unsafe { launch(&self.kernels.dispatch, stream, self.seg_blocks, THREADS, args) }
     }
 
     /// For every row received in this step's dispatch, the weighted sum of its local
@@ -439,9 +486,19 @@ impl AllToAll {
     pub unsafe fn combine_send<'s>(&self, stream: impl Into<CudaStream<'s>>, expert_out: u64) -> Result<()> {
         let stream = stream.into();
         self.check_stream(stream)?;
+        let args = self.combine_send_args(expert_out);
+        // SAFETY: moe_combine_send's parameters in order; reads expert_out (rank-major: the
+        // rows received, `expert_out_len`) at positions
+        // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
+        // writes this rank's section of cx and its flag in each peer's window.
+        unsafe { launch(&self.kernels.combine_send, stream, self.seg_blocks, THREADS, args) }
+    }
+
+    /// `moe_combine_send`'s parameters (the first ones of `moe_combine`).
+    fn combine_send_args(&self, expert_out: u64) -> KernelArgs {
         let (c, l) = (&self.config, &self.layout);
-        let (state, _) = self.common();
-        let args = KernelArgs::new()
+        let (state, status) = self.common();
+        KernelArgs::new()
             .u64(expert_out)
             .u64(self.window.device_ptr())
             .u64(self.private_ptr(l.off_recv_pos))
@@ -459,12 +516,8 @@ impl AllToAll {
             .u64(l.off_meta)
             .u64(l.off_cx)
             .u32(u32::from(c.layout == RecvLayout::RankMajor))
-            .u64(self.proxy_words());
-        // SAFETY: moe_combine_send's parameters in order; reads expert_out (rank-major: the
-        // rows received, `expert_out_len`) at positions
-        // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
-        // writes this rank's section of cx and its flag in each peer's window.
-        unsafe { launch(&self.kernels.combine_send, stream, self.seg_blocks, THREADS, args) }
+            .u64(self.proxy_words())
+            .u64(status)
     }
 
     /// Waits for every rank's combine flag of this step, then writes
@@ -481,6 +534,7 @@ impl AllToAll {
             .u64(self.private_ptr(l.off_send_slot))
             .u64(state)
             .u64(status)
+            .u32(c.rank as u32)
             .u32(c.ranks as u32)
             .u32(c.max_tokens as u32)
             .u32(c.hidden as u32)
@@ -494,16 +548,35 @@ impl AllToAll {
         unsafe { launch(&self.kernels.combine_recv, stream, blocks, THREADS, args) }
     }
 
-    /// [`combine_send`](Self::combine_send) then [`combine_recv`](Self::combine_recv).
+    /// [`combine_send`](Self::combine_send) then [`combine_recv`](Self::combine_recv),
+    /// the same results. Without proxy ranks it is one kernel (`moe_combine`), as
+    /// [`dispatch`](Self::dispatch); with [`RecvLayout::RankMajor`] it also reads this rank's
+    /// own rows from `expert_out` instead of copying them through its window.
     ///
     /// # Safety
     ///
     /// As [`combine_send`](Self::combine_send).
     pub unsafe fn combine<'s>(&self, stream: impl Into<CudaStream<'s>>, expert_out: u64) -> Result<()> {
         let stream = stream.into();
-        // SAFETY: the caller's contract.
-        unsafe { self.combine_send(stream, expert_out)? };
-        self.combine_recv(stream)
+        if !self.fused {
+            // SAFETY: the caller's contract.
+            unsafe { self.combine_send(stream, expert_out)? };
+            return self.combine_recv(stream);
+        }
+        self.check_stream(stream)?;
+        let (c, l) = (&self.config, &self.layout);
+        let args = self
+            .combine_send_args(expert_out)
+            .u64(self.private_ptr(l.off_combined))
+            .u64(self.private_ptr(l.off_send_slot))
+            .u64(timeout_ns(c));
+        // SAFETY: moe_combine's parameters in order (moe_combine_send's, then what
+        // moe_combine_recv adds); it does what the two stages do (see combine_send and
+        // combine_recv) in one launch that `new` checked the device holds at once, except
+        // that, rank-major, it reads this rank's own rows from `expert_out` (the caller's
+        // contract: not written until the kernel completes) instead of copying them through
+        // the window.
+        unsafe { launch(&self.kernels.combine, stream, self.seg_blocks, THREADS, args) }
     }
 
     /// A barrier of all ranks on the GPU: the kernel raises this rank's flag at every peer
@@ -608,6 +681,15 @@ impl AllToAll {
             })),
             k => Err(MoeError::Argument(format!("unknown kernel status {k}:{detail}"))),
         }
+    }
+
+    /// The GPU clock (ns) at each probe point of the last step (`kernels/`'s `PROBE`; zeros
+    /// unless `FABRIC_MOE_PROBE` was set when the kernels were compiled): for breakdowns of
+    /// a step by the harness. Read after the stream is synchronized.
+    #[doc(hidden)]
+    pub fn probe_ns(&self) -> [u64; PROBES] {
+        let words = self.status.atomic_u64s();
+        std::array::from_fn(|i| words[8 + i].load(Ordering::Acquire))
     }
 
     /// Reads the dispatch's results to the host (cold path: tests, examples). Call it only

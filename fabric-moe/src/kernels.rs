@@ -24,8 +24,12 @@ pub(crate) const THREADS: u32 = 256;
 pub(crate) struct Kernels {
     pub dispatch_send: Function,
     pub dispatch_recv: Function,
+    /// Both dispatch stages in one launch.
+    pub dispatch: Function,
     pub combine_send: Function,
     pub combine_recv: Function,
+    /// Both combine stages in one launch.
+    pub combine: Function,
     pub barrier: Function,
     pub clock: Function,
     pub toy_experts: Function,
@@ -50,7 +54,12 @@ impl Kernels {
         let cubin = match cached {
             Some(c) => c,
             None => {
-                let c = Arc::new(cuda::compile(ctx, SOURCE)?);
+                // FABRIC_MOE_PROBE compiles the probes in (AllToAll::probe_ns).
+                let c = match std::env::var_os("FABRIC_MOE_PROBE") {
+                    Some(_) => cuda::compile(ctx, &format!("#define MOE_PROBE 1\n{SOURCE}"))?,
+                    None => cuda::compile(ctx, SOURCE)?,
+                };
+                let c = Arc::new(c);
                 CUBINS.lock().unwrap_or_else(|e| e.into_inner()).push((ctx.ordinal(), c.clone()));
                 c
             }
@@ -59,8 +68,10 @@ impl Kernels {
         Ok(Kernels {
             dispatch_send: m.function("moe_dispatch_send")?,
             dispatch_recv: m.function("moe_dispatch_recv")?,
+            dispatch: m.function("moe_dispatch")?,
             combine_send: m.function("moe_combine_send")?,
             combine_recv: m.function("moe_combine_recv")?,
+            combine: m.function("moe_combine")?,
             barrier: m.function("moe_barrier")?,
             clock: m.function("moe_clock")?,
             toy_experts: m.function("moe_toy_experts")?,

@@ -59,7 +59,7 @@ mod nvlink;
 mod proxy;
 pub mod reference;
 
-pub use alltoall::{AllToAll, Received, CLOCK_SLOTS};
+pub use alltoall::{AllToAll, Received, CLOCK_SLOTS, PROBES};
 pub use config::{Config, DispatchInput, Dtype, RecvLayout, TopkIdx, Transport, MAX_RANKS};
 pub use error::{MoeError, Result};
 pub use kernels::CudaStream;

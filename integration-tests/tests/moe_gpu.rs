@@ -20,6 +20,10 @@
 //!   between processes of one host; receives wait on `GpuCounter`s). With two ranks there
 //!   is no mixed case (a rank reaches itself directly); `fabric-moe/emu` checks three ranks
 //!   with one pair NVLink and two through the proxy.
+//! - `moe_split_stages`: over NVLink `dispatch` and `combine` are one fused kernel each;
+//!   this runs the four stages launched one by one (expert-major and rank-major, step by
+//!   step and back to back). Every other NVLink test runs the fused kernels, the proxy tests
+//!   the stages (the proxy does not fuse);
 //! - `moe_rank_major`: `RecvLayout::RankMajor` receivers (rows left by source in the window,
 //!   indices and weights per expert, the caller's summed rows sent back) on both ranks and
 //!   on one, random and uneven routing, back to back, and replayed from a CUDA graph.
@@ -100,6 +104,10 @@ struct Case {
     graph: bool,
     /// Bit r set: rank r receives rank-major (`RecvLayout::RankMajor`), else expert-major.
     rank_major: u8,
+    /// Launch each stage on its own (`dispatch_send`, `dispatch_recv`, `combine_send`,
+    /// `combine_recv`) instead of `dispatch` and `combine`, which over NVLink are one fused
+    /// kernel each.
+    split: bool,
 }
 
 const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Routing, steps: usize) -> Case {
@@ -115,6 +123,7 @@ const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Rout
         pipelined: false,
         graph: false,
         rank_major: 0,
+        split: false,
     }
 }
 
@@ -159,6 +168,14 @@ fn cases(kind: &str) -> Vec<Case> {
             Case { rank_major: 2, ..case(7168, 2, 4, Routing::OneExpert, 2) },
             Case { rank_major: 3, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
             Case { rank_major: 3, graph: true, ..case(7168, 8, 8, RANDOM, 20) },
+        ],
+        // The stages launched one by one over NVLink (the fused kernels are the default).
+        "split" => vec![
+            Case { split: true, ..case(128, 5, 8, RANDOM, 3) },
+            Case { split: true, idx64: true, ..case(7168, 8, 128, MASKED, 2) },
+            Case { split: true, ..case(7168, 2, 4, Routing::OneExpert, 2) },
+            Case { split: true, rank_major: 3, ..case(7168, 8, 8, RANDOM, 3) },
+            Case { split: true, rank_major: 1, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
         ],
         other => panic!("no case list {other}"),
     }
@@ -250,6 +267,45 @@ async fn run_rank(store: &TcpStore, kind: &str, rank: usize, spread: bool) -> Re
     Ok(())
 }
 
+/// `dispatch`, or its two stages (`case.split`).
+///
+/// # Safety
+///
+/// As `AllToAll::dispatch`.
+unsafe fn dispatch(
+    a2a: &AllToAll,
+    stream: &Stream,
+    input: &DispatchInput,
+    split: bool,
+) -> Result<(), MoeError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if split {
+            a2a.dispatch_send(stream, input)?;
+            a2a.dispatch_recv(stream)
+        } else {
+            a2a.dispatch(stream, input)
+        }
+    }
+}
+
+/// `combine`, or its two stages (`case.split`).
+///
+/// # Safety
+///
+/// As `AllToAll::combine`.
+unsafe fn combine(a2a: &AllToAll, stream: &Stream, expert_out: u64, split: bool) -> Result<(), MoeError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if split {
+            a2a.combine_send(stream, expert_out)?;
+            a2a.combine_recv(stream)
+        } else {
+            a2a.combine(stream, expert_out)
+        }
+    }
+}
+
 async fn run_case(
     engine: &Engine,
     store: &TcpStore,
@@ -299,9 +355,9 @@ async fn run_case(
             // SAFETY: `d`, `out` and `results` live until the stream is synchronized below;
             // the combined rows are copied out of `a2a` before the next step reuses them.
             unsafe {
-                a2a.dispatch(&stream, &d.input()).map_err(s)?;
+                dispatch(&a2a, &stream, &d.input(), case.split).map_err(s)?;
                 a2a.toy_experts(&stream, out.device_ptr()).map_err(s)?;
-                a2a.combine(&stream, out.device_ptr()).map_err(s)?;
+                combine(&a2a, &stream, out.device_ptr(), case.split).map_err(s)?;
                 stream
                     .copy_d2d_raw(
                         results.device_ptr() + (step * case.tokens * row_bytes) as u64,
@@ -328,7 +384,7 @@ async fn run_case(
             let all = all_inputs(step);
             let d = DeviceInputs::upload(&ctx, &c, &all[rank], case.idx64).map_err(s)?;
             // SAFETY: `d` and `out` live until the stream is synchronized below.
-            unsafe { a2a.dispatch(&stream, &d.input()).map_err(s)? };
+            unsafe { dispatch(&a2a, &stream, &d.input(), case.split).map_err(s)? };
             stream.synchronize().map_err(|e| e.to_string())?;
             let status = a2a.check();
             if case.capacity.is_some() {
@@ -345,7 +401,7 @@ async fn run_case(
             // SAFETY: as above.
             unsafe {
                 a2a.toy_experts(&stream, out.device_ptr()).map_err(s)?;
-                a2a.combine(&stream, out.device_ptr()).map_err(s)?;
+                combine(&a2a, &stream, out.device_ptr(), case.split).map_err(s)?;
             }
             stream.synchronize().map_err(|e| e.to_string())?;
             if case.capacity.is_none() {
@@ -568,6 +624,17 @@ async fn moe_proxy_repeat_50_steps() {
         return;
     }
     two_ranks("moe_proxy_repeat_50_steps", "proxy-repeat", spread()).await;
+}
+
+/// Each stage launched on its own over NVLink (`dispatch` and `combine` are one fused
+/// kernel each there): the same bytes and sums, expert-major and rank-major, step by step and
+/// back to back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_split_stages() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_split_stages") {
+        return;
+    }
+    two_ranks("moe_split_stages", "split", spread()).await;
 }
 
 /// `RecvLayout::RankMajor` (the prefill layout): the same checks of the received rows (by

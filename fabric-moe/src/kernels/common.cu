@@ -62,6 +62,20 @@ struct alignas(16) V16 {
 
 #define MAX_RANKS 64
 
+// Probes (kernels.rs prepends `#define MOE_PROBE` when FABRIC_MOE_PROBE is set): thread 0 of
+// the calling block stamps the GPU clock into status[8 + i] (pinned host memory), for the
+// harness's breakdown of a step. Nothing is compiled in otherwise.
+#ifdef MOE_PROBE
+#define PROBE(status, i)                                                 \
+    do {                                                                 \
+        if (threadIdx.x == 0) ((volatile u64*)(status))[8 + (i)] = now_ns(); \
+    } while (0)
+#else
+#define PROBE(status, i) \
+    do {                 \
+    } while (0)
+#endif
+
 __device__ __forceinline__ u64 now_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

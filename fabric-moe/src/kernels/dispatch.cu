@@ -86,19 +86,20 @@ __device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __r
     }
 }
 
-extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
-                                             const float* topk_weights, int* send_slot, int* send_count,
-                                             int* send_pos, int* send_ecount, const u64* peers, u64* state,
-                                             u64* status, u32 num_tokens, u32 rank, u32 ranks, u32 max_tokens,
-                                             u32 k, u32 experts_per_rank, u32 row_bytes, u64 off_dflag,
-                                             u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
-                                             const u64* proxy) {
+// The send stage (moe_dispatch_send, and the first half of moe_dispatch).
+__device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
+                                   int* send_slot, int* send_count, int* send_pos, int* send_ecount,
+                                   const u64* peers, u64* state, u64* status, u32 num_tokens, u32 rank,
+                                   u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
+                                   u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
+                                   const u64* proxy) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     // Block 0 routes the step's tokens; the other blocks wait for its word (blocks start in
     // order, so block 0 is running or done by then; the wait is bounded all the same).
     __shared__ int unrouted;
     u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
+    if (blockIdx.x == 0) PROBE(status, 0);
     if (blockIdx.x == 0) {
         route_tokens(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
                      send_ecount, state, status);
@@ -109,6 +110,7 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
             st_release_sys(&state[ST_ROUTED], seq);
         }
         __syncthreads();
+        PROBE(status, 1);
     } else {
         if (threadIdx.x == 0) {
             unrouted = 0;
@@ -160,7 +162,9 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
             meta[1 + 2 * k + j] = send_pos[(u64)t * k + j];
         }
     }
+    if (blockIdx.x == 0) PROBE(status, 2);
     if (!last_block(&state[ST_DONE_DSEND])) return;
+    PROBE(status, 3);
     // Our rows per expert of each destination, then (ordered after them) its flag.
     for (u32 q = threadIdx.x; q < ranks * experts_per_rank; q += blockDim.x) {
         u32 d = q / experts_per_rank, le = q % experts_per_rank;
@@ -176,6 +180,7 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
         px_raise(peers, proxy, d, rank, off_dflag, PX_DISPATCH, (seq << 32) | (u32)send_count[d]);
     }
     __syncthreads();
+    PROBE(status, 4);
     if (threadIdx.x == 0) {
         state[ST_DSEND] = seq;
         state[ST_DONE_DSEND] = 0;
@@ -190,16 +195,16 @@ __device__ __forceinline__ int place(const int* ecount, u32 s, u32 experts_per_r
     return pos;
 }
 
-extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
-                                             int* src_info, int* recv_pos, int* recv_count, u64* state,
-                                             u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
-                                             u32 experts_per_rank, u32 capacity, u32 row_bytes,
-                                             u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
-                                             u64 timeout_ns, float* expert_w, u32 rank_major,
-                                             const u64* proxy) {
+// The receive stage (moe_dispatch_recv, and the second half of moe_dispatch).
+__device__ void dispatch_recv_body(const char* window, char* x_expert, int* expert_count, int* src_info,
+                                   int* recv_pos, int* recv_count, u64* state, u64* status, u32 rank,
+                                   u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 capacity,
+                                   u32 row_bytes, u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
+                                   u64 timeout_ns, float* expert_w, u32 rank_major, const u64* proxy) {
     __shared__ int cnt[MAX_RANKS];
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
+    if (blockIdx.x == 0) PROBE(status, 5);
     __syncthreads();
     if (threadIdx.x < ranks) {
         u32 s = threadIdx.x;
@@ -211,6 +216,7 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
         if (blockIdx.x == 0) recv_count[s] = (int)(u32)w;
     }
     __syncthreads();
+    if (blockIdx.x == 0) PROBE(status, 6);
     __threadfence();
     const int* ecount = (const int*)(window + off_ecount);
     if (failed) {
@@ -300,7 +306,9 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
             }
         }
     }
+    if (blockIdx.x == 0) PROBE(status, 7);
     if (!last_block(&state[ST_DONE_DRECV])) return;
+    PROBE(status, 8);
     // Rows per local expert: every source's, clamped to what fits (an overflow was reported).
     if (!failed) {
         for (u32 le = threadIdx.x; le < experts_per_rank; le += blockDim.x) {
@@ -314,4 +322,49 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
         state[ST_DRECV] = (state[ST_DRECV] + 1) & 0xffffffffull;
         state[ST_DONE_DRECV] = 0;
     }
+}
+
+extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
+                                             const float* topk_weights, int* send_slot, int* send_count,
+                                             int* send_pos, int* send_ecount, const u64* peers, u64* state,
+                                             u64* status, u32 num_tokens, u32 rank, u32 ranks, u32 max_tokens,
+                                             u32 k, u32 experts_per_rank, u32 row_bytes, u64 off_dflag,
+                                             u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
+                                             const u64* proxy) {
+    dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
+                       state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
+                       off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy);
+}
+
+extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
+                                             int* src_info, int* recv_pos, int* recv_count, u64* state,
+                                             u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
+                                             u32 experts_per_rank, u32 capacity, u32 row_bytes,
+                                             u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
+                                             u64 timeout_ns, float* expert_w, u32 rank_major,
+                                             const u64* proxy) {
+    dispatch_recv_body(window, x_expert, expert_count, src_info, recv_pos, recv_count, state, status, rank,
+                       ranks, max_tokens, k, experts_per_rank, capacity, row_bytes, off_dflag, off_ecount,
+                       off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy);
+}
+
+// Both stages in one launch (AllToAll::dispatch without proxy ranks): a block that has sent
+// its rows goes on to wait for the flags and place what arrived, so the chain has one kernel
+// boundary less and the waits overlap the last block's flag step. Every block must be
+// resident at once (the host checks the occupancy): a block waits for this rank's own flag,
+// which the last block to finish sending raises.
+extern "C" __global__ void moe_dispatch(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
+                                        int* send_slot, int* send_count, int* send_pos, int* send_ecount,
+                                        const u64* peers, u64* state, u64* status, u32 num_tokens, u32 rank,
+                                        u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
+                                        u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
+                                        const u64* proxy, const char* window, char* x_expert, int* expert_count,
+                                        int* src_info, int* recv_pos, int* recv_count, u32 capacity,
+                                        float* expert_w, u32 rank_major) {
+    dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
+                       state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
+                       off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy);
+    dispatch_recv_body(window, x_expert, expert_count, src_info, recv_pos, recv_count, state, status, rank,
+                       ranks, max_tokens, k, experts_per_rank, capacity, row_bytes, off_dflag, off_ecount,
+                       off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy);
 }
