@@ -78,6 +78,10 @@ struct Cli {
     /// each clock adds a launch to the step).
     #[arg(long)]
     stages: bool,
+    /// Launch dispatch and combine as two stages each (send, then receive) instead of one
+    /// fused kernel each (NVLink only: the proxy always runs the stages).
+    #[arg(long)]
+    split: bool,
     /// How ranks reach each other: NVLink stores (CUDA IPC), the proxy (the engine's writes
     /// from a host thread), or auto (NVLink on one host, the proxy between hosts).
     #[arg(long, value_name = "T", default_value = "nvlink", value_parser = ["nvlink", "proxy", "auto"])]
@@ -109,6 +113,7 @@ impl Cli {
             topk: self.topk,
             capacity: self.capacity,
             stages: self.stages,
+            split: self.split,
             transport: self.transport.parse::<Transport>().expect("clap checked --transport"),
             provider: self.provider.clone(),
             layout: self.layout.parse::<RecvLayout>().expect("clap checked --layout"),

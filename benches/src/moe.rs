@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  fabric-bench moe (leader: no GPU work)
-//!    per shape (decode, prefill) and transport (nvlink, proxy-shm, proxy-tcp):
+//!    per shape (decode, prefill) and transport (nvlink, nvlink-split, proxy-shm, proxy-tcp):
 //!      fabric_moe::harness::lead ── fabric-bench moe-rank --rank R --store ADDR ... (R = 0..ranks)
 //!        each rank: AllToAll, checked / back-to-back / CUDA-graph passes, report into the store
 //!    per shape: python3 moe_gpu_nccl.py --ranks --tokens --hidden --steps --warmup
@@ -75,9 +75,10 @@ struct MoeArgs {
     /// or both.
     #[arg(long, value_enum, default_value_t = ShapeArg::Both)]
     shape: ShapeArg,
-    /// The transports, comma-separated: nvlink (CUDA IPC stores), proxy-shm, proxy-tcp (the
-    /// proxy thread writing with an shm or tcp engine).
-    #[arg(long, value_name = "LIST", default_value = "nvlink,proxy-shm,proxy-tcp", value_parser = transports)]
+    /// The transports, comma-separated: nvlink (CUDA IPC stores; dispatch and combine one
+    /// fused kernel each), nvlink-split (the same, each stage its own launch), proxy-shm,
+    /// proxy-tcp (the proxy thread writing with an shm or tcp engine).
+    #[arg(long, value_name = "LIST", default_value = "nvlink,nvlink-split,proxy-shm,proxy-tcp", value_parser = transports)]
     transports: TransportList,
     /// Ranks (processes); rank r on GPU r % devices. NCCL needs a GPU per rank.
     #[arg(long, value_name = "N", default_value_t = 2)]
@@ -110,6 +111,8 @@ struct MoeArgs {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Via {
     Nvlink,
+    /// NVLink, each stage its own launch (`--split`): the fused kernels' comparison.
+    NvlinkSplit,
     ProxyShm,
     ProxyTcp,
 }
@@ -118,6 +121,7 @@ impl Via {
     pub fn name(self) -> &'static str {
         match self {
             Via::Nvlink => "nvlink",
+            Via::NvlinkSplit => "nvlink-split",
             Via::ProxyShm => "proxy-shm",
             Via::ProxyTcp => "proxy-tcp",
         }
@@ -126,7 +130,7 @@ impl Via {
     /// The all-to-all's transport and the engine's provider.
     fn setup(self) -> (Transport, &'static str) {
         match self {
-            Via::Nvlink => (Transport::Nvlink, "shm"),
+            Via::Nvlink | Via::NvlinkSplit => (Transport::Nvlink, "shm"),
             Via::ProxyShm => (Transport::Proxy, "shm"),
             Via::ProxyTcp => (Transport::Proxy, "tcp"),
         }
@@ -146,9 +150,10 @@ pub fn parse_transports(s: &str) -> Result<Vec<Via>, String> {
     for w in s.split(',').map(str::trim).filter(|w| !w.is_empty()) {
         let t = match w {
             "nvlink" => Via::Nvlink,
+            "nvlink-split" => Via::NvlinkSplit,
             "proxy-shm" => Via::ProxyShm,
             "proxy-tcp" => Via::ProxyTcp,
-            other => return Err(format!("{other:?}: expected nvlink, proxy-shm or proxy-tcp")),
+            other => return Err(format!("{other:?}: expected nvlink, nvlink-split, proxy-shm or proxy-tcp")),
         };
         if !v.contains(&t) {
             v.push(t);
@@ -244,7 +249,8 @@ fn leader(rt: &tokio::runtime::Runtime, a: &MoeArgs) -> Result<(), harness::BoxE
         let mut worlds = Vec::new();
         for &via in vias {
             let (transport, provider) = via.setup();
-            let p = Params { transport, provider: provider.into(), ..base.clone() };
+            let split = via == Via::NvlinkSplit;
+            let p = Params { transport, provider: provider.into(), split, ..base.clone() };
             eprintln!("moe: {shape} over {} ({} steps + {} warm-up)", via.name(), p.steps, p.warmup);
             let spawn = |args: Vec<String>| -> Result<std::process::Child, harness::BoxError> {
                 Ok(Command::new(&exe).arg("moe-rank").args(args).stdin(Stdio::null()).spawn()?)
@@ -689,7 +695,7 @@ nccl all_to_all_single: rank 1 (cuda:1): barrier each: p50    71.4 us  p90   106
             Err(e) => Err(e),
         };
         let d = a(&[]).unwrap();
-        assert_eq!(d.transports.0, [Via::Nvlink, Via::ProxyShm, Via::ProxyTcp]);
+        assert_eq!(d.transports.0, [Via::Nvlink, Via::NvlinkSplit, Via::ProxyShm, Via::ProxyTcp]);
         let s = shapes(&d);
         assert_eq!(s.iter().map(|(n, _)| *n).collect::<Vec<_>>(), ["decode", "prefill"]);
         assert_eq!((s[0].1.tokens, s[0].1.steps, s[0].1.capacity), (128, 200, None));

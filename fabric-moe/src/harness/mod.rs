@@ -19,10 +19,12 @@
 //! Each rank, per step, on its stream and with no host wait inside:
 //!
 //! ```text
-//! barrier (GPU) ─ clock ─ dispatch_send ─ dispatch_recv ─ clock ─ toy experts ─ barrier ─ clock ─ combine_send ─ combine_recv ─ clock
+//! barrier (GPU) ─ event ─ dispatch ─ event ─ toy experts ─ barrier ─ event ─ combine ─ event
 //! ```
 //!
-//! Passes of `warmup + steps` steps each, timed between the GPU clocks: **checked** (after
+//! Passes of `warmup + steps` steps each, each stage timed between CUDA events recorded on
+//! the stream around it (as the NCCL baseline is timed; a pass whose events cannot be
+//! captured in a CUDA graph falls back to GPU clock kernels and says so): **checked** (after
 //! each step the host compares every received row and combined element with
 //! [`crate::reference`], so the GPU idles between steps), **back to back** (batches of
 //! [`BATCH`] steps with no host wait, the last of each checked), **CUDA graph** ([`BATCH`]
@@ -49,13 +51,22 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub const SETS: usize = 8;
 /// The seed of the inputs (`reference::inputs`).
 pub const SEED: u64 = 0x6d6f_655f_6770;
-/// Steps launched back to back between host waits, and captured per CUDA graph (four clock
-/// slots each).
+/// Steps launched back to back between host waits, and captured per CUDA graph (four
+/// timing points each).
 pub const BATCH: usize = CLOCK_SLOTS / 4;
 /// Where each rank puts its report in the store.
 const KEY: &str = "moe_gpu/report";
 
 mod report;
+
+/// How a pass marks its timing points.
+#[derive(Clone, Copy, Debug)]
+enum Stamp {
+    /// CUDA events (`captured`: recorded as nodes of a graph being captured).
+    Events { captured: bool },
+    /// `AllToAll::clock` kernels (GPU `%globaltimer`).
+    Clocks,
+}
 
 /// One world's shape and run: what every rank must agree on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,6 +89,9 @@ pub struct Params {
     pub capacity: Option<usize>,
     /// Also time each stage alone.
     pub stages: bool,
+    /// Launch dispatch and combine as their two stages each (`dispatch_send` then
+    /// `dispatch_recv`, ...) instead of [`AllToAll::dispatch`]'s one kernel: the comparison.
+    pub split: bool,
     /// How ranks reach each other.
     pub transport: Transport,
     /// The engine's provider (what the proxy writes with).
@@ -100,6 +114,7 @@ impl Params {
             topk: 8,
             capacity: None,
             stages: false,
+            split: false,
             transport: Transport::Nvlink,
             provider: "shm".into(),
             layout: RecvLayout::ExpertMajor,
@@ -154,6 +169,9 @@ impl Params {
         if self.stages {
             a.push("--stages".into());
         }
+        if self.split {
+            a.push("--split".into());
+        }
         a.extend([
             "--transport".to_string(),
             self.transport.to_string(),
@@ -174,6 +192,10 @@ impl Params {
         while let Some(k) = it.next() {
             if k == "--stages" {
                 p.stages = true;
+                continue;
+            }
+            if k == "--split" {
+                p.split = true;
                 continue;
             }
             let v = it.next().ok_or_else(|| format!("{k} needs a value"))?;
@@ -371,21 +393,41 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
         topk_weights: set.weights.device_ptr(),
         num_tokens: p.tokens,
     };
-    // One step on the stream, its four GPU clocks in slots `4 * i ..`.
-    let enqueue = |set: &Set, i: usize| -> Result<(), BoxError> {
+    // Timing points: CUDA events (one per point of a batch), or GPU clock kernels.
+    let events: Vec<cuda::Event> =
+        (0..4 * BATCH).map(|_| cuda::Event::timed(&ctx)).collect::<Result<_, _>>()?;
+    let mark = |slot: usize, stamp: Stamp| -> Result<(), BoxError> {
+        match stamp {
+            Stamp::Clocks => a2a.clock(&stream, slot)?,
+            // SAFETY: `stream` is a live stream of the event's device.
+            Stamp::Events { captured } => unsafe { events[slot].record_raw(stream.handle(), captured)? },
+        }
+        Ok(())
+    };
+    // One step on the stream, its four timing points in slots `4 * i ..`.
+    let enqueue = |set: &Set, i: usize, stamp: Stamp| -> Result<(), BoxError> {
         let input = input(set);
         a2a.barrier(&stream)?;
-        a2a.clock(&stream, 4 * i)?;
-        // SAFETY: the set's buffers and `out` outlive the step (synchronized before they go).
-        unsafe { a2a.dispatch(&stream, &input)? };
-        a2a.clock(&stream, 4 * i + 1)?;
-        // SAFETY: as above.
+        mark(4 * i, stamp)?;
+        // SAFETY (all stages): the set's buffers and `out` outlive the step (synchronized
+        // before they go).
+        if p.split {
+            unsafe { a2a.dispatch_send(&stream, &input)? };
+            a2a.dispatch_recv(&stream)?;
+        } else {
+            unsafe { a2a.dispatch(&stream, &input)? };
+        }
+        mark(4 * i + 1, stamp)?;
         unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
         a2a.barrier(&stream)?;
-        a2a.clock(&stream, 4 * i + 2)?;
-        // SAFETY: as above.
-        unsafe { a2a.combine(&stream, out.device_ptr())? };
-        a2a.clock(&stream, 4 * i + 3)?;
+        mark(4 * i + 2, stamp)?;
+        if p.split {
+            unsafe { a2a.combine_send(&stream, out.device_ptr())? };
+            a2a.combine_recv(&stream)?;
+        } else {
+            unsafe { a2a.combine(&stream, out.device_ptr())? };
+        }
+        mark(4 * i + 3, stamp)?;
         Ok(())
     };
     let check = |set: &Set, step: usize| -> Result<(), BoxError> {
@@ -397,23 +439,28 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
             .map_err(|e| format!("step {step}: {e}"))?;
         Ok(())
     };
-    let times = |i: usize| {
-        (
-            a2a.clock_ns(4 * i + 1).saturating_sub(a2a.clock_ns(4 * i)),
-            a2a.clock_ns(4 * i + 3).saturating_sub(a2a.clock_ns(4 * i + 2)),
-        )
+    // Dispatch and combine of step `i` of the last batch, in ns.
+    let times = |i: usize, stamp: Stamp| -> Result<(u64, u64), BoxError> {
+        let span = |a: usize, b: usize| -> Result<u64, BoxError> {
+            Ok(match stamp {
+                Stamp::Clocks => a2a.clock_ns(b).saturating_sub(a2a.clock_ns(a)),
+                Stamp::Events { .. } => (f64::from(events[a].elapsed_ms(&events[b])?) * 1e6).max(0.0) as u64,
+            })
+        };
+        Ok((span(4 * i, 4 * i + 1)?, span(4 * i + 2, 4 * i + 3)?))
     };
+    let plain = Stamp::Events { captured: false };
     let total = p.warmup + p.steps;
     // Pass 1, checked: every step's received rows and combined rows are read back and
     // compared, so the GPU idles for the host's check between steps.
     let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
     for step in 0..total {
         let set = &sets[step % SETS];
-        enqueue(set, 0)?;
+        enqueue(set, 0, plain)?;
         stream.synchronize()?;
         check(set, step)?;
         if step >= p.warmup {
-            let (d, k) = times(0);
+            let (d, k) = times(0, plain)?;
             dispatch.push(d);
             combine.push(k);
         }
@@ -426,13 +473,13 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     while step < total {
         let n = BATCH.min(total - step);
         for i in 0..n {
-            enqueue(&sets[(step + i) % SETS], i)?;
+            enqueue(&sets[(step + i) % SETS], i, plain)?;
         }
         stream.synchronize()?;
         check(&sets[(step + n - 1) % SETS], step + n - 1)?;
         for i in 0..n {
             if step + i >= p.warmup {
-                let (d, k) = times(i);
+                let (d, k) = times(i, plain)?;
                 dispatch.push(d);
                 combine.push(k);
             }
@@ -442,10 +489,13 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     let back_to_back = PassTimes { dispatch: Pcts::of(dispatch), combine: Pcts::of(combine) };
     // Pass 3, CUDA graph: a batch of BATCH steps captured once, then replayed (no host
     // launch inside a replay); the last step of each replay is checked.
-    let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
-    {
+    // Events recorded as nodes of the graph where the driver times them; GPU clocks if not.
+    let probing = std::env::var_os("FABRIC_MOE_PROBE").is_some();
+    let probes = std::cell::RefCell::new(Vec::new());
+    let graph_pass = |stamp: Stamp| -> Result<PassTimes, BoxError> {
+        let (mut dispatch, mut combine) = (Vec::new(), Vec::new());
         stream.begin_capture()?;
-        let captured = (0..BATCH).try_for_each(|i| enqueue(&sets[i % SETS], i));
+        let captured = (0..BATCH).try_for_each(|i| enqueue(&sets[i % SETS], i, stamp));
         let graph = stream.end_capture()?;
         captured?;
         // The first replay warms up; then enough replays for `steps` steps.
@@ -455,16 +505,31 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
             unsafe { graph.launch(&stream)? };
             stream.synchronize()?;
             check(&sets[(BATCH - 1) % SETS], BATCH - 1)?;
+            if replay > 0 && probing {
+                probes.borrow_mut().push(a2a.probe_ns());
+            }
             if replay > 0 {
                 for i in 0..BATCH {
-                    let (d, k) = times(i);
+                    let (d, k) = times(i, stamp)?;
                     dispatch.push(d);
                     combine.push(k);
                 }
             }
         }
+        Ok(PassTimes { dispatch: Pcts::of(dispatch), combine: Pcts::of(combine) })
+    };
+    let (graph, graph_clocks) = match graph_pass(Stamp::Events { captured: true }) {
+        Ok(t) => (t, None),
+        Err(e) => {
+            // A failed capture leaves the stream out of capture mode (end_capture ran) and
+            // nothing launched: the pass runs again with clock kernels.
+            a2a.check()?;
+            (graph_pass(Stamp::Clocks)?, Some(e.to_string()))
+        }
+    };
+    if probing {
+        eprintln!("{}", probe_line(rank, &probes.borrow()));
     }
-    let graph = PassTimes { dispatch: Pcts::of(dispatch), combine: Pcts::of(combine) };
     // Pass 4 (stages): each stage between clocks of its own, back to back.
     let mut stages: Vec<Vec<u64>> = vec![Vec::new(); 4];
     if p.stages {
@@ -523,6 +588,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
         mib: (rows * p.hidden * 2) as f64 / (1 << 20) as f64,
         back_to_back,
         graph,
+        graph_clocks,
         checked,
         stages: p.stages.then(|| {
             let q = |v: &mut Vec<u64>| pct(v, 0.5);
@@ -538,6 +604,34 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     store.put(&format!("{KEY}/{rank}"), report.encode().into_bytes()).await?;
     a2a.close(store).await?;
     Ok(())
+}
+
+/// The probes' breakdown of the last step of each graph replay (medians, µs from the first
+/// probe of each stage; `kernels/`'s PROBE numbers).
+fn probe_line(rank: usize, probes: &[[u64; crate::PROBES]]) -> String {
+    let at = |i: usize, from: usize| {
+        let mut v: Vec<u64> = probes.iter().map(|p| p[i].saturating_sub(p[from])).collect();
+        pct(&mut v, 0.5)
+    };
+    let d = [
+        "route",
+        "block 0 sent",
+        "last block",
+        "flags raised",
+        "recv start",
+        "flags seen",
+        "block 0 placed",
+        "end",
+    ];
+    let c =
+        ["block 0 sent", "last block", "flags raised", "recv start", "flags seen", "block 0 summed", "end"];
+    let dl: Vec<String> = d.iter().enumerate().map(|(j, n)| format!("{n} {:.1}", at(j + 1, 0))).collect();
+    let cl: Vec<String> = c.iter().enumerate().map(|(j, n)| format!("{n} {:.1}", at(j + 11, 10))).collect();
+    format!(
+        "probe rank {rank}: dispatch (us from block 0's start): {}; combine: {}",
+        dl.join(", "),
+        cl.join(", ")
+    )
 }
 
 /// Rows this rank sends in one step: one per token and destination rank holding one of its

@@ -22,9 +22,9 @@ impl Pcts {
 /// Dispatch and combine of one pass.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PassTimes {
-    /// From the barrier's clock to the clock after `dispatch_recv`.
+    /// From the timing point after the barrier to the one after the dispatch.
     pub dispatch: Pcts,
-    /// From the clock after the second barrier to the clock after `combine_recv`.
+    /// From the timing point after the second barrier to the one after the combine.
     pub combine: Pcts,
 }
 
@@ -51,6 +51,9 @@ pub struct RankReport {
     pub back_to_back: PassTimes,
     /// Steps replayed from a CUDA graph.
     pub graph: PassTimes,
+    /// Why the graph pass was timed with GPU clock kernels instead of CUDA events (`None`:
+    /// events, as every other pass).
+    pub graph_clocks: Option<String>,
     /// Every step checked, the GPU idle between steps.
     pub checked: PassTimes,
     /// With [`Params::stages`]: p50 of dispatch_send, dispatch_recv, combine_send,
@@ -83,7 +86,10 @@ impl RankReport {
             pass(
                 "CUDA graph:  ",
                 &self.graph,
-                &format!("batches of {BATCH} steps captured once and replayed"),
+                &match &self.graph_clocks {
+                    None => format!("batches of {BATCH} steps captured once and replayed"),
+                    Some(why) => format!("batches of {BATCH} steps replayed, timed by GPU clocks: {why}"),
+                },
             ),
             pass("checked:     ", &self.checked, "every step checked, the GPU idle between steps"),
         ]
@@ -98,7 +104,7 @@ impl RankReport {
         }
         if let Some([ds, dr, cs, cr]) = self.stages {
             s += &format!(
-                "\n{prog}: rank {rank} (cuda:{dev}): stages p50: dispatch_send {ds:6.1} us  dispatch_recv {dr:6.1} us  combine_send {cs:6.1} us  combine_recv {cr:6.1} us   (a clock between stages)"
+                "\n{prog}: rank {rank} (cuda:{dev}): stages p50: dispatch_send {ds:6.1} us  dispatch_recv {dr:6.1} us  combine_send {cs:6.1} us  combine_recv {cr:6.1} us   (a GPU clock kernel between stages)"
             );
         }
         s
@@ -132,6 +138,9 @@ impl RankReport {
         }
         if let Some(v) = self.gates {
             s += &format!("gates {}\n", list(&v));
+        }
+        if let Some(why) = &self.graph_clocks {
+            s += &format!("graph_clocks {}\n", why.replace('\n', " "));
         }
         s
     }
@@ -183,6 +192,10 @@ impl RankReport {
                     r.gates = Some([x[0], x[1], x[2], x[3], x[4], x[5]]);
                     continue;
                 }
+                "graph_clocks" => {
+                    r.graph_clocks = Some(v.into());
+                    continue;
+                }
                 _ => return Err(format!("unknown key {k:?} in a rank's report")),
             }
             seen += 1;
@@ -219,6 +232,7 @@ mod tests {
             mib: 3.49,
             back_to_back: t(39.25),
             graph: t(35.0),
+            graph_clocks: None,
             checked: t(42.5),
             stages: None,
             proxy: None,
@@ -241,6 +255,9 @@ mod tests {
         assert!(r.lines("moe_gpu").contains(
             "the engine's 4 copy gates, per gate: plan 1.5 us, hand-over 2.5 us, enqueue 3.5 us, copy 900.2 us, signal 2.0 us"
         ));
+        r.graph_clocks = Some("no timing in graphs".into());
+        assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
+        assert!(r.lines("moe_gpu").contains("replayed, timed by GPU clocks: no timing in graphs"));
         assert!(RankReport::decode("rank 1\n").is_err());
         assert!(RankReport::decode(&r.encode().replace("graph 35", "graph x")).is_err());
     }
