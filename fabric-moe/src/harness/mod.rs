@@ -509,6 +509,10 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     drop(stream);
     let peer = (rank + 1) % ranks;
     let span = |t: ProxyTimes| t.completed_ns.saturating_sub(t.seen_ns) as f64 / 1e3;
+    let gate = |t: ProxyTimes| match t.gate_ns {
+        0 => -1.0,
+        g => g.saturating_sub(t.seen_ns) as f64 / 1e3,
+    };
     let report = RankReport {
         rank,
         device: a2a.device(),
@@ -528,7 +532,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
             let q = |v: &mut Vec<u64>| pct(v, 0.5);
             [q(&mut stages[0]), q(&mut stages[1]), q(&mut stages[2]), q(&mut stages[3])]
         }),
-        proxy: a2a.proxy_times().map(|[d, c]| [span(d), span(c)]),
+        proxy: a2a.proxy_times().map(|[d, c]| [span(d), span(c), gate(d), gate(c)]),
         gates: a2a.proxy_times().map(|_| {
             let g = engine.stats().gpu;
             let per = |d: Duration| d.as_secs_f64() * 1e6 / g.gates.max(1) as f64;
