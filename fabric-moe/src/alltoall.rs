@@ -157,14 +157,9 @@ impl AllToAll {
             false => None,
         };
         let words = match &links {
+            // The counters' bases: their totals in `connect`, before any peer could write.
             Some(l) => {
-                // The totals now are the kernels' zero: no peer writes before `moe-ready`.
-                let counters: Vec<[Option<(u64, u64)>; 2]> = l
-                    .counters
-                    .iter()
-                    .map(|pair| pair.each_ref().map(|c| c.as_ref().map(|c| (c.device_ptr(), c.total()))))
-                    .collect();
-                proxy::words(l.mask, l.outbox.device_ptr(), l.doorbells.device_ptr(), &counters)
+                proxy::words(l.mask, l.outbox.device_ptr(), l.doorbells.device_ptr(), &l.counter_words())
             }
             None => proxy::words(0, 0, 0, &[]),
         };
@@ -319,6 +314,34 @@ impl AllToAll {
         self.private_ptr(self.layout.off_proxy)
     }
 
+    /// With proxy peers, closes `stage`'s receive gate in stream order (a stream write of 0
+    /// into pinned memory, before the send kernel that rings the doorbell): see
+    /// `proxy.rs`, "Receive gates". Nothing without gates.
+    fn close_gate(&self, stream: CudaStream<'_>, stage: Stage) -> Result<()> {
+        let Some(gate) = self.links.as_ref().and_then(|l| l.gate_ptr(stage)) else { return Ok(()) };
+        // SAFETY: `gate` is a word of the links' pinned, device-mapped gate buffer, which
+        // lives until Drop has synchronized the context (so past this operation); `stream`
+        // is a stream of this device (the caller's contract, checked where it can be).
+        unsafe { self.ctx.write_value32_raw(stream.handle(), gate, 0)? };
+        Ok(())
+    }
+
+    /// With proxy peers, makes the stream wait for `stage`'s receive gate (`>= 1`) before
+    /// what follows (the receive kernel): the proxy thread opens it once this step's
+    /// arrivals are counted, after the timeout, on a failure and when it stops, so the wait
+    /// always ends. Nothing without gates, or once the thread has ended (a panic): the
+    /// kernel then spins, bounded, as without gates.
+    fn await_gate(&self, stream: CudaStream<'_>, stage: Stage) -> Result<()> {
+        if !self.proxy.as_ref().is_some_and(Proxy::running) {
+            return Ok(());
+        }
+        let Some(gate) = self.links.as_ref().and_then(|l| l.gate_ptr(stage)) else { return Ok(()) };
+        // SAFETY: as in `close_gate`; the proxy thread (stopped only after opening every
+        // gate) or teardown opens the gate, so the wait ends.
+        unsafe { self.ctx.wait_value32_raw(stream.handle(), gate, 1, cuda::WaitValue::Geq)? };
+        Ok(())
+    }
+
     fn common(&self) -> (u64, u64) {
         (self.private_ptr(self.layout.off_state), self.status.device_ptr())
     }
@@ -326,7 +349,9 @@ impl AllToAll {
     /// Routes this step's tokens by destination rank and writes each token once to every
     /// rank that holds one of its experts (with its expert ids and weights), straight into
     /// that rank's window; then raises this step's dispatch flag at every rank (also those
-    /// that get no token: the flag carries the count).
+    /// that get no token: the flag carries the count). With ranks reached through the
+    /// proxy, it first closes the stage's receive gate (a stream write, see
+    /// [`dispatch_recv`](Self::dispatch_recv)).
     ///
     /// # Safety
     ///
@@ -342,6 +367,8 @@ impl AllToAll {
         let stream = stream.into();
         self.check_stream(stream)?;
         let send = self.dispatch_send_args(input)?;
+        // Before the kernel that rings this step's doorbell.
+        self.close_gate(stream, Stage::Dispatch)?;
         // SAFETY: moe_dispatch_send's parameters in order. Its block 0 reads num_tokens *
         // topk ids (the caller's contract) and writes send_slot (max_tokens * ranks),
         // send_count (ranks), send_pos (max_tokens * topk), send_ecount (ranks *
@@ -396,6 +423,12 @@ impl AllToAll {
     /// received rows by local expert in [`recv_x`](Self::recv_x), with
     /// [`recv_count`](Self::recv_count) and [`src_info`](Self::src_info). A wait longer than
     /// the config's timeout ends the kernel and is reported by [`check`](Self::check).
+    ///
+    /// With ranks reached through the proxy, the kernel does not start before the proxy
+    /// thread has counted this step's writes from every one of them: the stream first waits
+    /// (a stream memory operation, no kernel spinning on the GPU while the proxy's copies
+    /// run) for the stage's receive gate, which the thread opens then, or after the timeout,
+    /// on a failed write, or when it stops. Drivers older than CUDA 11.7 have no gates.
     pub fn dispatch_recv<'s>(&self, stream: impl Into<CudaStream<'s>>) -> Result<()> {
         let stream = stream.into();
         self.check_stream(stream)?;
@@ -425,6 +458,7 @@ impl AllToAll {
             .u64(self.private_ptr(l.off_expert_w))
             .u32(u32::from(c.layout == RecvLayout::RankMajor))
             .u64(self.proxy_words());
+        self.await_gate(stream, Stage::Dispatch)?;
         // SAFETY: moe_dispatch_recv's parameters in order; it reads this rank's window and
         // writes x_expert (positions checked against the capacity; none rank-major, where it
         // is empty), expert_w, counts, src_info,
@@ -475,7 +509,9 @@ impl AllToAll {
 
     /// For every row received in this step's dispatch, the weighted sum of its local
     /// experts' outputs (f32, then bf16), written straight into the source rank's window;
-    /// then raises this step's combine flag at every rank.
+    /// then raises this step's combine flag at every rank. With ranks reached through the
+    /// proxy, it first closes the stage's receive gate, as
+    /// [`dispatch_send`](Self::dispatch_send) does.
     ///
     /// # Safety
     ///
@@ -487,6 +523,8 @@ impl AllToAll {
         let stream = stream.into();
         self.check_stream(stream)?;
         let args = self.combine_send_args(expert_out);
+        // Before the kernel that rings this step's doorbell.
+        self.close_gate(stream, Stage::Combine)?;
         // SAFETY: moe_combine_send's parameters in order; reads expert_out (rank-major: the
         // rows received, `expert_out_len`) at positions
         // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
@@ -522,7 +560,8 @@ impl AllToAll {
 
     /// Waits for every rank's combine flag of this step, then writes
     /// [`combined`](Self::combined): each token's partial sums from the ranks it was sent
-    /// to, added in f32, as bf16.
+    /// to, added in f32, as bf16. With ranks reached through the proxy, the kernel waits for
+    /// the stage's receive gate first, as in [`dispatch_recv`](Self::dispatch_recv).
     pub fn combine_recv<'s>(&self, stream: impl Into<CudaStream<'s>>) -> Result<()> {
         let stream = stream.into();
         self.check_stream(stream)?;
@@ -543,6 +582,7 @@ impl AllToAll {
             .u64(timeout_ns(c))
             .u64(self.proxy_words());
         let blocks = self.combine_recv_blocks;
+        self.await_gate(stream, Stage::Combine)?;
         // SAFETY: moe_combine_recv's parameters in order; reads this rank's window and
         // send_slot, writes the first num_tokens rows of `combined`, all owned by `self`.
         unsafe { launch(&self.kernels.combine_recv, stream, blocks, THREADS, args) }
@@ -774,6 +814,11 @@ impl AllToAll {
     /// rank's buffers are freed without waiting for the other ranks, which is what `close`
     /// exists to avoid. Let it run to the end.
     pub async fn close(mut self, world: &dyn Rendezvous) -> Result<()> {
+        // A stream still queued behind a receive gate must not wait for more than the
+        // kernels' own bounded waits.
+        if let Some(p) = &self.proxy {
+            p.open_gates();
+        }
         self.ctx.synchronize()?;
         let (tag, rank, ranks) = (self.config.tag.clone(), self.config.rank, self.config.ranks);
         all_gather(world, &format!("{tag}/moe-quiet"), rank, ranks, Vec::new()).await?;
@@ -792,8 +837,13 @@ impl AllToAll {
 
 impl Drop for AllToAll {
     fn drop(&mut self) {
-        // Every kernel of ours ends by itself (receive waits are bounded by the timeout);
-        // once the device is idle no launch uses the buffers freed below.
+        // Every kernel of ours ends by itself (receive waits are bounded by the timeout), and
+        // so does a stream's wait for a receive gate: opened here (an early opening only
+        // lets the kernel spin), and by the proxy thread, still running, for a step still
+        // queued behind us. Once the device is idle no launch uses the buffers freed below.
+        if let Some(p) = &self.proxy {
+            p.open_gates();
+        }
         let _ = self.ctx.synchronize();
     }
 }

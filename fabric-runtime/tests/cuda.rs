@@ -285,6 +285,109 @@ fn kernel_spins_on_a_host_counter_until_released() {
 }
 
 #[test]
+fn stream_waits_on_a_host_word_and_writes_one() {
+    let test = "stream_waits_on_a_host_word_and_writes_one";
+    let Some(ctx) = gpu(test) else { return };
+    if !cuda::stream_memops_supported() {
+        return skip(test, "this driver has no cuStreamWaitValue32_v2 (CUDA 11.7 or later)");
+    }
+    let words = Arc::new(PinnedHostBuffer::new(&ctx, 4096).unwrap());
+    let (gate, mark) = (words.device_ptr() + 64, words.device_ptr() + 128);
+    let (gate_word, mark_word) = (&words.atomic_u32s()[16], &words.atomic_u32s()[32]);
+    gate_word.store(u32::MAX, Ordering::Release);
+    /// Opens the wait when dropped, before the stream (declared after it): a failed assertion
+    /// cannot leave the stream's drop waiting forever.
+    struct Open<'a>(&'a std::sync::atomic::AtomicU32);
+    impl Drop for Open<'_> {
+        fn drop(&mut self) {
+            self.0.store(1, Ordering::Release);
+        }
+    }
+    let stream = Stream::new(&ctx).unwrap();
+    let _open = Open(gate_word);
+    // SAFETY: both words are inside `words`, which outlives the stream (declared before it:
+    // dropped after the stream's drop waited for its work); the host opens the wait below.
+    unsafe {
+        stream.write_value32_raw(gate, 0).unwrap();
+        stream.wait_value32_raw(gate, 1, cuda::WaitValue::Geq).unwrap();
+        stream.write_value32_raw(mark, 7).unwrap();
+    }
+    let done = stream.record().unwrap();
+    let start = Instant::now();
+    while gate_word.load(Ordering::Acquire) != 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "the stream's write of 0 never landed");
+        std::hint::spin_loop();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(done.query().unwrap(), EventStatus::NotReady, "the stream waits for the word");
+    assert_eq!(mark_word.load(Ordering::Acquire), 0, "nothing after the wait ran");
+    let opened = Instant::now();
+    gate_word.store(1, Ordering::Release);
+    wait_ready(&done, Duration::from_secs(10));
+    assert_eq!(mark_word.load(Ordering::Acquire), 7);
+    println!("stream wait: released {:?} after the host's store", opened.elapsed());
+
+    // The same three operations captured in a graph and replayed: the values are constants.
+    mark_word.store(0, Ordering::Release);
+    gate_word.store(u32::MAX, Ordering::Release);
+    stream.begin_capture().unwrap();
+    // SAFETY: as above; the graph is replayed only while `words` lives.
+    unsafe {
+        stream.write_value32_raw(gate, 0).unwrap();
+        stream.wait_value32_raw(gate, 1, cuda::WaitValue::Geq).unwrap();
+        stream.write_value32_raw(mark, 9).unwrap();
+    }
+    let graph = stream.end_capture().expect("capturing stream memory operations");
+    for _ in 0..3 {
+        // SAFETY: the captured addresses are inside `words`, alive until the end.
+        unsafe { graph.launch(&stream).unwrap() };
+        let done = stream.record().unwrap();
+        let start = Instant::now();
+        while gate_word.load(Ordering::Acquire) != 0 {
+            assert!(start.elapsed() < Duration::from_secs(10), "the replay's write of 0 never landed");
+            std::hint::spin_loop();
+        }
+        assert_eq!(done.query().unwrap(), EventStatus::NotReady, "the replay waits for the word");
+        gate_word.store(1, Ordering::Release);
+        wait_ready(&done, Duration::from_secs(10));
+        assert_eq!(mark_word.swap(0, Ordering::AcqRel), 9);
+        gate_word.store(u32::MAX, Ordering::Release);
+    }
+    stream.synchronize().unwrap();
+}
+
+/// What fabric-moe's receive gates rely on: a stream write into pinned memory is visible to
+/// the host before anything a later kernel of the stream writes there (the host, having
+/// seen the kernel's word, never reads the word from before the stream's write).
+#[test]
+fn stream_write_is_seen_before_a_later_kernels_write() {
+    let test = "stream_write_is_seen_before_a_later_kernels_write";
+    let Some(ctx) = gpu(test) else { return };
+    let Some(k) = kernels(test, &ctx) else { return };
+    if !cuda::stream_memops_supported() {
+        return skip(test, "this driver has no cuStreamWriteValue32_v2 (CUDA 11.7 or later)");
+    }
+    let words = Arc::new(PinnedHostBuffer::new(&ctx, 4096).unwrap());
+    let stream = Stream::new(&ctx).unwrap();
+    let gate = &words.atomic_u32s()[16];
+    let bell_at = 256;
+    for seed in 1..=200u32 {
+        gate.store(1, Ordering::Release);
+        // SAFETY: the word is inside `words`, which outlives the stream (declared before it).
+        unsafe { stream.write_value32_raw(words.device_ptr() + 64, 0).unwrap() };
+        k.fill_mapped(&stream, &words, bell_at, 8, seed).unwrap();
+        let want = u64::from_le_bytes(std::array::from_fn(|i| pattern_byte((bell_at + i) as u64, seed)));
+        let start = Instant::now();
+        while words.atomic_u64s()[bell_at / 8].load(Ordering::Acquire) != want {
+            assert!(start.elapsed() < Duration::from_secs(10), "the kernel's word never landed");
+            std::hint::spin_loop();
+        }
+        assert_eq!(gate.load(Ordering::Acquire), 0, "step {seed}: the kernel's word came first");
+        stream.synchronize().unwrap();
+    }
+}
+
+#[test]
 fn event_query_is_not_ready_then_ready_around_a_long_kernel() {
     let test = "event_query_is_not_ready_then_ready_around_a_long_kernel";
     let Some(ctx) = gpu(test) else { return };

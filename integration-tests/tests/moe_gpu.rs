@@ -17,7 +17,9 @@
 //! - `moe_proxy_random_routing`, `moe_proxy_repeat_50_steps`, `moe_proxy_cuda_graph_replay`:
 //!   the same checks with `Transport::Proxy` (the kernels pack into an outbox and ring a
 //!   doorbell, a proxy thread writes with the engine, `shm` provider, which takes CUDA IPC
-//!   between processes of one host; receives wait on `GpuCounter`s). With two ranks there
+//!   between processes of one host; receives wait on `GpuCounter`s, and are launched only
+//!   once the proxy thread opened the stage's receive gate, checked at the end of each case
+//!   to have opened on the arrivals, not on its timeout). With two ranks there
 //!   is no mixed case (a rank reaches itself directly); `fabric-moe/emu` checks three ranks
 //!   with one pair NVLink and two through the proxy.
 //! - `moe_split_stages`: over NVLink `dispatch` and `combine` are one fused kernel each;
@@ -408,6 +410,16 @@ async fn run_case(
                 a2a.check().map_err(s)?;
                 let got = a2a.read_combined(case.tokens).map_err(s)?;
                 check_combined(&c, &all[rank], rank, &got).map_err(|e| format!("step {step}: {e}"))?;
+            }
+        }
+    }
+    // Through the proxy, the receive gates opened for the last step on its arrivals, not on
+    // the proxy's timeout (a driver without stream memory operations has no gates).
+    if let (Some(times), true) = (a2a.proxy_times(), cuda::stream_memops_supported()) {
+        for (t, stage) in times.iter().zip(["dispatch", "combine"]) {
+            let waited = Duration::from_nanos(t.gate_ns.saturating_sub(t.seen_ns));
+            if t.gate_ns == 0 || waited >= c.timeout {
+                return Err(format!("rank {rank}: the {stage} gate: {t:?} (waited {waited:?})"));
             }
         }
     }

@@ -409,23 +409,25 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
         let input = input(set);
         a2a.barrier(&stream)?;
         mark(4 * i, stamp)?;
-        // SAFETY (all stages): the set's buffers and `out` outlive the step (synchronized
-        // before they go).
-        if p.split {
-            unsafe { a2a.dispatch_send(&stream, &input)? };
-            a2a.dispatch_recv(&stream)?;
-        } else {
-            unsafe { a2a.dispatch(&stream, &input)? };
-        }
-        mark(4 * i + 1, stamp)?;
-        unsafe { a2a.toy_experts(&stream, out.device_ptr())? };
-        a2a.barrier(&stream)?;
-        mark(4 * i + 2, stamp)?;
-        if p.split {
-            unsafe { a2a.combine_send(&stream, out.device_ptr())? };
-            a2a.combine_recv(&stream)?;
-        } else {
-            unsafe { a2a.combine(&stream, out.device_ptr())? };
+        // SAFETY: for every stage below, the set's buffers and `out` outlive the step
+        // (synchronized before they go).
+        unsafe {
+            if p.split {
+                a2a.dispatch_send(&stream, &input)?;
+                a2a.dispatch_recv(&stream)?;
+            } else {
+                a2a.dispatch(&stream, &input)?;
+            }
+            mark(4 * i + 1, stamp)?;
+            a2a.toy_experts(&stream, out.device_ptr())?;
+            a2a.barrier(&stream)?;
+            mark(4 * i + 2, stamp)?;
+            if p.split {
+                a2a.combine_send(&stream, out.device_ptr())?;
+                a2a.combine_recv(&stream)?;
+            } else {
+                a2a.combine(&stream, out.device_ptr())?;
+            }
         }
         mark(4 * i + 3, stamp)?;
         Ok(())
@@ -574,6 +576,10 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     drop(stream);
     let peer = (rank + 1) % ranks;
     let span = |t: ProxyTimes| t.completed_ns.saturating_sub(t.seen_ns) as f64 / 1e3;
+    let gate = |t: ProxyTimes| match t.gate_ns {
+        0 => -1.0,
+        g => g.saturating_sub(t.seen_ns) as f64 / 1e3,
+    };
     let report = RankReport {
         rank,
         device: a2a.device(),
@@ -594,7 +600,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
             let q = |v: &mut Vec<u64>| pct(v, 0.5);
             [q(&mut stages[0]), q(&mut stages[1]), q(&mut stages[2]), q(&mut stages[3])]
         }),
-        proxy: a2a.proxy_times().map(|[d, c]| [span(d), span(c)]),
+        proxy: a2a.proxy_times().map(|[d, c]| [span(d), span(c), gate(d), gate(c)]),
         gates: a2a.proxy_times().map(|_| {
             let g = engine.stats().gpu;
             let per = |d: Duration| d.as_secs_f64() * 1e6 / g.gates.max(1) as f64;

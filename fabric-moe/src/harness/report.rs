@@ -59,8 +59,11 @@ pub struct RankReport {
     /// With [`Params::stages`]: p50 of dispatch_send, dispatch_recv, combine_send,
     /// combine_recv, µs.
     pub stages: Option<[f64; 4]>,
-    /// Through the proxy: its last step's doorbell-to-done time of dispatch and combine, µs.
-    pub proxy: Option<[f64; 2]>,
+    /// Through the proxy: its last step's time from the doorbell to its writes done, of
+    /// dispatch and combine, then from the doorbell to the receive gate's opening (the
+    /// arrivals there: the receive kernel may start), of dispatch and combine, µs (negative:
+    /// no receive gates).
+    pub proxy: Option<[f64; 4]>,
     /// Through the proxy: the engine's CUDA copy gates (its writes through CUDA IPC), their
     /// count and, per gate, µs of plan, hand-over, enqueue, copy and signal
     /// (`fabric_async::GpuStats`).
@@ -94,8 +97,11 @@ impl RankReport {
             pass("checked:     ", &self.checked, "every step checked, the GPU idle between steps"),
         ]
         .join("\n");
-        if let Some([d, c]) = self.proxy {
+        if let Some([d, c, gd, gc]) = self.proxy {
             s += &format!("   proxy (last step, doorbell to done): dispatch {d:.1} us, combine {c:.1} us");
+            if gd >= 0.0 && gc >= 0.0 {
+                s += &format!("; to receive gate open: dispatch {gd:.1} us, combine {gc:.1} us");
+            }
         }
         if let Some([n, plan, handoff, enqueue, copy, signal]) = self.gates {
             s += &format!(
@@ -183,8 +189,8 @@ impl RankReport {
                     continue;
                 }
                 "proxy" => {
-                    let x = nums(k, v, 2)?;
-                    r.proxy = Some([x[0], x[1]]);
+                    let x = nums(k, v, 4)?;
+                    r.proxy = Some([x[0], x[1], x[2], x[3]]);
                     continue;
                 }
                 "gates" => {
@@ -245,10 +251,17 @@ mod tests {
         ), "{lines}");
         assert_eq!(lines.lines().count(), 3);
         r.stages = Some([1.0, 2.0, 3.0, 4.5]);
-        r.proxy = Some([10.0, 20.5]);
+        r.proxy = Some([10.0, 20.5, -1.0, -1.0]);
         assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
         let lines = r.lines("moe_gpu");
-        assert!(lines.contains("proxy (last step, doorbell to done): dispatch 10.0 us, combine 20.5 us"));
+        assert!(lines.contains("proxy (last step, doorbell to done): dispatch 10.0 us, combine 20.5 us\n"));
+        assert!(!lines.contains("receive gate"), "no gates, no gate times");
+        r.proxy = Some([10.0, 20.5, 150.25, 90.0]);
+        assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
+        let lines = r.lines("moe_gpu");
+        assert!(lines.contains(
+            "proxy (last step, doorbell to done): dispatch 10.0 us, combine 20.5 us; to receive gate open: dispatch 150.2 us, combine 90.0 us"
+        ));
         assert!(lines.lines().nth(3).unwrap().contains("stages p50: dispatch_send    1.0 us"));
         r.gates = Some([4.0, 1.5, 2.5, 3.5, 900.25, 2.0]);
         assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));

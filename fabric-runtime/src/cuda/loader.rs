@@ -97,6 +97,13 @@ pub(crate) const GRAPH_SYMBOLS: &[&str] = &[
     "cuGraphDestroy",
 ];
 
+/// Stream memory operations (`stream.rs`): a wait on and a write of a 32-bit word in stream
+/// order. The `_v2` entry points: CUDA 11.7 and later, available on every platform without
+/// the `NVreg_EnableStreamMemOPs` module parameter the first versions needed, and what
+/// `cuda.h` maps `cuStreamWaitValue32` / `cuStreamWriteValue32` to since CUDA 12 (the plain
+/// names are the old versions, which cudarc's `cuda-13000` bindings no longer have).
+pub(crate) const STREAM_MEMOP_SYMBOLS: &[&str] = &["cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"];
+
 /// NVRTC entry points called by this module.
 const NVRTC_SYMBOLS: &[&str] = &[
     "nvrtcVersion",

@@ -60,4 +60,4 @@ pub use memory::{
     PointerInfo,
 };
 pub use nvrtc::{compile, nvrtc_version, Function, KernelArgs, LaunchConfig, Module};
-pub use stream::{Event, EventStatus, Stream};
+pub use stream::{stream_memops_supported, Event, EventStatus, Stream, WaitValue};

@@ -10,7 +10,7 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::fmt;
 use std::ptr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
 use cudarc::driver::sys::CUresult;
@@ -433,5 +433,154 @@ impl Drop for Event {
         // SAFETY: destroyed once. Destroying an event whose work is pending is allowed: the
         // driver releases it when the work completes.
         let _ = unsafe { cu::cuEventDestroy_v2(self.raw) };
+    }
+}
+
+/// The condition of a stream's wait on a 32-bit word ([`Stream::wait_value32_raw`],
+/// [`Context::wait_value32_raw`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitValue {
+    /// `(int32_t)(*addr - value) >= 0`: a cyclic greater-or-equal, so a sequence number that
+    /// wraps past `u32::MAX` still compares right (`CU_STREAM_WAIT_VALUE_GEQ`).
+    Geq,
+    /// `*addr == value` (`CU_STREAM_WAIT_VALUE_EQ`).
+    Eq,
+    /// `(*addr & value) != 0` (`CU_STREAM_WAIT_VALUE_AND`).
+    And,
+}
+
+impl WaitValue {
+    fn flags(self) -> u32 {
+        use cu::CUstreamWaitValue_flags as F;
+        match self {
+            WaitValue::Geq => F::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            WaitValue::Eq => F::CU_STREAM_WAIT_VALUE_EQ as u32,
+            WaitValue::And => F::CU_STREAM_WAIT_VALUE_AND as u32,
+        }
+    }
+}
+
+/// Whether the loaded driver has the stream memory operations ([`Stream::wait_value32_raw`],
+/// [`Stream::write_value32_raw`] and their [`Context`] forms): CUDA 11.7 or later. `false`
+/// without a driver (and so on the CPU emulation, which has no streams). Checked once per
+/// process.
+pub fn stream_memops_supported() -> bool {
+    static SUPPORTED: OnceLock<bool> = OnceLock::new();
+    *SUPPORTED.get_or_init(|| loader::STREAM_MEMOP_SYMBOLS.iter().all(|s| loader::has_driver_symbol(s)))
+}
+
+fn memops() -> Result<()> {
+    if stream_memops_supported() {
+        Ok(())
+    } else {
+        Err(Error::Unsupported(
+            "this CUDA driver has no stream memory operations (CUDA 11.7 or later)".into(),
+        ))
+    }
+}
+
+/// Stream memory operations: a stream that waits for a 32-bit word to meet a condition
+/// before running what was queued after the wait, and a write of a word in stream order.
+/// Both are stream operations like a kernel launch (no host synchronization), so they can be
+/// captured in a CUDA graph (as batch memory-operation nodes, CUDA 11.7 and later).
+///
+/// NVIDIA's warning applies: the ordering such a wait creates is invisible to CUDA, and the
+/// driver may serialize other work (of this process, on any stream) behind a waiting
+/// stream. Whatever makes the condition true (a host thread, another device's copy) must not
+/// depend on work that may queue behind the wait, and should give up and satisfy the
+/// condition after a bound of its own rather than leave the stream waiting forever.
+impl Context {
+    /// Makes work queued on `stream` after this call wait (on the GPU; the calling thread
+    /// does not) until the 32-bit word at device address `addr` meets `cond` against
+    /// `value`. `stream` is a raw `CUstream` of this context's device, as an integer (a
+    /// [`Stream::handle`], another library's stream; 0 is the legacy default stream).
+    ///
+    /// Errors: [`Error::Unsupported`] where [`stream_memops_supported`] is false; the
+    /// driver's refusal (a misaligned or unmapped address) as [`Error::Cuda`].
+    ///
+    /// # Safety
+    ///
+    /// `addr` must be the device address of a 4-byte aligned word of device memory or of
+    /// pinned, device-mapped host memory (a [`PinnedHostBuffer::device_ptr`]; not managed
+    /// memory) that stays allocated until the stream has passed the wait (and as long as a
+    /// graph captured with it may be replayed). `stream` must be a live stream of this
+    /// device. Something must make the condition true eventually: until then the stream,
+    /// and anything that synchronizes with it, waits.
+    pub unsafe fn wait_value32_raw(&self, stream: u64, addr: u64, value: u32, cond: WaitValue) -> Result<()> {
+        memops()?;
+        let _cur = self.enter()?;
+        // SAFETY: the symbol is present (checked above); the caller guarantees the address,
+        // its lifetime and the stream, and that the wait ends.
+        check("cuStreamWaitValue32", unsafe {
+            cu::cuStreamWaitValue32_v2(stream as usize as cu::CUstream, addr, value, cond.flags())
+        })
+    }
+
+    /// Writes `value` into the 32-bit word at device address `addr` when `stream` gets
+    /// there, after the work queued before it, with a memory fence before the write (the
+    /// default of `cuStreamWriteValue32`: earlier writes of the stream are visible first).
+    /// `stream` as for [`wait_value32_raw`](Self::wait_value32_raw).
+    ///
+    /// Errors: as [`wait_value32_raw`](Self::wait_value32_raw).
+    ///
+    /// # Safety
+    ///
+    /// `addr` as for [`wait_value32_raw`](Self::wait_value32_raw), valid until the stream
+    /// has passed the write; nothing may rely on the word keeping another value meanwhile.
+    /// `stream` must be a live stream of this device.
+    pub unsafe fn write_value32_raw(&self, stream: u64, addr: u64, value: u32) -> Result<()> {
+        memops()?;
+        let _cur = self.enter()?;
+        let flags = cu::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+        // SAFETY: the symbol is present (checked above); the caller guarantees the address,
+        // its lifetime and the stream.
+        check("cuStreamWriteValue32", unsafe {
+            cu::cuStreamWriteValue32_v2(stream as usize as cu::CUstream, addr, value, flags)
+        })
+    }
+}
+
+impl Stream {
+    /// [`Context::wait_value32_raw`] on this stream.
+    ///
+    /// # Safety
+    ///
+    /// As [`Context::wait_value32_raw`].
+    pub unsafe fn wait_value32_raw(&self, addr: u64, value: u32, cond: WaitValue) -> Result<()> {
+        // SAFETY: the caller's contract; this stream is live and of this context.
+        unsafe { self.context().wait_value32_raw(self.handle(), addr, value, cond) }
+    }
+
+    /// [`Context::write_value32_raw`] on this stream.
+    ///
+    /// # Safety
+    ///
+    /// As [`Context::write_value32_raw`].
+    pub unsafe fn write_value32_raw(&self, addr: u64, value: u32) -> Result<()> {
+        // SAFETY: the caller's contract; this stream is live and of this context.
+        unsafe { self.context().write_value32_raw(self.handle(), addr, value) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_conditions_are_the_drivers_flags() {
+        assert_eq!(WaitValue::Geq.flags(), 0);
+        assert_eq!(WaitValue::Eq.flags(), 1);
+        assert_eq!(WaitValue::And.flags(), 2);
+    }
+
+    #[test]
+    fn memops_need_a_driver_that_has_them() {
+        // Without a driver: unsupported, no panic. With one: whatever its symbols say.
+        if crate::cuda::driver().is_err() {
+            assert!(!stream_memops_supported());
+            assert!(matches!(memops(), Err(Error::Unsupported(_))));
+        }
+        assert_eq!(memops().is_ok(), stream_memops_supported());
     }
 }
