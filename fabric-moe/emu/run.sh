@@ -1,6 +1,6 @@
 #!/bin/bash
 # Runs fabric-moe's kernels on the CPU (no GPU, no CUDA toolkit: a C++20 compiler): the
-# three PTX helpers of ../src/kernels/ (globaltimer, acquire load, release store) are swapped for
+# PTX helpers of ../src/kernels/ (globaltimer, acquire loads, release stores) are swapped for
 # host equivalents, everything else is compiled as written against shim.h, and main.cpp
 # checks dispatch and combine of several steps. What it cannot check: the GPU's memory
 # model across NVLink, CUDA IPC, launches. Usage: fabric-moe/emu/run.sh
@@ -30,6 +30,8 @@ replace_body("__device__ __forceinline__ u64 now_ns()",
              "std::chrono::steady_clock::now().time_since_epoch()).count(); ")
 replace_body("__device__ __forceinline__ u64 ld_acquire_sys(const u64* p)", " return __atomic_load_n(p, __ATOMIC_ACQUIRE); ")
 replace_body("__device__ __forceinline__ void st_release_sys(u64* p, u64 v)", " __atomic_store_n(p, v, __ATOMIC_RELEASE); ")
+replace_body("__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p)", " return __atomic_load_n(p, __ATOMIC_ACQUIRE); ")
+replace_body("__device__ __forceinline__ void st_release_gpu(u64* p, u64 v)", " __atomic_store_n(p, v, __ATOMIC_RELEASE); ")
 import re; src = re.sub(r"#pragma unroll( [0-9]+)?", "", src).replace('extern "C" __global__', "__global__")
 open(sys.argv[2], "w").write('#include "shim.h"\n' + src)
 PY

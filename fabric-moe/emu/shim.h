@@ -17,6 +17,7 @@ std::vector<std::unique_ptr<std::barrier<>>> g_warp_bars;
 unsigned g_warp_vals[64][32];
 unsigned long long g_warp_vals64[64][32];
 #define __global__
+#define __launch_bounds__(...)
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
@@ -41,6 +42,8 @@ inline int __shfl_sync(unsigned, int v, int src) {
   g_warp_bars[w]->arrive_and_wait();
   return r;
 }
+inline void __syncwarp() { g_warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }

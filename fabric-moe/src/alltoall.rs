@@ -169,10 +169,17 @@ impl AllToAll {
         let blocks = sms.min(((config.ranks * config.max_tokens).div_ceil(8)) as u32).max(1);
         // As kernels/common.cu's row_seg_len splits a row at most: 32 chunks of 8 bf16 (512 B).
         let segs = config.hidden.div_ceil(8).div_ceil(32);
-        let seg_blocks = sms.min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
+        // Two blocks per SM where every stage kernel fits twice (`__launch_bounds__(256, 2)`:
+        // twice the loads in flight, which the latency-bound steps need), else one.
+        let twice = [&kernels.dispatch, &kernels.combine, &kernels.dispatch_send, &kernels.combine_send]
+            .iter()
+            .try_fold(true, |ok, f| Ok::<_, MoeError>(ok && f.max_active_blocks_per_sm(THREADS, 0)? >= 2))?;
+        let per_sm = if twice { 2 } else { 1 };
+        let seg_blocks =
+            (sms * per_sm).min((config.ranks * config.max_tokens * segs).div_ceil(8) as u32).max(1);
         let combine_recv_blocks = sms.min((config.max_tokens * segs).div_ceil(8) as u32).max(1);
         // A fused kernel's blocks wait for a flag its last block raises: the whole grid must
-        // be resident at once (one block per SM at most here, so any device holds it).
+        // be resident at once.
         let resident = |f: &cuda::Function| -> Result<bool> {
             Ok(f.max_active_blocks_per_sm(THREADS, 0)?.saturating_mul(sms) >= seg_blocks)
         };

@@ -55,9 +55,7 @@ __device__ void combine_send_body(const char* expert_out, const char* window, co
             // this rank's experts: it goes back as it is.
             const char* src = expert_out + (u64)i * row_bytes;
             if (vec) {
-                u32 end = min(chunks, (seg + 1) * seg_len);
-#pragma unroll 4
-                for (u32 c = seg * seg_len + lane; c < end; c += 32) ((V16*)dst)[c] = ((const V16*)src)[c];
+                copy_seg((V16*)dst, (const V16*)src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
             } else {
                 copy_row(dst, src, (u32)row_bytes, lane);
             }
@@ -80,7 +78,31 @@ __device__ void combine_send_body(const char* expert_out, const char* window, co
                 }
             }
             u32 end = min(chunks, (seg + 1) * seg_len);
-            for (u32 c = seg * seg_len + lane; c < end; c += 32) {
+            u32 c = seg * seg_len + lane;
+            // Two chunks a round: every expert row's two loads in flight before the stores
+            // (which may alias them as far as the compiler knows).
+            for (; c + 32 < end; c += 64) {
+                V16 v[FAST_K], w[FAST_K];
+#pragma unroll
+                for (int j = 0; j < FAST_K; ++j) {
+                    if (rows[j]) {
+                        v[j] = rows[j][c];
+                        w[j] = rows[j][c + 32];
+                    }
+                }
+                float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                float acc2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int j = 0; j < FAST_K; ++j) {
+                    if (rows[j]) {
+                        fma8(acc, v[j], ws[j]);
+                        fma8(acc2, w[j], ws[j]);
+                    }
+                }
+                ((V16*)dst)[c] = pack8(acc);
+                ((V16*)dst)[c + 32] = pack8(acc2);
+            }
+            for (; c < end; c += 32) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int j = 0; j < FAST_K; ++j) {
@@ -118,7 +140,7 @@ __device__ void combine_send_body(const char* expert_out, const char* window, co
         }
     }
     if (blockIdx.x == 0) PROBE(status, 11);
-    if (!last_block(&state[ST_DONE_CSEND])) return;
+    if (!last_block(&state[ST_DONE_CSEND], true)) return;
     PROBE(status, 12);
     u64 seq = (state[ST_CSEND] + 1) & 0xffffffffull;
     if (threadIdx.x < ranks) {
@@ -185,7 +207,30 @@ __device__ void combine_recv_body(char* out, const char* window, const int* send
                     rows[d] = slot < 0 ? (const V16*)0 : (const V16*)partial(window, off_cx, local_out, rank, d, max_tokens, slot, row_bytes);
                 }
                 u32 end = min(chunks, (seg + 1) * seg_len);
-                for (u32 c = seg * seg_len + lane; c < end; c += 32) {
+                u32 c = seg * seg_len + lane;
+                // Two chunks a round, every row's loads before the stores (as in the send).
+                for (; c + 32 < end; c += 64) {
+                    V16 v[FAST_R], w[FAST_R];
+#pragma unroll
+                    for (int d = 0; d < FAST_R; ++d) {
+                        if (rows[d]) {
+                            v[d] = rows[d][c];
+                            w[d] = rows[d][c + 32];
+                        }
+                    }
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                    float acc2[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int d = 0; d < FAST_R; ++d) {
+                        if (rows[d]) {
+                            fma8(acc, v[d], 1.0f);
+                            fma8(acc2, w[d], 1.0f);
+                        }
+                    }
+                    ((V16*)dst)[c] = pack8(acc);
+                    ((V16*)dst)[c + 32] = pack8(acc2);
+                }
+                for (; c < end; c += 32) {
                     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                     for (int d = 0; d < FAST_R; ++d) {
@@ -220,7 +265,7 @@ __device__ void combine_recv_body(char* out, const char* window, const int* send
         }
     }
     if (blockIdx.x == 0) PROBE(status, 16);
-    if (!last_block(&state[ST_DONE_CRECV])) return;
+    if (!last_block(&state[ST_DONE_CRECV], false)) return;
     PROBE(status, 17);
     if (threadIdx.x == 0) {
         state[ST_CRECV] = (state[ST_CRECV] + 1) & 0xffffffffull;
@@ -228,7 +273,7 @@ __device__ void combine_recv_body(char* out, const char* window, const int* send
     }
 }
 
-extern "C" __global__ void moe_combine_send(const char* expert_out, const char* window, const int* recv_pos,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_combine_send(const char* expert_out, const char* window, const int* recv_pos,
                                             const int* recv_count, const u64* peers, u64* state, u32 rank,
                                             u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
                                             u32 capacity, u32 hidden, u64 off_cflag, u64 off_meta,
@@ -238,7 +283,7 @@ extern "C" __global__ void moe_combine_send(const char* expert_out, const char* 
                       0);
 }
 
-extern "C" __global__ void moe_combine_recv(char* out, const char* window, const int* send_slot, u64* state,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_combine_recv(char* out, const char* window, const int* send_slot, u64* state,
                                             u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 hidden,
                                             u64 off_cflag, u64 off_cx, u64 timeout_ns, const u64* proxy) {
     combine_recv_body(out, window, send_slot, state, status, rank, ranks, max_tokens, hidden, off_cflag, off_cx,
@@ -248,7 +293,7 @@ extern "C" __global__ void moe_combine_recv(char* out, const char* window, const
 // Both stages in one launch (AllToAll::combine without proxy ranks), as moe_dispatch: every
 // block resident at once. Rank-major, this rank's own rows stay in expert_out (no copy
 // through the window).
-extern "C" __global__ void moe_combine(const char* expert_out, const char* window, const int* recv_pos,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_combine(const char* expert_out, const char* window, const int* recv_pos,
                                        const int* recv_count, const u64* peers, u64* state, u32 rank, u32 ranks,
                                        u32 max_tokens, u32 k, u32 experts_per_rank, u32 capacity, u32 hidden,
                                        u64 off_cflag, u64 off_meta, u64 off_cx, u32 rank_major, const u64* proxy,

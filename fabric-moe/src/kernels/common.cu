@@ -44,7 +44,8 @@ struct alignas(16) V16 {
 #define ST_CRECV 3
 #define ST_BARRIER 4
 #define ST_TOKENS 5
-// The step whose route block 0 of moe_dispatch_send finished (the other blocks wait for it).
+// How far block 0 of moe_dispatch_send has routed the step: seq << 32 | tokens routed (the
+// other blocks copy the rows of routed tokens).
 #define ST_ROUTED 6
 // Done-block counters of the kernels that end with a "last block" step.
 #define ST_DONE_DSEND 8
@@ -90,6 +91,18 @@ __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
 
 __device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// The same at device scope: for words only this GPU's blocks read (cheaper than a
+// system-scope fence, which also waits for writes to peers and the host).
+__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void report(u64* status, u64 kind, u64 detail) {
@@ -228,10 +241,27 @@ __device__ __forceinline__ void copy_row(char* __restrict__ dst, const char* __r
 // meta and places, is then paid once a row), down to 32 chunks (512 B, one per lane) when
 // few; always a multiple of 32, so that no lane idles inside a segment.
 __device__ __forceinline__ u32 row_seg_len(u32 chunks, u32 warps, u32 rows) {
-    u32 want = rows == 0 ? 1 : (warps + rows - 1) / rows;
+    // Segments per row: as many as fit in one round of the warps (rounding up would give
+    // some warps a second item and double the stage's time).
+    u32 want = rows == 0 || rows >= warps ? 1 : warps / rows;
     u32 len = (chunks + want - 1) / want;
     len = (len + 31) / 32 * 32;
     return len < 32 ? 32 : len;
+}
+
+// One warp copies chunks [c0, c1) (16 B each) of src to dst: four loads issued before their
+// stores (the pointers may alias as far as the compiler knows, so a plain loop would wait
+// for each load), then the rest one by one.
+__device__ __forceinline__ void copy_seg(V16* dst, const V16* src, u32 c0, u32 c1, u32 lane) {
+    u32 i = c0 + lane;
+    for (; i + 96 < c1; i += 128) {
+        V16 a = src[i], b = src[i + 32], c = src[i + 64], e = src[i + 96];
+        dst[i] = a;
+        dst[i + 32] = b;
+        dst[i + 64] = c;
+        dst[i + 96] = e;
+    }
+    for (; i < c1; i += 32) dst[i] = src[i];
 }
 
 // Copies `bytes` of `src` to each non-null dst[j] (j < FAST_K), one warp: every chunk is
@@ -261,20 +291,31 @@ __device__ __forceinline__ void copy_row_multi(char* const* dst, const char* __r
     }
 }
 
-// The "last block" step: the block's writes are made visible system-wide, then one thread
-// per block counts the block done. Returns true in the block that came last (in all of its
-// threads); that block resets the counter for the next launch.
-__device__ bool last_block(u64* done) {
+// The "last block" step: the block's writes are made visible (system-wide with `sys`, for
+// writes that peers read; else on this GPU), then one thread per block counts the block
+// done. Returns true in the block that came last (in all of its threads); that block resets
+// the counter for the next launch.
+__device__ bool last_block(u64* done, bool sys) {
     __shared__ int last;
-    // The block's writes happen before thread 0's (bar.sync), whose system-scope fence then
-    // orders them, cumulatively, before its count (as cooperative groups' grid sync does at
-    // device scope): one fence per block, not one per thread.
+    // The block's writes happen before thread 0's (bar.sync), whose fence then orders them,
+    // cumulatively, before its count (as cooperative groups' grid sync does at device
+    // scope): one fence per block, not one per thread.
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        if (sys) {
+            __threadfence_system();
+        } else {
+            __threadfence();
+        }
         last = atomicAdd(done, 1ull) == (u64)(gridDim.x - 1);
         // And in the last block, every other block's writes before what follows.
-        if (last) __threadfence_system();
+        if (last) {
+            if (sys) {
+                __threadfence_system();
+            } else {
+                __threadfence();
+            }
+        }
     }
     __syncthreads();
     return last;

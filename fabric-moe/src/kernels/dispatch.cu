@@ -7,10 +7,12 @@
 // The route of a step, by one block (block 0 of moe_dispatch_send): send_slot[t][d] (slot of
 // token t in rank d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's place
 // among our rows for its j-th expert) and send_ecount[e] (our rows per expert); notes
-// num_tokens in the state.
+// num_tokens in the state. After each round of blockDim tokens it publishes how far it got,
+// state[ST_ROUTED] = seq << 32 | tokens routed, so that the other blocks copy the rows of
+// routed tokens while it routes the next ones (routed_upto).
 __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
                              u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
-                             int* send_ecount, u64* state, u64* status) {
+                             int* send_ecount, u64* state, u64* status, u64 seq) {
     __shared__ int wcount[32][MAX_RANKS];
     __shared__ int carry[MAX_RANKS];
     __shared__ int scount[ROUTE_SMEM_EXPERTS];
@@ -27,19 +29,29 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
         u32 t = base + tid;
         u64 mask = 0;
         if (t < num_tokens) {
-            for (u32 j = 0; j < k; ++j) {
-                i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
+            // The token's place among this rank's rows for expert e (any order, each place
+            // once): where the receiver puts it, after the earlier sources'.
+            auto place_one = [&](u32 j, i64 e) {
                 int pos = -1;
                 if (e >= total) {
                     report(status, ERR_BAD_EXPERT, t);
                 } else if (e >= 0) {
                     mask |= 1ull << (u32)(e / experts_per_rank);
-                    // The token's place among this rank's rows for expert e (any order, each
-                    // place once): where the receiver puts it, after the earlier sources'.
                     pos = atomicAdd(&counts[e], 1);
                 }
                 send_pos[(u64)t * k + j] = pos;
+            };
+            // The token's first FAST_K ids loaded before any of them is placed (placing
+            // stores, so the compiler would not move a later load above it), in registers
+            // (every index known at compile time).
+            i64 ids[FAST_K];
+#pragma unroll
+            for (u32 j = 0; j < FAST_K; ++j) ids[j] = j < k ? expert_of(topk_idx, idx64, (u64)t * k + j) : -1;
+#pragma unroll
+            for (u32 j = 0; j < FAST_K; ++j) {
+                if (j < k) place_one(j, ids[j]);
             }
+            for (u32 j = FAST_K; j < k; ++j) place_one(j, expert_of(topk_idx, idx64, (u64)t * k + j));
         }
         for (u32 d = 0; d < ranks; ++d) {
             u32 ballot = __ballot_sync(0xffffffffu, (u32)(mask >> d) & 1u);
@@ -64,6 +76,13 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
             }
         }
         __syncthreads();
+        if (tid == 0) {
+            // The block's slots and places of this round (ordered before thread 0's fence by
+            // the barrier), then how far the route got.
+            __threadfence();
+            u32 upto = min(num_tokens, base + blockDim.x);
+            st_release_gpu(&state[ST_ROUTED], (seq << 32) | upto);
+        }
     }
     if (tid < ranks) send_count[tid] = carry[tid];
     if (smem) {
@@ -71,13 +90,52 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
     }
 }
 
+// Lane 0 of a warp waits until block 0's route of step `seq` has routed token t (its word
+// state[ST_ROUTED], see route_tokens); returns how far the route got (the warp's cache), or
+// 0 and a report on timeout.
+__device__ u32 routed_upto(u64* state, u64* status, u64 seq, u32 t, u64 timeout_ns) {
+    u32 lane = threadIdx.x & 31;
+    u32 upto = 0;
+    if (lane == 0) {
+        u64 start = now_ns();
+        for (;;) {
+            u64 w = ld_acquire_gpu(&state[ST_ROUTED]);
+            if ((w >> 32) == seq && (u32)w > t) {
+                upto = (u32)w;
+                break;
+            }
+            if (now_ns() - start > timeout_ns) {
+                report(status, ERR_DISPATCH_TIMEOUT, 0);
+                break;
+            }
+            __nanosleep(64);
+        }
+    }
+    upto = (u32)__shfl_sync(0xffffffffu, (int)upto, 0);
+    // Lane 0's acquire orders the route's writes before the warp's reads after this.
+    __syncwarp();
+    return upto;
+}
+
 // One warp copies chunks [c0, c1) (16 B each) of `src` to each non-null dst[j] (j < FAST_K):
 // each chunk is loaded once and stored to every destination.
 __device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __restrict__ src, u32 c0, u32 c1,
                                                u32 lane) {
     const V16* s = (const V16*)src;
-#pragma unroll 4
-    for (u32 i = c0 + lane; i < c1; i += 32) {
+    u32 i = c0 + lane;
+    // Two loads in flight before the stores (which may alias them as far as the compiler
+    // knows).
+    for (; i + 32 < c1; i += 64) {
+        V16 v = s[i], w = s[i + 32];
+#pragma unroll
+        for (int j = 0; j < FAST_K; ++j) {
+            if (dst[j]) {
+                ((V16*)dst[j])[i] = v;
+                ((V16*)dst[j])[i + 32] = w;
+            }
+        }
+    }
+    for (; i < c1; i += 32) {
         V16 v = s[i];
 #pragma unroll
         for (int j = 0; j < FAST_K; ++j) {
@@ -95,35 +153,28 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
                                    const u64* proxy) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
-    // Block 0 routes the step's tokens; the other blocks wait for its word (blocks start in
-    // order, so block 0 is running or done by then; the wait is bounded all the same).
-    __shared__ int unrouted;
+    // Block 0 routes the step's tokens, a round of blockDim tokens at a time; the other
+    // blocks' warps copy the rows of every token it has routed so far (routed_upto: blocks
+    // start in order, so block 0 is running or done by then; the wait is bounded all the
+    // same).
     u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
     if (blockIdx.x == 0) PROBE(status, 0);
+    u32 routed = 0;
     if (blockIdx.x == 0) {
         route_tokens(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
-                     send_ecount, state, status);
-        __threadfence();
+                     send_ecount, state, status, seq);
+        routed = num_tokens;
         __syncthreads();
-        if (threadIdx.x == 0) {
-            unrouted = 0;
-            st_release_sys(&state[ST_ROUTED], seq);
+        // Our rows per expert into each destination's ecount, now (ordered before the flag by
+        // this block's fence in last_block, whichever block raises it).
+        for (u32 q = threadIdx.x; q < ranks * experts_per_rank; q += blockDim.x) {
+            u32 d = q / experts_per_rank, le = q % experts_per_rank;
+            u32 sec;
+            char* base = px_base(peers, proxy, d, rank, &sec);
+            int* ecount = (int*)(base + off_ecount) + (u64)sec * experts_per_rank;
+            ecount[le] = send_ecount[q];
         }
-        __syncthreads();
         PROBE(status, 1);
-    } else {
-        if (threadIdx.x == 0) {
-            unrouted = 0;
-            u64 start = now_ns();
-            while (ld_acquire_sys(&state[ST_ROUTED]) != seq) {
-                if (now_ns() - start > timeout_ns) {
-                    unrouted = 1;
-                    report(status, ERR_DISPATCH_TIMEOUT, 0);
-                    break;
-                }
-            }
-        }
-        __syncthreads();
     }
     u32 meta_words = 1 + 3 * k;
     // Work items: (token, destination, segment: row_seg_len) where rows move 16 B a lane;
@@ -132,10 +183,15 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     u32 chunks = row_bytes / 16;
     u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens * ranks) : chunks;
     u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
-    u64 items = unrouted ? 0 : (u64)num_tokens * ranks * segs;
+    u64 items = (u64)num_tokens * ranks * segs;
     for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
         u32 i = (u32)(it / segs), seg = (u32)(it % segs);
         u32 t = i / ranks, d = i % ranks;
+        if (t >= routed) {
+            // (Warp-uniform: every lane has the same item.)
+            routed = routed_upto(state, status, seq, t, timeout_ns);
+            if (t >= routed) break;
+        }
         int slot = send_slot[i];
         if (slot < 0) continue;
         u32 sec;
@@ -144,11 +200,7 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
         char* dst = base + off_rx + row * row_bytes;
         const char* src = x + (u64)t * row_bytes;
         if (vec) {
-            const V16* s4 = (const V16*)src;
-            V16* d4 = (V16*)dst;
-            u32 end = min(chunks, (seg + 1) * seg_len);
-#pragma unroll 4
-            for (u32 c = seg * seg_len + lane; c < end; c += 32) d4[c] = s4[c];
+            copy_seg((V16*)dst, (const V16*)src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
         } else {
             copy_row(dst, src, row_bytes, lane);
         }
@@ -163,18 +215,10 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
         }
     }
     if (blockIdx.x == 0) PROBE(status, 2);
-    if (!last_block(&state[ST_DONE_DSEND])) return;
+    if (!last_block(&state[ST_DONE_DSEND], true)) return;
     PROBE(status, 3);
-    // Our rows per expert of each destination, then (ordered after them) its flag.
-    for (u32 q = threadIdx.x; q < ranks * experts_per_rank; q += blockDim.x) {
-        u32 d = q / experts_per_rank, le = q % experts_per_rank;
-        u32 sec;
-        char* base = px_base(peers, proxy, d, rank, &sec);
-        int* ecount = (int*)(base + off_ecount) + (u64)sec * experts_per_rank;
-        ecount[le] = send_ecount[q];
-    }
-    __threadfence_system();
-    __syncthreads();
+    // Every block's rows, metas and (block 0's) ecounts are ordered before this by the
+    // fences of last_block; the flag is a release store of its own.
     if (threadIdx.x < ranks) {
         u32 d = threadIdx.x;
         px_raise(peers, proxy, d, rank, off_dflag, PX_DISPATCH, (seq << 32) | (u32)send_count[d]);
@@ -295,8 +339,8 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
                         char* dst = x_expert + ((u64)le * capacity + pos) * row_bytes;
                         if (!copy) {
                         } else if (vec) {
-                            u32 end = min(chunks, (seg + 1) * seg_len);
-                            for (u32 c = seg * seg_len + lane; c < end; c += 32) ((V16*)dst)[c] = ((const V16*)src)[c];
+                            copy_seg((V16*)dst, (const V16*)src, seg * seg_len, min(chunks, (seg + 1) * seg_len),
+                                     lane);
                         } else {
                             copy_row(dst, src, row_bytes, lane);
                         }
@@ -307,7 +351,7 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
         }
     }
     if (blockIdx.x == 0) PROBE(status, 7);
-    if (!last_block(&state[ST_DONE_DRECV])) return;
+    if (!last_block(&state[ST_DONE_DRECV], false)) return;
     PROBE(status, 8);
     // Rows per local expert: every source's, clamped to what fits (an overflow was reported).
     if (!failed) {
@@ -324,7 +368,7 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
     }
 }
 
-extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_send(const char* x, const void* topk_idx, u32 idx64,
                                              const float* topk_weights, int* send_slot, int* send_count,
                                              int* send_pos, int* send_ecount, const u64* peers, u64* state,
                                              u64* status, u32 num_tokens, u32 rank, u32 ranks, u32 max_tokens,
@@ -336,7 +380,7 @@ extern "C" __global__ void moe_dispatch_send(const char* x, const void* topk_idx
                        off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy);
 }
 
-extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
                                              int* src_info, int* recv_pos, int* recv_count, u64* state,
                                              u64* status, u32 rank, u32 ranks, u32 max_tokens, u32 k,
                                              u32 experts_per_rank, u32 capacity, u32 row_bytes,
@@ -353,7 +397,7 @@ extern "C" __global__ void moe_dispatch_recv(const char* window, char* x_expert,
 // boundary less and the waits overlap the last block's flag step. Every block must be
 // resident at once (the host checks the occupancy): a block waits for this rank's own flag,
 // which the last block to finish sending raises.
-extern "C" __global__ void moe_dispatch(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
+extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
                                         int* send_slot, int* send_count, int* send_pos, int* send_ecount,
                                         const u64* peers, u64* state, u64* status, u32 num_tokens, u32 rank,
                                         u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
