@@ -7,10 +7,11 @@
 //   moe_dispatch_send  block 0 routes: topk_idx -> send_slot[t][d] (slot of token t in rank
 //                      d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's
 //                      place among our rows for expert j), send_ecount[e] (our rows per
-//                      expert); then every block: token rows + meta (token index, experts,
-//                      weights, places) into each peer's window, a (row, segment) per warp;
-//                      the last block writes our rows per expert into each peer's ecount
-//                      and raises flag[d][me] = (seq << 32) | count
+//                      expert), publishing its progress per round, then writes our rows
+//                      per expert into each peer's ecount; every block: token rows + meta
+//                      (token index, experts, weights, places) of routed tokens into each
+//                      peer's window, a (row, segment) per warp; the last block raises
+//                      flag[d][me] = (seq << 32) | count
 //   moe_dispatch_recv  waits for every source's flag, then copies each received row segment
 //                      into the expert-major x_expert[le][pos]: pos = the rows of earlier
 //                      sources for that expert plus the row's place (no atomics)
@@ -18,6 +19,8 @@
 //                      into the source's window; the last block raises the combine flags
 //   moe_combine_recv   waits for the combine flags, then out[t] = sum over ranks of the
 //                      partial sums (f32), as bf16
+//   moe_dispatch, moe_combine: the two stages of each in one launch (NVLink only; every
+//                      block resident at once)
 //
 // Ranks in the proxy mask (proxy.rs; another host, or Transport::Proxy) are reached through
 // the proxy instead: see "The proxy transport" below; the stages call its three helpers
