@@ -5,7 +5,7 @@
 //
 // The proxy transport (mode 1: every pair; mode 2: the last rank with every other, the rest
 // NVLink) is emulated by `proxy_pass` between the send and the receive stages: what
-// src/proxy.rs's thread does with a doorbell (plan(): the same writes, each one arrival of
+// src/proxy/'s thread does with a doorbell (plan(): the same writes, each one arrival of
 // the stage's counter at the destination), with memcpy for the engine.
 #include "kernels_emu.h"
 #include <cstdio>
@@ -49,7 +49,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       for (u32 st = 0; st < 2; ++st) { px[PX_COUNTER + st * MAX_RANKS + d] = (u64)&ctr[(r * 2 + st) * MAX_RANKS + d]; px[PX_BASE + st * MAX_RANKS + d] = 7; }
     }
   }
-  // proxy.rs's plan() and thread: for each new doorbell of `stage`, its writes from the
+  // proxy/'s plan() and thread: for each new doorbell of `stage`, its writes from the
   // outbox section of the destination to the section of the source, one arrival each.
   auto proxy_pass = [&](u32 stage) {
     u64 tt = T;

@@ -18,7 +18,7 @@
 //!   d holding what goes to rank d; the proxy writes section d of each region to section
 //!   `rank` of rank d's window (`proxy::plan`).
 //!
-//! proxy words (u64; `kernels/common.cu` has the same numbers, `proxy.rs` fills them):
+//! proxy words (u64; `kernels/common.cu` has the same numbers, `proxy/mod.rs` fills them):
 //!   [0] mask of the ranks reached through the proxy | [1] outbox address |
 //!   [2] doorbells address (pinned, mapped: [stage][MAX_RANKS] u64) |
 //!   [3 + stage * MAX_RANKS + s] address of the GpuCounter of source s (dispatch, combine) |

@@ -12,7 +12,7 @@
 //! At `new` every rank publishes its host's boot id, the shape it was configured with and
 //! the IPC export of its window; a rank with another shape fails the exchange with a clear
 //! error instead of a wrong mapping. The same records decide which pairs of ranks take the
-//! proxy transport instead (`proxy.rs`): those on different hosts (`Transport::Auto`), or
+//! proxy transport instead (`proxy/`): those on different hosts (`Transport::Auto`), or
 //! all (`Transport::Proxy`); every rank computes the same answer from the same records.
 //! Those ranks' windows are not mapped.
 

@@ -56,7 +56,7 @@ pub struct RankReport {
     pub graph_clocks: Option<String>,
     /// Every step checked, the GPU idle between steps.
     pub checked: PassTimes,
-    /// With [`Params::stages`]: p50 of dispatch_send, dispatch_recv, combine_send,
+    /// With [`Params::stages`](super::Params::stages): p50 of dispatch_send, dispatch_recv, combine_send,
     /// combine_recv, µs.
     pub stages: Option<[f64; 4]>,
     /// Through the proxy: its last step's time from the doorbell to its writes done, of

@@ -22,7 +22,7 @@
 //   moe_dispatch, moe_combine: the two stages of each in one launch (NVLink only; every
 //                      block resident at once)
 //
-// Ranks in the proxy mask (proxy.rs; another host, or Transport::Proxy) are reached through
+// Ranks in the proxy mask (proxy/; another host, or Transport::Proxy) are reached through
 // the proxy instead: see "The proxy transport" below; the stages call its three helpers
 // where they would store into a peer's window, raise its flag, or wait for a flag.
 //
@@ -56,13 +56,13 @@ struct alignas(16) V16 {
 #define ST_DONE_CSEND 10
 #define ST_DONE_CRECV 11
 
-// Error kinds in `status[0]` (kind << 32 | detail); see `Status` in alltoall.rs.
+// Error kinds in `status[0]` (kind << 32 | detail); see `AllToAll::check` (alltoall/readback.rs).
 #define ERR_DISPATCH_TIMEOUT 1ull
 #define ERR_COMBINE_TIMEOUT 2ull
 #define ERR_CAPACITY 3ull
 #define ERR_BAD_EXPERT 4ull
 #define ERR_BARRIER_TIMEOUT 5ull
-// 6 (a failed proxy write) is written by the host's proxy thread (proxy.rs).
+// 6 (a failed proxy write) is written by the host's proxy thread (proxy/worker.rs).
 
 #define MAX_RANKS 64
 
@@ -128,7 +128,7 @@ __device__ u64 wait_seq(const u64* flag, u32 want, u64 timeout_ns, int* failed) 
     return w;
 }
 
-// ---- The proxy transport (proxy.rs, docs/moe.md "Phase 2") ----
+// ---- The proxy transport (proxy/, docs/moe.md "Phase 2") ----
 // For a rank d in proxy[PX_MASK], a send kernel writes what would go to section `rank` of
 // d's window into section d of this rank's outbox (the window's layout), and raises the flag
 // there and in doorbell[stage][d] (pinned host memory the proxy thread polls). The proxy
