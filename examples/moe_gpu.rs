@@ -93,6 +93,10 @@ struct Cli {
     /// expert) or by source rank (prefill: no copy per expert).
     #[arg(long, value_name = "L", default_value = "expert-major", value_parser = ["expert-major", "rank-major"])]
     layout: String,
+    /// Whether the one-kernel combine streams (half its blocks send while the others sum the
+    /// tokens whose rows have landed): auto (prefill shapes), on, off.
+    #[arg(long, value_name = "S", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    streamed: String,
     /// Internal: this process's rank, started by rank 0 whose TcpStore is at --store.
     #[arg(long, hide = true, default_value_t = 0)]
     rank: usize,
@@ -117,6 +121,11 @@ impl Cli {
             transport: self.transport.parse::<Transport>().expect("clap checked --transport"),
             provider: self.provider.clone(),
             layout: self.layout.parse::<RecvLayout>().expect("clap checked --layout"),
+            streamed: match self.streamed.as_str() {
+                "on" => Some(true),
+                "off" => Some(false),
+                _ => None,
+            },
         }
     }
 }

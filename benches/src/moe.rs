@@ -76,8 +76,10 @@ struct MoeArgs {
     #[arg(long, value_enum, default_value_t = ShapeArg::Both)]
     shape: ShapeArg,
     /// The transports, comma-separated: nvlink (CUDA IPC stores; dispatch and combine one
-    /// fused kernel each), nvlink-split (the same, each stage its own launch), proxy-shm,
-    /// proxy-tcp (the proxy thread writing with an shm or tcp engine).
+    /// fused kernel each; the combine streamed at prefill sizes), nvlink-split (the same,
+    /// each stage its own launch), nvlink-unstreamed (nvlink with the combine never
+    /// streamed; not in the default list), proxy-shm, proxy-tcp (the proxy thread writing
+    /// with an shm or tcp engine).
     #[arg(long, value_name = "LIST", default_value = "nvlink,nvlink-split,proxy-shm,proxy-tcp", value_parser = transports)]
     transports: TransportList,
     /// Ranks (processes); rank r on GPU r % devices. NCCL needs a GPU per rank.
@@ -113,6 +115,9 @@ pub enum Via {
     Nvlink,
     /// NVLink, each stage its own launch (`--split`): the fused kernels' comparison.
     NvlinkSplit,
+    /// NVLink, the fused combine never streamed (`--streamed off`): the streamed combine's
+    /// comparison (prefill; at decode sizes nvlink does not stream either).
+    NvlinkUnstreamed,
     ProxyShm,
     ProxyTcp,
 }
@@ -122,6 +127,7 @@ impl Via {
         match self {
             Via::Nvlink => "nvlink",
             Via::NvlinkSplit => "nvlink-split",
+            Via::NvlinkUnstreamed => "nvlink-unstreamed",
             Via::ProxyShm => "proxy-shm",
             Via::ProxyTcp => "proxy-tcp",
         }
@@ -130,7 +136,7 @@ impl Via {
     /// The all-to-all's transport and the engine's provider.
     fn setup(self) -> (Transport, &'static str) {
         match self {
-            Via::Nvlink | Via::NvlinkSplit => (Transport::Nvlink, "shm"),
+            Via::Nvlink | Via::NvlinkSplit | Via::NvlinkUnstreamed => (Transport::Nvlink, "shm"),
             Via::ProxyShm => (Transport::Proxy, "shm"),
             Via::ProxyTcp => (Transport::Proxy, "tcp"),
         }
@@ -151,9 +157,14 @@ pub fn parse_transports(s: &str) -> Result<Vec<Via>, String> {
         let t = match w {
             "nvlink" => Via::Nvlink,
             "nvlink-split" => Via::NvlinkSplit,
+            "nvlink-unstreamed" => Via::NvlinkUnstreamed,
             "proxy-shm" => Via::ProxyShm,
             "proxy-tcp" => Via::ProxyTcp,
-            other => return Err(format!("{other:?}: expected nvlink, nvlink-split, proxy-shm or proxy-tcp")),
+            other => {
+                return Err(format!(
+                    "{other:?}: expected nvlink, nvlink-split, nvlink-unstreamed, proxy-shm or proxy-tcp"
+                ))
+            }
         };
         if !v.contains(&t) {
             v.push(t);
@@ -250,7 +261,8 @@ fn leader(rt: &tokio::runtime::Runtime, a: &MoeArgs) -> Result<(), harness::BoxE
         for &via in vias {
             let (transport, provider) = via.setup();
             let split = via == Via::NvlinkSplit;
-            let p = Params { transport, provider: provider.into(), split, ..base.clone() };
+            let streamed = (via == Via::NvlinkUnstreamed).then_some(false);
+            let p = Params { transport, provider: provider.into(), split, streamed, ..base.clone() };
             eprintln!("moe: {shape} over {} ({} steps + {} warm-up)", via.name(), p.steps, p.warmup);
             let spawn = |args: Vec<String>| -> Result<std::process::Child, harness::BoxError> {
                 Ok(Command::new(&exe).arg("moe-rank").args(args).stdin(Stdio::null()).spawn()?)

@@ -22,10 +22,14 @@ static float bf(u16 h) { return __uint_as_float((u32)h << 16); }
 static u16 tobf(float f) { return (u16)f32_to_bf16(f); }
 
 static bool g_local = false;
+// Streamed combine (moe_combine with send_blocks): its halves with the first half of the
+// blocks sending, a flag per row, and the rest summing behind the flags; g_drop_flag also
+// clears one row flag before the sums, which must then time out and report, not hang.
+static bool g_stream = false, g_drop_flag = false;
 int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int steps, bool one_expert, int mode = 0, u32 rm = 0) {
   u32 rb = H * 2, mw = 1 + 3 * K;
-  // window: dflag cflag bflag ecount meta rx cx
-  u64 wo[7]; u64 wlen = stack({8ull*R, 8ull*R, 8ull*R, 4ull*R*E, 4ull*R*T*mw, (u64)R*T*rb, (u64)R*T*rb}, wo);
+  // window: dflag cflag bflag ecount meta rx cx crow
+  u64 wo[8]; u64 wlen = stack({8ull*R, 8ull*R, 8ull*R, 4ull*R*E, 4ull*R*T*mw, (u64)R*T*rb, (u64)R*T*rb, 8ull*R*T}, wo);
   const u64 PXW = 3 + 4 * MAX_RANKS;
   // private: state peers send_slot send_count recv_count recv_pos expert_count src_info x_expert combined send_pos send_ecount proxy
   u64 po[14]; u64 plen = stack({8ull*16, 8ull*R, 4ull*T*R, 4ull*R, 4ull*R, 4ull*R*T*K, 4ull*E, 4ull*E*cap, (u64)E*cap*rb, (u64)T*rb, 4ull*T*K, 4ull*R*E, 8*PXW, 4ull*E*cap}, po);
@@ -114,13 +118,34 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       else launch(moe_toy_experts, blocks, 256, (const char*)(P(r)+po[8]), O(r), (const int*)(P(r)+po[6]), r, E, cap, H);
     if (rm && g_local)
       for (u32 r = 0; r < R; ++r) memset(W(r) + wo[6] + (u64)r * T * rb, 0x5a, (u64)T * rb);
+    // Streamed: blocks [0, sb) send, [sb, seg_blocks) sum.
+    u32 sb = g_stream ? std::max<u32>(1, seg_blocks / 2) : seg_blocks;
+    if (g_stream && sb == seg_blocks) { printf("streamed case needs 2+ blocks\n"); return 1; }
+    u64 crow = g_stream ? wo[7] : 0;
+    const char* lo = rm && g_local ? (const char*)O(0) : nullptr;
     for (u32 r = 0; r < R; ++r)
-      if (rm && g_local) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], 1u);
+      if (g_stream) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], (u32)(lo != nullptr), sb, crow);
+      else if (rm && g_local) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], 1u, seg_blocks, (u64)0);
       else launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8]);
     proxy_pass(1);
+    if (g_drop_flag) {
+      // The flag of rank 1's row for rank 0's first token that went there.
+      const int* slot = (const int*)(P(0) + po[2]);
+      u32 t = 0;
+      while (t < ntok && slot[t * R + 1] < 0) ++t;
+      if (t == ntok) { printf("no token of rank 0 went to rank 1\n"); return 1; }
+      ((u64*)(W(0) + wo[7]))[(u64)1 * T + slot[t * R + 1]] = 0;
+    }
     for (u32 r = 0; r < R; ++r)
-      if (rm && g_local) launch(combine_recv_body, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]), (const char*)O(r));
+      if (g_stream) launch(combine_recv_body, seg_blocks, 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], g_drop_flag ? (u64)20000000ull : (u64)1000000000ull, (const u64*)(P(r)+po[12]), lo ? (const char*)O(r) : nullptr, sb, crow);
+      else if (rm && g_local) launch(combine_recv_body, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]), (const char*)O(r), 0u, (u64)0);
       else launch(moe_combine_recv, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
+    if (g_drop_flag) {
+      // Rank 0 waited for that row and gave up: a combine timeout, reported.
+      if ((status[0] >> 32) != 2) { if (bad++ < 5) printf("dropped flag: status %llx\n", status[0]); }
+      printf("R=%u T=%u streamed, one row flag dropped: %s\n", R, T, bad ? "FAIL" : "ok (timeout reported)");
+      return bad;
+    }
     for (u32 r = 0; r < R; ++r) {
       if (status[r*8]) { printf("status rank %u: %llx\n", r, status[r*8]); }
       // Past the capacity the dropped rows' terms are missing from the combine: only the
@@ -139,7 +164,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     // Every step wrote every stage's writes, and the kernels' doorbells carry the last step.
     if (ctr[(d * 2 + 0) * MAX_RANKS + r] != 7 + 4ull * steps || ctr[(d * 2 + 1) * MAX_RANKS + r] != 7 + 2ull * steps || (bells[(r * 3) * MAX_RANKS + d] >> 32) != (u64)steps) { if (bad++ < 5) printf("proxy counts r%u d%u\n", r, d); }
   }
-  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", bad ? "FAIL" : "ok", bad);
+  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_stream ? " streamed" : "", bad ? "FAIL" : "ok", bad);
   return bad;
 }
 int main() {
@@ -176,5 +201,16 @@ int main() {
   bad += run(3, 40, 16, 2, 4, 40, 120, true, 2, false, 0, 1);
   bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false, 0, 1);
   bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 2, 1);
+  // The streamed combine: rank-major with this rank's rows from expert_out, and expert-major
+  // (every partial through the windows), 2 and 3 ranks, the register and general paths.
+  g_stream = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 0, 1);
+  bad += run(3, 40, 16, 2, 4, 40, 120, true, 2, false, 0, 1);
+  bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false, 0, 1);
+  g_local = false;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 0, 0);
+  bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 0, 0);
+  g_drop_flag = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 0);
   return bad ? 1 : 0;
 }

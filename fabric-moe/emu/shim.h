@@ -46,6 +46,7 @@ inline void __syncwarp() { g_warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }

@@ -152,11 +152,23 @@ pub struct Config {
     /// Prefix of the keys this all-to-all uses in the rendezvous store; distinct all-to-alls
     /// that meet through one store need distinct tags.
     pub tag: String,
+    /// Whether the one-kernel [`combine`](crate::AllToAll::combine) streams: half of its
+    /// blocks send the partial rows, each with a flag of its own in the destination's
+    /// window, while the other half sum every token as soon as its rows have landed, so that
+    /// the sums overlap the send instead of following it. It pays where the send is long
+    /// (bandwidth-bound: prefill); a short one (decode) is faster with every block sending,
+    /// then every block summing. Default (`None`): streamed where the largest step (`ranks *
+    /// max_tokens` rows) gives every warp of the grid whole rows to send. The two stages
+    /// launched one by one, and the proxy, never stream; nor does any rank where one rank
+    /// does not (`new` agrees on it: a streaming rank waits for flags only a streaming
+    /// sender raises).
+    pub streamed_combine: Option<bool>,
 }
 
 impl Config {
     /// A config with the defaults: bf16, device `rank % devices`, capacity `ranks *
-    /// max_tokens`, a 10 s timeout, transport `Auto`, expert-major rows, tag `"moe"`.
+    /// max_tokens`, a 10 s timeout, transport `Auto`, expert-major rows, tag `"moe"`, the
+    /// combine streamed by shape.
     pub fn new(
         ranks: usize,
         rank: usize,
@@ -179,6 +191,7 @@ impl Config {
             transport: Transport::Auto,
             layout: RecvLayout::ExpertMajor,
             tag: "moe".into(),
+            streamed_combine: None,
         }
     }
 

@@ -4,9 +4,10 @@
 //!
 //! ```text
 //! window (exported through CUDA IPC, written by every rank):
-//!   dflag[R] u64 | cflag[R] u64 | bflag[R] u64 | ecount[R][E] i32 | meta[R][T][1+3K] i32 | rx[R][T][H] bf16 | cx[R][T][H] bf16
-//!    dispatch      combine        barrier       rows per local    token, experts,         dispatched rows     partial sums
-//!    (seq<<32|n)   flags          flags         expert, by source weights, positions      by source, slot     by expert rank
+//!   dflag[R] u64 | cflag[R] u64 | bflag[R] u64 | ecount[R][E] i32 | meta[R][T][1+3K] i32 | rx[R][T][H] bf16 | cx[R][T][H] bf16 | crow[R][T] u64
+//!    dispatch      combine        barrier       rows per local    token, experts,         dispatched rows     partial sums        flags of the cx
+//!    (seq<<32|n)   flags          flags         expert, by source weights, positions      by source, slot     by expert rank      rows (streamed
+//!                                                                                                                                   combine: seq<<32)
 //!
 //! private (this rank only):
 //!   state[16] u64 | peers[R] u64 | send_slot[T][R] | send_count[R] | recv_count[R] |
@@ -70,6 +71,7 @@ pub(crate) struct Layout {
     pub off_meta: u64,
     pub off_rx: u64,
     pub off_cx: u64,
+    pub off_crow: u64,
     pub window_len: u64,
     // Private.
     pub off_state: u64,
@@ -107,15 +109,17 @@ impl Layout {
         let row_bytes = c.hidden as u64 * c.dtype.bytes() as u64;
         let meta_words = 1 + 3 * k;
         let capacity = c.capacity() as u64;
-        let ([off_dflag, off_cflag, off_bflag, off_ecount, off_meta, off_rx, off_cx], window_len) = stack([
-            8 * r,
-            8 * r,
-            8 * r,
-            4 * r * e,
-            4 * r * t * meta_words,
-            r * t * row_bytes,
-            r * t * row_bytes,
-        ]);
+        let ([off_dflag, off_cflag, off_bflag, off_ecount, off_meta, off_rx, off_cx, off_crow], window_len) =
+            stack([
+                8 * r,
+                8 * r,
+                8 * r,
+                4 * r * e,
+                4 * r * t * meta_words,
+                r * t * row_bytes,
+                r * t * row_bytes,
+                8 * r * t,
+            ]);
         let (
             [off_state, off_peers, off_send_slot, off_send_count, off_recv_count, off_recv_pos, off_expert_count, off_src_info, off_x_expert, off_combined, off_send_pos, off_send_ecount, off_proxy, off_expert_w],
             private_len,
@@ -147,6 +151,7 @@ impl Layout {
             off_meta,
             off_rx,
             off_cx,
+            off_crow,
             window_len,
             off_state,
             off_peers,
@@ -203,11 +208,13 @@ mod tests {
             l.off_meta,
             l.off_rx,
             l.off_cx,
+            l.off_crow,
             l.window_len,
         ];
         assert!(window.windows(2).all(|w| w[0] < w[1] && w[0] % ALIGN == 0));
         assert_eq!(l.off_cx - l.off_rx, 2 * 128 * 14336);
-        assert_eq!(l.window_len - l.off_cx, 2 * 128 * 14336);
+        assert_eq!(l.off_crow - l.off_cx, 2 * 128 * 14336);
+        assert_eq!(l.window_len - l.off_crow, 2 * 128 * 8);
         let private = [
             l.off_state,
             l.off_peers,

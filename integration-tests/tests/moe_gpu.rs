@@ -26,6 +26,10 @@
 //!   this runs the four stages launched one by one (expert-major and rank-major, step by
 //!   step and back to back). Every other NVLink test runs the fused kernels, the proxy tests
 //!   the stages (the proxy does not fuse);
+//! - `moe_streamed_combine`: the fused combine streaming (half its blocks send, a flag per
+//!   row, while the others sum each token whose rows have landed; the default for prefill
+//!   shapes), forced on at decode sizes: random and uneven routing, expert-major and
+//!   rank-major, back to back, replayed from a CUDA graph;
 //! - `moe_rank_major`: `RecvLayout::RankMajor` receivers (rows left by source in the window,
 //!   indices and weights per expert, the caller's summed rows sent back) on both ranks and
 //!   on one, random and uneven routing, back to back, and replayed from a CUDA graph.
@@ -110,6 +114,9 @@ struct Case {
     /// `combine_recv`) instead of `dispatch` and `combine`, which over NVLink are one fused
     /// kernel each.
     split: bool,
+    /// `Config::streamed_combine` (`None`: by shape, which for these 128-token steps is not
+    /// streamed); `Some(true)` must stream.
+    streamed: Option<bool>,
 }
 
 const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Routing, steps: usize) -> Case {
@@ -126,6 +133,7 @@ const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Rout
         graph: false,
         rank_major: 0,
         split: false,
+        streamed: None,
     }
 }
 
@@ -178,6 +186,16 @@ fn cases(kind: &str) -> Vec<Case> {
             Case { split: true, ..case(7168, 2, 4, Routing::OneExpert, 2) },
             Case { split: true, rank_major: 3, ..case(7168, 8, 8, RANDOM, 3) },
             Case { split: true, rank_major: 1, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
+        ],
+        // The streamed combine (half the blocks send, a flag per row, the others sum behind
+        // the flags), forced on at these decode sizes.
+        "streamed" => vec![
+            Case { streamed: Some(true), ..case(128, 5, 8, RANDOM, 3) },
+            Case { streamed: Some(true), idx64: true, ..case(7168, 8, 128, MASKED, 2) },
+            Case { streamed: Some(true), ..case(7168, 2, 4, Routing::OneExpert, 2) },
+            Case { streamed: Some(true), rank_major: 3, ..case(7168, 8, 8, RANDOM, 3) },
+            Case { streamed: Some(true), rank_major: 1, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
+            Case { streamed: Some(true), rank_major: 3, graph: true, ..case(7168, 8, 8, RANDOM, 10) },
         ],
         other => panic!("no case list {other}"),
     }
@@ -327,7 +345,11 @@ async fn run_case(
     if case.rank_major >> rank & 1 == 1 {
         c.layout = RecvLayout::RankMajor;
     }
+    c.streamed_combine = case.streamed;
     let a2a = AllToAll::new(engine, store, c.clone()).await.map_err(s)?;
+    if case.streamed == Some(true) && !a2a.streamed_combine() {
+        return Err(format!("rank {rank}: the combine does not stream (the device does not hold the grid?)"));
+    }
     if a2a.transport_to(1 - rank) != c.transport || a2a.transport_to(rank) != Transport::Nvlink {
         return Err(format!("rank {rank}: transport to the peer is {}", a2a.transport_to(1 - rank)));
     }
@@ -647,6 +669,16 @@ async fn moe_split_stages() {
         return;
     }
     two_ranks("moe_split_stages", "split", spread()).await;
+}
+
+/// The streamed combine (`Config::streamed_combine`, the default for prefill shapes): the
+/// same sums, expert-major and rank-major, uneven, back to back and replayed from a graph.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_streamed_combine() {
+    if std::env::var_os(CHILD_ENV).is_some() || !gpu("moe_streamed_combine") {
+        return;
+    }
+    two_ranks("moe_streamed_combine", "streamed", spread()).await;
 }
 
 /// `RecvLayout::RankMajor` (the prefill layout): the same checks of the received rows (by

@@ -87,6 +87,9 @@ pub struct AllToAll {
     /// (`seg_blocks` blocks, all resident at once) instead of their two stages: no proxy
     /// ranks, and the device holds the grid.
     fused: bool,
+    /// Blocks of the fused combine that send when it streams (the others sum); 0: it does
+    /// not ([`Config::streamed_combine`]).
+    send_blocks: u32,
     /// The engine of the proxy transport (its thread holds a clone).
     _engine: Engine,
     /// Dropped last: every buffer above holds it too.
@@ -182,6 +185,11 @@ impl AllToAll {
             Ok(f.max_active_blocks_per_sm(THREADS, 0)?.saturating_mul(sms) >= seg_blocks)
         };
         let fused = links.is_none() && resident(&kernels.dispatch)? && resident(&kernels.combine)?;
+        // The streamed combine: by default where the largest step gives every warp whole rows.
+        let warps = seg_blocks as usize * (THREADS / 32) as usize;
+        let streamed = fused
+            && seg_blocks >= 2
+            && config.streamed_combine.unwrap_or(config.ranks * config.max_tokens >= warps);
         // The zero-fills and the copy above went to the legacy default stream, which the
         // caller's (non-blocking) streams do not wait for, and a blocking copy from pageable
         // memory may return before its DMA has landed: finish them before any kernel or
@@ -191,9 +199,14 @@ impl AllToAll {
             Some(l) => Some(Proxy::start(engine.clone(), l, layout, &config, status.clone())?),
             None => None,
         };
-        // Nobody writes into a window before every rank has mapped every window.
+        // Nobody writes into a window before every rank has mapped every window. The
+        // combine streams only where every rank's does: a streaming rank waits for row flags
+        // that only a streaming sender raises (a grid the device cannot hold, or another
+        // `streamed_combine`, on any rank turns it off everywhere).
         let key = format!("{}/moe-ready", config.tag);
-        all_gather(world, &key, config.rank, config.ranks, Vec::new()).await?;
+        let all = all_gather(world, &key, config.rank, config.ranks, vec![u8::from(streamed)]).await?;
+        let streamed = streamed && all.iter().all(|v| v.first() == Some(&1));
+        let send_blocks = if streamed { send_share(seg_blocks) } else { 0 };
         Ok(AllToAll {
             proxy,
             peers,
@@ -210,6 +223,7 @@ impl AllToAll {
             seg_blocks,
             combine_recv_blocks,
             fused,
+            send_blocks,
             _engine: engine.clone(),
             ctx,
         })
@@ -223,6 +237,12 @@ impl AllToAll {
     /// The CUDA device (ordinal) of this rank.
     pub fn device(&self) -> usize {
         self.device
+    }
+
+    /// Whether [`combine`](Self::combine) streams (see [`Config::streamed_combine`]): one
+    /// kernel whose blocks send and sum at once.
+    pub fn streamed_combine(&self) -> bool {
+        self.send_blocks > 0
     }
 
     /// How this rank reaches `rank`: [`Transport::Nvlink`] (itself included) or
@@ -399,4 +419,15 @@ impl Drop for AllToAll {
 
 fn timeout_ns(c: &Config) -> u64 {
     u64::try_from(c.timeout.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Blocks of a streamed combine's grid of `grid` blocks that send (the others sum): half,
+/// or `FABRIC_MOE_SEND_SHARE` percent (1-99, for tuning), at least one of each.
+fn send_share(grid: u32) -> u32 {
+    let percent = std::env::var("FABRIC_MOE_SEND_SHARE")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+        .filter(|p| (1..=99).contains(p))
+        .unwrap_or(50);
+    (grid * percent / 100).clamp(1, grid - 1)
 }

@@ -257,7 +257,9 @@ impl AllToAll {
     /// [`combine_send`](Self::combine_send) then [`combine_recv`](Self::combine_recv),
     /// the same results. Without proxy ranks it is one kernel (`moe_combine`), as
     /// [`dispatch`](Self::dispatch); with [`RecvLayout::RankMajor`] it also reads this rank's
-    /// own rows from `expert_out` instead of copying them through its window.
+    /// own rows from `expert_out` instead of copying them through its window; and where it
+    /// streams ([`Config::streamed_combine`](crate::Config::streamed_combine)) half its blocks send while the others sum the
+    /// tokens whose rows have landed.
     ///
     /// # Safety
     ///
@@ -275,13 +277,17 @@ impl AllToAll {
             .combine_send_args(expert_out)
             .u64(self.private_ptr(l.off_combined))
             .u64(self.private_ptr(l.off_send_slot))
-            .u64(timeout_ns(c));
+            .u64(timeout_ns(c))
+            .u32(self.send_blocks)
+            .u64(if self.send_blocks > 0 { l.off_crow } else { 0 });
         // SAFETY: moe_combine's parameters in order (moe_combine_send's, then what
-        // moe_combine_recv adds); it does what the two stages do (see combine_send and
-        // combine_recv) in one launch that `new` checked the device holds at once, except
-        // that, rank-major, it reads this rank's own rows from `expert_out` (the caller's
-        // contract: not written until the kernel completes) instead of copying them through
-        // the window.
+        // moe_combine_recv adds, then the streamed combine's senders and the offset of the
+        // row flags, inside the windows' layout); it does what the two stages do (see
+        // combine_send and combine_recv) in one launch that `new` checked the device holds
+        // at once, except that, rank-major, it reads this rank's own rows from `expert_out`
+        // (the caller's contract: not written until the kernel completes) instead of
+        // copying them through the window, and that, streamed, it also writes this rank's
+        // row flags (crow) in each peer's window.
         unsafe { launch(&self.kernels.combine, stream, self.seg_blocks, THREADS, args) }
     }
 

@@ -98,6 +98,8 @@ pub struct Params {
     pub provider: String,
     /// Where each rank's dispatch leaves the rows it received.
     pub layout: RecvLayout,
+    /// [`Config::streamed_combine`](crate::Config::streamed_combine) (`None`: by shape).
+    pub streamed: Option<bool>,
 }
 
 impl Params {
@@ -118,6 +120,7 @@ impl Params {
             transport: Transport::Nvlink,
             provider: "shm".into(),
             layout: RecvLayout::ExpertMajor,
+            streamed: None,
         }
     }
 
@@ -180,6 +183,9 @@ impl Params {
             "--layout".into(),
             self.layout.to_string(),
         ]);
+        if let Some(on) = self.streamed {
+            a.extend(["--streamed".to_string(), if on { "on" } else { "off" }.to_string()]);
+        }
         a
     }
 
@@ -213,6 +219,14 @@ impl Params {
                 "--transport" => p.transport = v.parse().map_err(|e| format!("--transport {v}: {e}"))?,
                 "--provider" => p.provider = v.to_string(),
                 "--layout" => p.layout = v.parse().map_err(|e| format!("--layout {v}: {e}"))?,
+                "--streamed" => {
+                    p.streamed = match v {
+                        "on" => Some(true),
+                        "off" => Some(false),
+                        "auto" => None,
+                        _ => return Err(format!("--streamed {v}: on, off or auto")),
+                    }
+                }
                 "--store" => store = Some(v.parse().map_err(|_| format!("--store {v}: not an address"))?),
                 _ => return Err(format!("unexpected argument {k}")),
             }
@@ -369,6 +383,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     c.expert_capacity = p.capacity;
     c.transport = p.transport;
     c.layout = p.layout;
+    c.streamed_combine = p.streamed;
     let a2a = AllToAll::new(&engine, store, c.clone()).await?;
     let ctx = cuda::context(a2a.device())?;
     let sets: Vec<Set> = (0..SETS)
@@ -596,6 +611,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
         graph,
         graph_clocks,
         checked,
+        streamed: a2a.streamed_combine(),
         stages: p.stages.then(|| {
             let q = |v: &mut Vec<u64>| pct(v, 0.5);
             [q(&mut stages[0]), q(&mut stages[1]), q(&mut stages[2]), q(&mut stages[3])]

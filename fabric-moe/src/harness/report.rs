@@ -56,6 +56,8 @@ pub struct RankReport {
     pub graph_clocks: Option<String>,
     /// Every step checked, the GPU idle between steps.
     pub checked: PassTimes,
+    /// The combine streamed (`AllToAll::streamed_combine`).
+    pub streamed: bool,
     /// With [`Params::stages`](super::Params::stages): p50 of dispatch_send, dispatch_recv, combine_send,
     /// combine_recv, µs.
     pub stages: Option<[f64; 4]>,
@@ -84,7 +86,12 @@ impl RankReport {
             pass(
                 "back to back:",
                 &self.back_to_back,
-                &format!("{} rows = {:.2} MiB sent per step", self.rows, self.mib),
+                &format!(
+                    "{} rows = {:.2} MiB sent per step{}",
+                    self.rows,
+                    self.mib,
+                    if self.streamed { ", combine streamed" } else { "" }
+                ),
             ),
             pass(
                 "CUDA graph:  ",
@@ -148,6 +155,9 @@ impl RankReport {
         if let Some(why) = &self.graph_clocks {
             s += &format!("graph_clocks {}\n", why.replace('\n', " "));
         }
+        if self.streamed {
+            s += "streamed 1\n";
+        }
         s
     }
 
@@ -202,6 +212,10 @@ impl RankReport {
                     r.graph_clocks = Some(v.into());
                     continue;
                 }
+                "streamed" => {
+                    r.streamed = v == "1";
+                    continue;
+                }
                 _ => return Err(format!("unknown key {k:?} in a rank's report")),
             }
             seen += 1;
@@ -240,6 +254,7 @@ mod tests {
             graph: t(35.0),
             graph_clocks: None,
             checked: t(42.5),
+            streamed: false,
             stages: None,
             proxy: None,
             gates: None,
@@ -271,6 +286,9 @@ mod tests {
         r.graph_clocks = Some("no timing in graphs".into());
         assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
         assert!(r.lines("moe_gpu").contains("replayed, timed by GPU clocks: no timing in graphs"));
+        r.streamed = true;
+        assert_eq!(RankReport::decode(&r.encode()), Ok(r.clone()));
+        assert!(r.lines("moe_gpu").contains("MiB sent per step, combine streamed)"));
         assert!(RankReport::decode("rank 1\n").is_err());
         assert!(RankReport::decode(&r.encode().replace("graph 35", "graph x")).is_err());
     }

@@ -3,6 +3,8 @@
 
 // Experts counted in shared memory by the route (the global counts otherwise).
 #define ROUTE_SMEM_EXPERTS 4096
+// Warps of a block that computes its own slots (block_slots): THREADS / 32.
+#define BLOCK_SLOTS_WARPS 8
 
 // The route of a step, by one block (block 0 of moe_dispatch_send): send_slot[t][d] (slot of
 // token t in rank d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's place
@@ -117,6 +119,49 @@ __device__ u32 routed_upto(u64* state, u64* status, u64 seq, u32 t, u64 timeout_
     return upto;
 }
 
+// The slots of a step of at most blockDim tokens (one round of route_tokens), computed by a
+// block for itself: the same ballots and scan as the route, without its places and counts,
+// so that the blocks other than block 0 copy rows at once instead of waiting for the route
+// (they still wait for it before the metas, which carry its places). Token t goes to rank d
+// in slot block_slot(ballots, prefix, t, d).
+__device__ void block_slots(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
+                            u32 experts_per_rank, u32 (*ballots)[MAX_RANKS], int (*prefix)[MAX_RANKS]) {
+    u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    i64 total = (i64)ranks * experts_per_rank;
+    u64 mask = 0;
+    if (tid < num_tokens) {
+        i64 ids[FAST_K];
+#pragma unroll
+        for (u32 j = 0; j < FAST_K; ++j) ids[j] = j < k ? expert_of(topk_idx, idx64, (u64)tid * k + j) : -1;
+#pragma unroll
+        for (u32 j = 0; j < FAST_K; ++j) {
+            if (ids[j] >= 0 && ids[j] < total) mask |= 1ull << (u32)(ids[j] / experts_per_rank);
+        }
+        for (u32 j = FAST_K; j < k; ++j) {
+            i64 e = expert_of(topk_idx, idx64, (u64)tid * k + j);
+            if (e >= 0 && e < total) mask |= 1ull << (u32)(e / experts_per_rank);
+        }
+    }
+    for (u32 d = 0; d < ranks; ++d) {
+        u32 ballot = __ballot_sync(0xffffffffu, (u32)(mask >> d) & 1u);
+        if (lane == 0) ballots[warp][d] = ballot;
+    }
+    __syncthreads();
+    if (tid < ranks) {
+        int run = 0;
+        for (u32 w = 0; w < nwarps; ++w) {
+            prefix[w][tid] = run;
+            run += __popc(ballots[w][tid]);
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ int block_slot(u32 (*ballots)[MAX_RANKS], int (*prefix)[MAX_RANKS], u32 t, u32 d) {
+    u32 b = ballots[t >> 5][d], bit = t & 31;
+    return (b >> bit) & 1u ? prefix[t >> 5][d] + __popc(b & ((1u << bit) - 1u)) : -1;
+}
+
 // One warp copies chunks [c0, c1) (16 B each) of `src` to each non-null dst[j] (j < FAST_K):
 // each chunk is loaded once and stored to every destination.
 __device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __restrict__ src, u32 c0, u32 c1,
@@ -160,6 +205,14 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     u64 seq = (state[ST_DSEND] + 1) & 0xffffffffull;
     if (blockIdx.x == 0) PROBE(status, 0);
     u32 routed = 0;
+    // A step of one round (decode): the other blocks compute the slots themselves and copy
+    // rows at once; only their metas wait for block 0's route.
+    __shared__ u32 own_ballots[BLOCK_SLOTS_WARPS][MAX_RANKS];
+    __shared__ int own_prefix[BLOCK_SLOTS_WARPS][MAX_RANKS];
+    bool own = blockIdx.x != 0 && num_tokens <= blockDim.x && blockDim.x <= 32 * BLOCK_SLOTS_WARPS;
+    if (own) {
+        block_slots(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, own_ballots, own_prefix);
+    }
     if (blockIdx.x == 0) {
         route_tokens(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
                      send_ecount, state, status, seq);
@@ -187,12 +240,12 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
         u32 i = (u32)(it / segs), seg = (u32)(it % segs);
         u32 t = i / ranks, d = i % ranks;
-        if (t >= routed) {
+        if (!own && t >= routed) {
             // (Warp-uniform: every lane has the same item.)
             routed = routed_upto(state, status, seq, t, timeout_ns);
             if (t >= routed) break;
         }
-        int slot = send_slot[i];
+        int slot = own ? block_slot(own_ballots, own_prefix, t, d) : send_slot[i];
         if (slot < 0) continue;
         u32 sec;
         char* base = px_base(peers, proxy, d, rank, &sec);
@@ -205,6 +258,11 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
             copy_row(dst, src, row_bytes, lane);
         }
         if (seg != 0) continue;
+        if (own && t >= routed) {
+            // The meta carries the route's places (send_pos).
+            routed = routed_upto(state, status, seq, t, timeout_ns);
+            if (t >= routed) break;
+        }
         int* meta = (int*)(base + off_meta) + row * meta_words;
         if (lane == 0) meta[0] = (int)t;
         for (u32 j = lane; j < k; j += 32) {
