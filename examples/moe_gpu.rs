@@ -96,7 +96,7 @@ struct Cli {
     /// Whether the one-kernel combine streams (half its blocks send while the others sum the
     /// tokens whose rows have landed): auto (prefill shapes), on, off.
     #[arg(long, value_name = "S", default_value = "auto", value_parser = ["auto", "on", "off"])]
-    streamed: String,
+    streamed_combine: String,
     /// Internal: this process's rank, started by rank 0 whose TcpStore is at --store.
     #[arg(long, hide = true, default_value_t = 0)]
     rank: usize,
@@ -121,11 +121,8 @@ impl Cli {
             transport: self.transport.parse::<Transport>().expect("clap checked --transport"),
             provider: self.provider.clone(),
             layout: self.layout.parse::<RecvLayout>().expect("clap checked --layout"),
-            streamed: match self.streamed.as_str() {
-                "on" => Some(true),
-                "off" => Some(false),
-                _ => None,
-            },
+            streamed_combine: harness::on_off("--streamed-combine", &self.streamed_combine)
+                .expect("clap checked it"),
         }
     }
 }

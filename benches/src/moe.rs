@@ -115,7 +115,7 @@ pub enum Via {
     Nvlink,
     /// NVLink, each stage its own launch (`--split`): the fused kernels' comparison.
     NvlinkSplit,
-    /// NVLink, the fused combine never streamed (`--streamed off`): the streamed combine's
+    /// NVLink, the fused combine never streamed (`--streamed-combine off`): the streamed combine's
     /// comparison (prefill; at decode sizes nvlink does not stream either).
     NvlinkUnstreamed,
     ProxyShm,
@@ -261,8 +261,8 @@ fn leader(rt: &tokio::runtime::Runtime, a: &MoeArgs) -> Result<(), harness::BoxE
         for &via in vias {
             let (transport, provider) = via.setup();
             let split = via == Via::NvlinkSplit;
-            let streamed = (via == Via::NvlinkUnstreamed).then_some(false);
-            let p = Params { transport, provider: provider.into(), split, streamed, ..base.clone() };
+            let streamed_combine = (via == Via::NvlinkUnstreamed).then_some(false);
+            let p = Params { transport, provider: provider.into(), split, streamed_combine, ..base.clone() };
             eprintln!("moe: {shape} over {} ({} steps + {} warm-up)", via.name(), p.steps, p.warmup);
             let spawn = |args: Vec<String>| -> Result<std::process::Child, harness::BoxError> {
                 Ok(Command::new(&exe).arg("moe-rank").args(args).stdin(Stdio::null()).spawn()?)

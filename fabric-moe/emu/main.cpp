@@ -126,7 +126,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     for (u32 r = 0; r < R; ++r)
       if (g_stream) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], (u32)(lo != nullptr), sb, crow);
       else if (rm && g_local) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], 1u, seg_blocks, (u64)0);
-      else launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8]);
+      else launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], crow);
     proxy_pass(1);
     if (g_drop_flag) {
       // The flag of rank 1's row for rank 0's first token that went there.
@@ -212,5 +212,6 @@ int main() {
   bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 0, 0);
   g_drop_flag = true;
   bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 0);
+
   return bad ? 1 : 0;
 }

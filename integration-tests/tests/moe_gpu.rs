@@ -29,7 +29,8 @@
 //! - `moe_streamed_combine`: the fused combine streaming (half its blocks send, a flag per
 //!   row, while the others sum each token whose rows have landed; the default for prefill
 //!   shapes), forced on at decode sizes: random and uneven routing, expert-major and
-//!   rank-major, back to back, replayed from a CUDA graph;
+//!   rank-major, back to back, replayed from a CUDA graph, and with one rank launching the
+//!   two stages while the other streams;
 //! - `moe_rank_major`: `RecvLayout::RankMajor` receivers (rows left by source in the window,
 //!   indices and weights per expert, the caller's summed rows sent back) on both ranks and
 //!   on one, random and uneven routing, back to back, and replayed from a CUDA graph.
@@ -110,10 +111,10 @@ struct Case {
     graph: bool,
     /// Bit r set: rank r receives rank-major (`RecvLayout::RankMajor`), else expert-major.
     rank_major: u8,
-    /// Launch each stage on its own (`dispatch_send`, `dispatch_recv`, `combine_send`,
-    /// `combine_recv`) instead of `dispatch` and `combine`, which over NVLink are one fused
-    /// kernel each.
-    split: bool,
+    /// Bit r set: rank r launches each stage on its own (`dispatch_send`, `dispatch_recv`,
+    /// `combine_send`, `combine_recv`) instead of `dispatch` and `combine`, which over
+    /// NVLink are one fused kernel each.
+    split: u8,
     /// `Config::streamed_combine` (`None`: by shape, which for these 128-token steps is not
     /// streamed); `Some(true)` must stream.
     streamed: Option<bool>,
@@ -132,7 +133,7 @@ const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Rout
         pipelined: false,
         graph: false,
         rank_major: 0,
-        split: false,
+        split: 0,
         streamed: None,
     }
 }
@@ -181,11 +182,11 @@ fn cases(kind: &str) -> Vec<Case> {
         ],
         // The stages launched one by one over NVLink (the fused kernels are the default).
         "split" => vec![
-            Case { split: true, ..case(128, 5, 8, RANDOM, 3) },
-            Case { split: true, idx64: true, ..case(7168, 8, 128, MASKED, 2) },
-            Case { split: true, ..case(7168, 2, 4, Routing::OneExpert, 2) },
-            Case { split: true, rank_major: 3, ..case(7168, 8, 8, RANDOM, 3) },
-            Case { split: true, rank_major: 1, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
+            Case { split: 3, ..case(128, 5, 8, RANDOM, 3) },
+            Case { split: 3, idx64: true, ..case(7168, 8, 128, MASKED, 2) },
+            Case { split: 3, ..case(7168, 2, 4, Routing::OneExpert, 2) },
+            Case { split: 3, rank_major: 3, ..case(7168, 8, 8, RANDOM, 3) },
+            Case { split: 3, rank_major: 1, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
         ],
         // The streamed combine (half the blocks send, a flag per row, the others sum behind
         // the flags), forced on at these decode sizes.
@@ -196,6 +197,16 @@ fn cases(kind: &str) -> Vec<Case> {
             Case { streamed: Some(true), rank_major: 3, ..case(7168, 8, 8, RANDOM, 3) },
             Case { streamed: Some(true), rank_major: 1, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
             Case { streamed: Some(true), rank_major: 3, graph: true, ..case(7168, 8, 8, RANDOM, 10) },
+            // Rank 1 launches the two stages (its send raises the row flags too, since the
+            // ranks agreed to stream), rank 0 the streamed kernel; and the other way round.
+            Case { streamed: Some(true), split: 2, ..case(7168, 8, 128, MASKED, 2) },
+            Case {
+                streamed: Some(true),
+                split: 1,
+                rank_major: 3,
+                pipelined: true,
+                ..case(7168, 8, 8, RANDOM, 10)
+            },
         ],
         other => panic!("no case list {other}"),
     }
@@ -347,8 +358,8 @@ async fn run_case(
     }
     c.streamed_combine = case.streamed;
     let a2a = AllToAll::new(engine, store, c.clone()).await.map_err(s)?;
-    if case.streamed == Some(true) && !a2a.streamed_combine() {
-        return Err(format!("rank {rank}: the combine does not stream (the device does not hold the grid?)"));
+    if case.streamed.is_some_and(|on| on != a2a.streamed_combine()) {
+        return Err(format!("rank {rank}: streamed combine {}, asked {case:?}", a2a.streamed_combine()));
     }
     if a2a.transport_to(1 - rank) != c.transport || a2a.transport_to(rank) != Transport::Nvlink {
         return Err(format!("rank {rank}: transport to the peer is {}", a2a.transport_to(1 - rank)));
@@ -379,9 +390,9 @@ async fn run_case(
             // SAFETY: `d`, `out` and `results` live until the stream is synchronized below;
             // the combined rows are copied out of `a2a` before the next step reuses them.
             unsafe {
-                dispatch(&a2a, &stream, &d.input(), case.split).map_err(s)?;
+                dispatch(&a2a, &stream, &d.input(), case.split >> rank & 1 == 1).map_err(s)?;
                 a2a.toy_experts(&stream, out.device_ptr()).map_err(s)?;
-                combine(&a2a, &stream, out.device_ptr(), case.split).map_err(s)?;
+                combine(&a2a, &stream, out.device_ptr(), case.split >> rank & 1 == 1).map_err(s)?;
                 stream
                     .copy_d2d_raw(
                         results.device_ptr() + (step * case.tokens * row_bytes) as u64,
@@ -408,7 +419,7 @@ async fn run_case(
             let all = all_inputs(step);
             let d = DeviceInputs::upload(&ctx, &c, &all[rank], case.idx64).map_err(s)?;
             // SAFETY: `d` and `out` live until the stream is synchronized below.
-            unsafe { dispatch(&a2a, &stream, &d.input(), case.split).map_err(s)? };
+            unsafe { dispatch(&a2a, &stream, &d.input(), case.split >> rank & 1 == 1).map_err(s)? };
             stream.synchronize().map_err(|e| e.to_string())?;
             let status = a2a.check();
             if case.capacity.is_some() {
@@ -425,7 +436,7 @@ async fn run_case(
             // SAFETY: as above.
             unsafe {
                 a2a.toy_experts(&stream, out.device_ptr()).map_err(s)?;
-                combine(&a2a, &stream, out.device_ptr(), case.split).map_err(s)?;
+                combine(&a2a, &stream, out.device_ptr(), case.split >> rank & 1 == 1).map_err(s)?;
             }
             stream.synchronize().map_err(|e| e.to_string())?;
             if case.capacity.is_none() {

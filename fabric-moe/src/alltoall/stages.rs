@@ -188,17 +188,27 @@ impl AllToAll {
     pub unsafe fn combine_send<'s>(&self, stream: impl Into<CudaStream<'s>>, expert_out: u64) -> Result<()> {
         let stream = stream.into();
         self.check_stream(stream)?;
-        let args = self.combine_send_args(expert_out);
+        let args = self.combine_send_args(expert_out).u64(self.combine_rows());
         // Before the kernel that rings this step's doorbell.
         self.close_gate(stream, Stage::Combine)?;
         // SAFETY: moe_combine_send's parameters in order; reads expert_out (rank-major: the
         // rows received, `expert_out_len`) at positions
         // placed by dispatch_recv (< capacity), this rank's window and private buffers, and
-        // writes this rank's section of cx and its flag in each peer's window.
+        // writes this rank's section of cx and its flag in each peer's window (and, where the
+        // combine streams, its section of the row flags).
         unsafe { launch(&self.kernels.combine_send, stream, self.seg_blocks, THREADS, args) }
     }
 
-    /// `moe_combine_send`'s parameters (the first ones of `moe_combine`).
+    /// The streamed combine's row flags' offset, or 0.
+    fn combine_rows(&self) -> u64 {
+        if self.send_blocks > 0 {
+            self.layout.off_crow
+        } else {
+            0
+        }
+    }
+
+    /// `moe_combine_send`'s parameters up to `status` (the first ones of `moe_combine`).
     fn combine_send_args(&self, expert_out: u64) -> KernelArgs {
         let (c, l) = (&self.config, &self.layout);
         let (state, status) = self.common();
@@ -279,7 +289,7 @@ impl AllToAll {
             .u64(self.private_ptr(l.off_send_slot))
             .u64(timeout_ns(c))
             .u32(self.send_blocks)
-            .u64(if self.send_blocks > 0 { l.off_crow } else { 0 });
+            .u64(self.combine_rows());
         // SAFETY: moe_combine's parameters in order (moe_combine_send's, then what
         // moe_combine_recv adds, then the streamed combine's senders and the offset of the
         // row flags, inside the windows' layout); it does what the two stages do (see

@@ -99,7 +99,7 @@ pub struct Params {
     /// Where each rank's dispatch leaves the rows it received.
     pub layout: RecvLayout,
     /// [`Config::streamed_combine`](crate::Config::streamed_combine) (`None`: by shape).
-    pub streamed: Option<bool>,
+    pub streamed_combine: Option<bool>,
 }
 
 impl Params {
@@ -120,7 +120,7 @@ impl Params {
             transport: Transport::Nvlink,
             provider: "shm".into(),
             layout: RecvLayout::ExpertMajor,
-            streamed: None,
+            streamed_combine: None,
         }
     }
 
@@ -183,8 +183,8 @@ impl Params {
             "--layout".into(),
             self.layout.to_string(),
         ]);
-        if let Some(on) = self.streamed {
-            a.extend(["--streamed".to_string(), if on { "on" } else { "off" }.to_string()]);
+        if let Some(on) = self.streamed_combine {
+            a.extend(["--streamed-combine".to_string(), if on { "on" } else { "off" }.to_string()]);
         }
         a
     }
@@ -219,14 +219,7 @@ impl Params {
                 "--transport" => p.transport = v.parse().map_err(|e| format!("--transport {v}: {e}"))?,
                 "--provider" => p.provider = v.to_string(),
                 "--layout" => p.layout = v.parse().map_err(|e| format!("--layout {v}: {e}"))?,
-                "--streamed" => {
-                    p.streamed = match v {
-                        "on" => Some(true),
-                        "off" => Some(false),
-                        "auto" => None,
-                        _ => return Err(format!("--streamed {v}: on, off or auto")),
-                    }
-                }
+                "--streamed-combine" => p.streamed_combine = on_off(k, v)?,
                 "--store" => store = Some(v.parse().map_err(|_| format!("--store {v}: not an address"))?),
                 _ => return Err(format!("unexpected argument {k}")),
             }
@@ -255,6 +248,16 @@ impl Params {
             self.steps,
             self.warmup
         )
+    }
+}
+
+/// `on`, `off` or `auto` (`None`).
+pub fn on_off(k: &str, v: &str) -> Result<Option<bool>, String> {
+    match v {
+        "on" => Ok(Some(true)),
+        "off" => Ok(Some(false)),
+        "auto" => Ok(None),
+        _ => Err(format!("{k} {v}: on, off or auto")),
     }
 }
 
@@ -383,7 +386,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     c.expert_capacity = p.capacity;
     c.transport = p.transport;
     c.layout = p.layout;
-    c.streamed_combine = p.streamed;
+    c.streamed_combine = p.streamed_combine;
     let a2a = AllToAll::new(&engine, store, c.clone()).await?;
     let ctx = cuda::context(a2a.device())?;
     let sets: Vec<Set> = (0..SETS)

@@ -315,10 +315,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_combine_send(const char
                                             const int* recv_count, const u64* peers, u64* state, u32 rank,
                                             u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank,
                                             u32 capacity, u32 hidden, u64 off_cflag, u64 off_meta,
-                                            u64 off_cx, u32 rank_major, const u64* proxy, u64* status) {
+                                            u64 off_cx, u32 rank_major, const u64* proxy, u64* status,
+                                            u64 off_crow) {
+    // (off_crow: the row flags too, where the ranks agreed to stream the combine, so that a
+    // peer's fused combine may stream whichever way this rank launched its stages.)
     combine_send_body(expert_out, window, recv_pos, recv_count, peers, state, rank, ranks, max_tokens, k,
                       experts_per_rank, capacity, hidden, off_cflag, off_meta, off_cx, rank_major, proxy, status,
-                      0, gridDim.x, 0);
+                      0, gridDim.x, off_crow);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) moe_combine_recv(char* out, const char* window, const int* send_slot, u64* state,
