@@ -192,10 +192,7 @@ __device__ void combine_send_body(const char* expert_out, const char* window, co
     if (blockIdx.x == 0) PROBE(status, 11);
     if (!last_block(&state[ST_DONE_CSEND], true)) return;
     PROBE(status, 12);
-    if (threadIdx.x < ranks) {
-        u32 d = threadIdx.x;
-        px_raise(peers, proxy, d, rank, off_cflag, PX_COMBINE, (seq << 32) | (u32)recv_count[d]);
-    }
+    raise_flags(peers, proxy, rank, ranks, off_cflag, PX_COMBINE, seq, recv_count);
     __syncthreads();
     PROBE(status, 13);
     if (threadIdx.x == 0) {

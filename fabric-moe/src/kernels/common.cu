@@ -176,6 +176,24 @@ __device__ __forceinline__ void px_raise(const u64* peers, const u64* proxy, u32
     }
 }
 
+// The flags of a send stage, raised at every rank (v(d) = seq << 32 | counts[d]) by thread 0
+// of the block that last_block(.., true) found last: its second system-scope fence ordered
+// every block's writes before what follows, so an NVLink flag is a relaxed store (a fence
+// then a store: a release pattern) instead of a release store of its own, which fences
+// again; a proxy rank's goes through px_raise.
+__device__ void raise_flags(const u64* peers, const u64* proxy, u32 rank, u32 ranks, u64 off_flag, u32 stage,
+                            u64 seq, const int* counts) {
+    if (threadIdx.x != 0) return;
+    for (u32 d = 0; d < ranks; ++d) {
+        u64 v = (seq << 32) | (u32)counts[d];
+        if (px_is(proxy, d)) {
+            px_raise(peers, proxy, d, rank, off_flag, stage, v);
+        } else {
+            *(volatile u64*)((u64*)((char*)peers[d] + off_flag) + rank) = v;
+        }
+    }
+}
+
 // For a proxy source s: spins until its counter of `stage` holds `writes` arrivals for every
 // step up to `want` (wrap-safe in the step). Returns false (and sets *failed) on timeout;
 // true at once for an NVLink source.

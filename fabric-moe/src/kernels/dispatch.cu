@@ -275,12 +275,9 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     if (blockIdx.x == 0) PROBE(status, 2);
     if (!last_block(&state[ST_DONE_DSEND], true)) return;
     PROBE(status, 3);
-    // Every block's rows, metas and (block 0's) ecounts are ordered before this by the
-    // fences of last_block; the flag is a release store of its own.
-    if (threadIdx.x < ranks) {
-        u32 d = threadIdx.x;
-        px_raise(peers, proxy, d, rank, off_dflag, PX_DISPATCH, (seq << 32) | (u32)send_count[d]);
-    }
+    // Every block's rows, metas and (block 0's) ecounts are ordered before the flags by the
+    // fences of last_block.
+    raise_flags(peers, proxy, rank, ranks, off_dflag, PX_DISPATCH, seq, send_count);
     __syncthreads();
     PROBE(status, 4);
     if (threadIdx.x == 0) {
