@@ -88,7 +88,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     for (u32 r = 0; r < R; ++r) {
       const void* ip = idx64 ? (const void*)idx[r].data() : (const void*)idx32[r].data();
       u64* state = (u64*)(P(r) + po[0]);
-      launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, &status[r*8], ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
+      launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, &status[r*8], ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]), P(r)+po[8], (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (float*)(P(r)+po[13]), cap, rm);
     }
     proxy_pass(0);
     for (u32 r = 0; r < R; ++r)

@@ -26,10 +26,12 @@
 //!   [3 + (2 + stage) * MAX_RANKS + s] that counter's total when the all-to-all was made
 //! ```
 //!
-//! A row's place in a local expert is `sum over earlier sources s' of ecount[s'][le]` plus
-//! its position among its own source's rows for that expert (`meta`, from the source's
-//! `send_pos`): no atomic on the receiving side, and every segment of every row can be
-//! placed independently.
+//! A row's place in a local expert is `sum of ecount[s'][le]` over the sources s' before
+//! its own in the order `rank, rank + 1, ..., ranks - 1, 0, ...` (this rank's own rows
+//! first), plus its position among its own source's rows for that expert (`meta`, from the
+//! source's `send_pos`): no atomic on the receiving side, and every segment of every row can
+//! be placed independently. Expert-major, `dispatch_send` places this rank's own rows itself
+//! (their places need no peer's count), and only the peers' rows go through the window.
 #![forbid(unsafe_code)]
 
 use crate::config::{Config, RecvLayout};

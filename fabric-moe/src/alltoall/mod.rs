@@ -57,7 +57,7 @@ pub const PROBES: usize = 24;
 /// Each stage reuses buffers of the step before, and peers write into this rank's window:
 /// a step's `combine_recv` must be launched before the next `dispatch_send` on the stream
 /// (as a step does), and the experts must finish reading `recv_x` before the next
-/// `dispatch_recv`. Two micro-batches in flight at once need two `AllToAll`s (two tags).
+/// `dispatch_send` (which places this rank's own rows there, expert-major). Two micro-batches in flight at once need two `AllToAll`s (two tags).
 pub struct AllToAll {
     /// The proxy thread (ranks reached through the engine); stopped first on drop.
     proxy: Option<Proxy>,

@@ -14,7 +14,8 @@ use fabric_async::cuda::KernelArgs;
 impl AllToAll {
     /// Routes this step's tokens by destination rank and writes each token once to every
     /// rank that holds one of its experts (with its expert ids and weights), straight into
-    /// that rank's window; then raises this step's dispatch flag at every rank (also those
+    /// that rank's window (expert-major, a token for this rank's own experts goes straight
+    /// to its places in [`recv_x`](Self::recv_x) instead); then raises this step's dispatch flag at every rank (also those
     /// that get no token: the flag carries the count). With ranks reached through the
     /// proxy, it first closes the stage's receive gate (a stream write, see
     /// [`dispatch_recv`](Self::dispatch_recv)).
@@ -42,7 +43,9 @@ impl AllToAll {
         // word; then every block reads the caller's rows, ids and weights of the tokens so
         // routed, and writes, in each peer's window (mapped for the life of `self`, same
         // layout) or this rank's outbox, only this rank's section of ecount, meta and rx and
-        // this rank's flag.
+        // this rank's flag; expert-major, this rank's own rows go to x_expert instead (places
+        // checked against the capacity), with src_info, expert_w and recv_pos, all inside
+        // `private`.
         unsafe { launch(&self.kernels.dispatch_send, stream, self.seg_blocks, THREADS, send) }
     }
 
@@ -81,7 +84,13 @@ impl AllToAll {
             .u64(l.off_meta)
             .u64(l.off_rx)
             .u64(timeout_ns(c))
-            .u64(self.proxy_words());
+            .u64(self.proxy_words())
+            .u64(self.private_ptr(l.off_x_expert))
+            .u64(self.private_ptr(l.off_src_info))
+            .u64(self.private_ptr(l.off_recv_pos))
+            .u64(self.private_ptr(l.off_expert_w))
+            .u32(l.capacity as u32)
+            .u32(u32::from(c.layout == RecvLayout::RankMajor));
         Ok(send)
     }
 
@@ -154,18 +163,12 @@ impl AllToAll {
             return self.dispatch_recv(stream);
         }
         self.check_stream(stream)?;
-        let (c, l) = (&self.config, &self.layout);
+        let l = &self.layout;
         let args = self
             .dispatch_send_args(input)?
             .u64(self.window.device_ptr())
-            .u64(self.private_ptr(l.off_x_expert))
             .u64(self.private_ptr(l.off_expert_count))
-            .u64(self.private_ptr(l.off_src_info))
-            .u64(self.private_ptr(l.off_recv_pos))
-            .u64(self.private_ptr(l.off_recv_count))
-            .u32(l.capacity as u32)
-            .u64(self.private_ptr(l.off_expert_w))
-            .u32(u32::from(c.layout == RecvLayout::RankMajor));
+            .u64(self.private_ptr(l.off_recv_count));
         // SAFETY: moe_dispatch's parameters in order (moe_dispatch_send's, then what
         // moe_dispatch_recv adds); it does what the two stages do (see dispatch_send and
         // dispatch_recv) in one launch of `seg_blocks` blocks, which `new` checked the device

@@ -189,13 +189,98 @@ __device__ __forceinline__ void copy_seg_multi(char* const* dst, const char* __r
     }
 }
 
+// Where a row of source s goes in local expert le, given its place p among s's rows for le:
+// after the rows for le of every source before s in the order rank, rank + 1, ..., ranks - 1,
+// 0, ... (this rank's own rows first, so that dispatch_send can place them itself without
+// any peer's count; the caller checks it against the capacity).
+__device__ __forceinline__ int place(const int* ecount, u32 s, u32 rank, u32 ranks, u32 experts_per_rank, int le,
+                                     int p) {
+    int pos = p;
+    for (u32 q = rank; q != s; q = q + 1 == ranks ? 0 : q + 1) pos += ecount[(u64)q * experts_per_rank + le];
+    return pos;
+}
+
+// A row's j-th expert, as place_row reads it: the global id (-1 for none), the weight, and
+// the row's place among its source's rows for that expert.
+struct RowExpert {
+    int e;
+    float w;
+    int p;
+};
+
+// Segment [c0, c1) (16 B chunks; the whole row where !vec) of one row, by one warp, into
+// this rank's local experts: the j-th expert (`get(j)`) that is local (le) gets the row at
+// `base(le) + p` of x_expert (no copy where !copy: rank-major), with `info` in src_info and
+// its weight in expert_w (seg 0 only); recv_pos_row[j] is that place, or -1 (seg 0). A
+// place past the capacity is reported (ERR_CAPACITY) and dropped.
+template <typename Get, typename Base>
+__device__ __forceinline__ void place_row(Get get, Base base, const char* src, int info, int* recv_pos_row,
+                                          char* x_expert, int* src_info, float* expert_w, u64* status, u32 k,
+                                          int first, u32 experts_per_rank, u32 capacity, u32 row_bytes, bool copy,
+                                          bool vec, u32 c0, u32 c1, u32 seg) {
+    u32 lane = threadIdx.x & 31;
+    // Lane j places the row's j-th expert (j < k), or (general k) one lane the lot.
+    auto place_one = [&](u32 j, int* le_out) {
+        RowExpert x = get(j);
+        int pos = -1;
+        if (x.e >= first && x.e < first + (int)experts_per_rank) {
+            int le = x.e - first;
+            pos = base(le) + x.p;
+            if (x.p < 0 || pos < 0 || pos >= (int)capacity) {
+                if (seg == 0) report(status, ERR_CAPACITY, (u64)le);
+                pos = -1;
+            } else {
+                *le_out = le;
+                if (seg == 0) {
+                    src_info[(u64)le * capacity + pos] = info;
+                    expert_w[(u64)le * capacity + pos] = x.w;
+                }
+            }
+        }
+        if (seg == 0) recv_pos_row[j] = pos;
+        return pos;
+    };
+    if (k <= FAST_K) {
+        int pos = -1, le = -1;
+        if (lane < k) pos = place_one(lane, &le);
+        char* dsts[FAST_K];
+#pragma unroll
+        for (int j = 0; j < FAST_K; ++j) {
+            int p = __shfl_sync(0xffffffffu, pos, j);
+            int l = __shfl_sync(0xffffffffu, le, j);
+            dsts[j] = ((u32)j < k && p >= 0) ? x_expert + ((u64)l * capacity + p) * row_bytes : (char*)0;
+        }
+        if (!copy) return;
+        if (vec) {
+            copy_seg_multi(dsts, src, c0, c1, lane);
+        } else {
+            copy_row_multi(dsts, src, row_bytes, lane);
+        }
+        return;
+    }
+    for (u32 j = 0; j < k; ++j) {
+        int le = -1, pos = -1;
+        if (lane == 0) pos = place_one(j, &le);
+        pos = __shfl_sync(0xffffffffu, pos, 0);
+        le = __shfl_sync(0xffffffffu, le, 0);
+        if (pos < 0 || !copy) continue;
+        char* dst = x_expert + ((u64)le * capacity + pos) * row_bytes;
+        if (vec) {
+            copy_seg((V16*)dst, (const V16*)src, c0, c1, lane);
+        } else {
+            copy_row(dst, src, row_bytes, lane);
+        }
+    }
+}
+
 // The send stage (moe_dispatch_send, and the first half of moe_dispatch).
 __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
                                    int* send_slot, int* send_count, int* send_pos, int* send_ecount,
                                    const u64* peers, u64* state, u64* status, u32 num_tokens, u32 rank,
                                    u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
                                    u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
-                                   const u64* proxy) {
+                                   const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
+                                   float* expert_w, u32 capacity, u32 rank_major) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     // Block 0 routes the step's tokens, a round of blockDim tokens at a time; the other
@@ -230,9 +315,14 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
         PROBE(status, 1);
     }
     u32 meta_words = 1 + 3 * k;
+    // Expert-major, this rank's own rows go straight to their places in x_expert (they come
+    // first in every local expert, see place), with their src_info, weights and recv_pos:
+    // no copy through the window and none in dispatch_recv.
+    bool direct = !rank_major;
+    int first = (int)(rank * experts_per_rank);
     // Work items: (token, destination, segment: row_seg_len) where rows move 16 B a lane;
     // whole rows otherwise.
-    bool vec = ((row_bytes | (u32)(u64)x) & 15u) == 0;
+    bool vec = ((row_bytes | (u32)(u64)x | (direct ? (u32)(u64)x_expert : 0u)) & 15u) == 0;
     u32 chunks = row_bytes / 16;
     u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens * ranks) : chunks;
     u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
@@ -247,15 +337,30 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
         }
         int slot = own ? block_slot(own_ballots, own_prefix, t, d) : send_slot[i];
         if (slot < 0) continue;
+        const char* src = x + (u64)t * row_bytes;
         u32 sec;
         char* base = px_base(peers, proxy, d, rank, &sec);
         u64 row = (u64)sec * max_tokens + (u32)slot;
-        char* dst = base + off_rx + row * row_bytes;
-        const char* src = x + (u64)t * row_bytes;
-        if (vec) {
-            copy_seg((V16*)dst, (const V16*)src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
+        if (direct && d == rank) {
+            // The places come from the route (send_pos). The meta still goes to the window
+            // below: the combine reads a row's experts and weights there.
+            if (own && t >= routed) {
+                routed = routed_upto(state, status, seq, t, timeout_ns);
+                if (t >= routed) break;
+            }
+            auto get = [&](u32 j) {
+                i64 e = expert_of(topk_idx, idx64, (u64)t * k + j);
+                return RowExpert{(e < 0 || e > 0x7fffffffll) ? -1 : (int)e, topk_weights[(u64)t * k + j],
+                                 send_pos[(u64)t * k + j]};
+            };
+            place_row(get, [](int) { return 0; }, src, (int)(rank * max_tokens + t), recv_pos + row * k, x_expert,
+                      src_info, expert_w, status, k, first, experts_per_rank, capacity, row_bytes, true, vec,
+                      seg * seg_len, min(chunks, (seg + 1) * seg_len), seg);
+        } else if (vec) {
+            copy_seg((V16*)(base + off_rx + row * row_bytes), (const V16*)src, seg * seg_len,
+                     min(chunks, (seg + 1) * seg_len), lane);
         } else {
-            copy_row(dst, src, row_bytes, lane);
+            copy_row(base + off_rx + row * row_bytes, src, row_bytes, lane);
         }
         if (seg != 0) continue;
         if (own && t >= routed) {
@@ -286,14 +391,6 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     }
 }
 
-// Where a row of source s goes in local expert le, given its place p among s's rows for le:
-// after every earlier source's rows for le (the caller checks it against the capacity).
-__device__ __forceinline__ int place(const int* ecount, u32 s, u32 experts_per_rank, int le, int p) {
-    int pos = p;
-    for (u32 q = 0; q < s; ++q) pos += ecount[(u64)q * experts_per_rank + le];
-    return pos;
-}
-
 // The receive stage (moe_dispatch_recv, and the second half of moe_dispatch).
 __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expert_count, int* src_info,
                                    int* recv_pos, int* recv_count, u64* state, u64* status, u32 rank,
@@ -321,88 +418,38 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
     if (failed) {
         if (threadIdx.x == 0) report(status, ERR_DISPATCH_TIMEOUT, blockIdx.x);
     } else {
-        u32 lane = threadIdx.x & 31;
         u32 warps = gridDim.x * (blockDim.x >> 5);
         u32 meta_words = 1 + 3 * k;
         int first = (int)(rank * experts_per_rank);
         bool vec = ((row_bytes | (u32)(u64)x_expert) & 15u) == 0;
         u32 chunks = row_bytes / 16;
-        u32 rows = 0;
-        for (u32 q = 0; q < ranks; ++q) rows += (u32)cnt[q];
         // Rank-major: rows stay in the window; only their places, indices and weights.
+        // Expert-major: this rank's own rows were placed by dispatch_send; the peers' are
+        // taken here, source rank + 1 first.
         bool copy = !rank_major;
+        u32 from = copy ? 1 : 0, sources = ranks - from;
+        u32 rows = 0;
+        for (u32 q = from; q < ranks; ++q) rows += (u32)cnt[(rank + q) % ranks];
         u32 seg_len = vec && copy ? row_seg_len(chunks, warps, rows) : chunks;
         u32 segs = vec && copy ? (chunks + seg_len - 1) / seg_len : 1;
-        u64 items = (u64)ranks * max_tokens * segs;
+        u64 items = (u64)sources * max_tokens * segs;
         for (u64 it = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
-            u32 i = (u32)(it / segs), seg = (u32)(it % segs);
-            u32 s = i / max_tokens, slot = i % max_tokens;
+            u32 q = (u32)(it / segs), seg = (u32)(it % segs);
+            u32 s = (rank + from + q / max_tokens) % ranks, slot = q % max_tokens;
+            u32 i = s * max_tokens + slot;
             if ((int)slot >= cnt[s]) continue;
             const int* meta = (const int*)(window + off_meta) + (u64)i * meta_words;
             const char* src = window + off_rx + (u64)i * row_bytes;
             // src_info of the row is s * max_tokens + tok: its source token, or (rank-major)
             // its slot, which makes it the row's index in the window's rows.
             int tok = rank_major ? (int)slot : meta[0];
-            if (k <= FAST_K) {
-                // Lane j places the row's j-th expert; the warp then copies its segment once
-                // into every place.
-                int pos = -1, le = -1;
-                if (lane < k) {
-                    int e = meta[1 + lane];
-                    if (e >= first && e < first + (int)experts_per_rank) {
-                        le = e - first;
-                        pos = place(ecount, s, experts_per_rank, le, meta[1 + 2 * k + lane]);
-                        if (pos < 0 || pos >= (int)capacity) {
-                            if (seg == 0) report(status, ERR_CAPACITY, (u64)le);
-                            pos = -1;
-                        } else if (seg == 0) {
-                            src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
-                            expert_w[(u64)le * capacity + pos] = __int_as_float(meta[1 + k + lane]);
-                        }
-                    }
-                    if (seg == 0) recv_pos[(u64)i * k + lane] = pos;
-                }
-                char* dsts[FAST_K];
-#pragma unroll
-                for (int j = 0; j < FAST_K; ++j) {
-                    int p = __shfl_sync(0xffffffffu, pos, j);
-                    int l = __shfl_sync(0xffffffffu, le, j);
-                    dsts[j] = ((u32)j < k && p >= 0) ? x_expert + ((u64)l * capacity + p) * row_bytes : (char*)0;
-                }
-                if (!copy) continue;
-                if (vec) {
-                    copy_seg_multi(dsts, src, seg * seg_len, min(chunks, (seg + 1) * seg_len), lane);
-                } else {
-                    copy_row_multi(dsts, src, row_bytes, lane);
-                }
-                continue;
-            }
-            for (u32 j = 0; j < k; ++j) {
-                int e = meta[1 + j];
-                int pos = -1;
-                if (e >= first && e < first + (int)experts_per_rank) {
-                    int le = e - first;
-                    pos = place(ecount, s, experts_per_rank, le, meta[1 + 2 * k + j]);
-                    if (pos < 0 || pos >= (int)capacity) {
-                        if (seg == 0 && lane == 0) report(status, ERR_CAPACITY, (u64)le);
-                        pos = -1;
-                    } else {
-                        if (seg == 0 && lane == 0) {
-                            src_info[(u64)le * capacity + pos] = (int)(s * max_tokens) + tok;
-                            expert_w[(u64)le * capacity + pos] = __int_as_float(meta[1 + k + j]);
-                        }
-                        char* dst = x_expert + ((u64)le * capacity + pos) * row_bytes;
-                        if (!copy) {
-                        } else if (vec) {
-                            copy_seg((V16*)dst, (const V16*)src, seg * seg_len, min(chunks, (seg + 1) * seg_len),
-                                     lane);
-                        } else {
-                            copy_row(dst, src, row_bytes, lane);
-                        }
-                    }
-                }
-                if (seg == 0 && lane == 0) recv_pos[(u64)i * k + j] = pos;
-            }
+            auto get = [&](u32 j) {
+                return RowExpert{meta[1 + j], __int_as_float(meta[1 + k + j]), meta[1 + 2 * k + j]};
+            };
+            auto base = [&](int le) { return place(ecount, s, rank, ranks, experts_per_rank, le, 0); };
+            place_row(get, base, src, (int)(s * max_tokens) + tok, recv_pos + (u64)i * k, x_expert, src_info,
+                      expert_w, status, k, first, experts_per_rank, capacity, row_bytes, copy, vec, seg * seg_len,
+                      min(chunks, (seg + 1) * seg_len), seg);
         }
     }
     if (blockIdx.x == 0) PROBE(status, 7);
@@ -429,10 +476,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_send(const cha
                                              u64* status, u32 num_tokens, u32 rank, u32 ranks, u32 max_tokens,
                                              u32 k, u32 experts_per_rank, u32 row_bytes, u64 off_dflag,
                                              u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
-                                             const u64* proxy) {
+                                             const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
+                                             float* expert_w, u32 capacity, u32 rank_major) {
     dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
                        state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
-                       off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy);
+                       off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy, x_expert, src_info, recv_pos,
+                       expert_w, capacity, rank_major);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
@@ -457,12 +506,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch(const char* x,
                                         const u64* peers, u64* state, u64* status, u32 num_tokens, u32 rank,
                                         u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
                                         u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
-                                        const u64* proxy, const char* window, char* x_expert, int* expert_count,
-                                        int* src_info, int* recv_pos, int* recv_count, u32 capacity,
-                                        float* expert_w, u32 rank_major) {
+                                        const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
+                                        float* expert_w, u32 capacity, u32 rank_major, const char* window,
+                                        int* expert_count, int* recv_count) {
     dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
                        state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
-                       off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy);
+                       off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy, x_expert, src_info, recv_pos,
+                       expert_w, capacity, rank_major);
     dispatch_recv_body(window, x_expert, expert_count, src_info, recv_pos, recv_count, state, status, rank,
                        ranks, max_tokens, k, experts_per_rank, capacity, row_bytes, off_dflag, off_ecount,
                        off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy);
