@@ -224,6 +224,23 @@ __device__ void combine_recv_body(char* out, const char* window, const int* send
     __syncthreads();
     bool streamed = off_crow != 0;
     u32 want = (u32)(state[ST_CRECV] + 1);
+    u32 lane = threadIdx.x & 31;
+    u32 warps = (gridDim.x - b0) * (blockDim.x >> 5);
+    u64 row_bytes = (u64)hidden * 2;
+    bool vec = (hidden % 8 == 0) && (((u64)out & 15ull) == 0);
+    u32 chunks = hidden / 8;
+    // Before the flags, what this rank wrote itself in its dispatch: the step's tokens and
+    // the slots of the warp's first token, so that after them only the partial rows are
+    // loaded (one load in the chain instead of three where each warp has one token).
+    u32 num_tokens = (u32)state[ST_TOKENS];
+    u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens) : chunks;
+    u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
+    u64 items = (u64)num_tokens * segs;
+    u64 it = blockIdx.x >= b0 ? (blockIdx.x - b0) * (blockDim.x >> 5) + (threadIdx.x >> 5) : items;
+    int pslot[FAST_R];
+    bool have0 = vec && ranks <= FAST_R && it < items;
+#pragma unroll
+    for (int d = 0; d < FAST_R; ++d) pslot[d] = have0 && (u32)d < ranks ? send_slot[(it / segs) * ranks + d] : -1;
     if (threadIdx.x < ranks && !streamed) {
         if (px_wait(proxy, PX_COMBINE, threadIdx.x, want, PX_WRITES_COMBINE, timeout_ns, &failed)) {
             wait_seq((const u64*)(window + off_cflag) + threadIdx.x, want, timeout_ns, &failed);
@@ -235,17 +252,8 @@ __device__ void combine_recv_body(char* out, const char* window, const int* send
     if (failed) {
         if (threadIdx.x == 0) report(status, ERR_COMBINE_TIMEOUT, blockIdx.x);
     } else if (blockIdx.x >= b0) {
-        u32 lane = threadIdx.x & 31;
-        u32 warps = (gridDim.x - b0) * (blockDim.x >> 5);
-        u32 num_tokens = (u32)state[ST_TOKENS];
-        u64 row_bytes = (u64)hidden * 2;
-        bool vec = (hidden % 8 == 0) && (((u64)out & 15ull) == 0);
-        u32 chunks = hidden / 8;
-        u32 seg_len = vec ? row_seg_len(chunks, warps, num_tokens) : chunks;
-        u32 segs = vec ? (chunks + seg_len - 1) / seg_len : 1;
-        u64 items = (u64)num_tokens * segs;
         const u64* crow = (const u64*)(window + off_crow);
-        for (u64 it = (blockIdx.x - b0) * (blockDim.x >> 5) + (threadIdx.x >> 5); it < items; it += warps) {
+        for (; it < items; it += warps) {
             u32 t = (u32)(it / segs), seg = (u32)(it % segs);
             char* dst = out + (u64)t * row_bytes;
             const int* slots = send_slot + (u64)t * ranks;
@@ -268,11 +276,12 @@ __device__ void combine_recv_body(char* out, const char* window, const int* send
                 float ones[FAST_R];
 #pragma unroll
                 for (int d = 0; d < FAST_R; ++d) {
-                    int slot = (u32)d < ranks ? slots[d] : -1;
+                    int slot = have0 ? pslot[d] : (u32)d < ranks ? slots[d] : -1;
                     rows[d] = slot < 0 ? (const V16*)0 : (const V16*)partial(window, off_cx, local_out, rank, d, max_tokens, slot, row_bytes);
                     ones[d] = 1.0f;
                 }
                 sum_seg<FAST_R>((V16*)dst, rows, ones, seg * seg_len + lane, min(chunks, (seg + 1) * seg_len));
+                have0 = false;
             } else if (vec) {
                 u32 end = min(chunks, (seg + 1) * seg_len);
                 for (u32 c = seg * seg_len + lane; c < end; c += 32) {
