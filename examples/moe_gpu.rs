@@ -97,6 +97,10 @@ struct Cli {
     /// tokens whose rows have landed): auto (prefill shapes), on, off.
     #[arg(long, value_name = "S", default_value = "auto", value_parser = ["auto", "on", "off"])]
     streamed_combine: String,
+    /// Rows in a fixed order (Config::ordered_rows: the same inputs leave the same recv_x;
+    /// costs the route a few microseconds).
+    #[arg(long)]
+    ordered_rows: bool,
     /// Internal: this process's rank, started by rank 0 whose TcpStore is at --store.
     #[arg(long, hide = true, default_value_t = 0)]
     rank: usize,
@@ -123,6 +127,7 @@ impl Cli {
             layout: self.layout.parse::<RecvLayout>().expect("clap checked --layout"),
             streamed_combine: harness::on_off("--streamed-combine", &self.streamed_combine)
                 .expect("clap checked it"),
+            ordered_rows: self.ordered_rows,
         }
     }
 }

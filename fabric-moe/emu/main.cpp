@@ -26,6 +26,9 @@ static bool g_local = false;
 // blocks sending, a flag per row, and the rest summing behind the flags; g_drop_flag also
 // clears one row flag before the sums, which must then time out and report, not hang.
 static bool g_stream = false, g_drop_flag = false;
+// Every step dispatches the same inputs, and every step's rows must land where step 0's did
+// (src_info and recv_x byte for byte): the route's places in a fixed order.
+static bool g_same = false;
 int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int steps, bool one_expert, int mode = 0, u32 rm = 0) {
   u32 rb = H * 2, mw = 1 + 3 * K;
   // window: dflag cflag bflag ecount meta rx cx crow
@@ -73,7 +76,10 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
   u32 segs = (H % 8 == 0) ? ((H / 8 + 127) / 128) : 1;
   u32 seg_blocks = std::min<u32>(132, std::max<u32>(1, (R * T * segs + 7) / 8));
   int bad = 0;
+  u64 seed = rng_s;
+  std::vector<std::vector<char>> first(R);
   for (int step = 0; step < steps; ++step) {
+    if (g_same) rng_s = seed;
     std::vector<std::vector<u16>> x(R); std::vector<std::vector<i64>> idx(R); std::vector<std::vector<float>> w(R);
     std::vector<std::vector<int>> idx32(R);
     for (u32 r = 0; r < R; ++r) {
@@ -88,11 +94,26 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     for (u32 r = 0; r < R; ++r) {
       const void* ip = idx64 ? (const void*)idx[r].data() : (const void*)idx32[r].data();
       u64* state = (u64*)(P(r) + po[0]);
-      launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, &status[r*8], ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]), P(r)+po[8], (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (float*)(P(r)+po[13]), cap, rm);
+      launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, &status[r*8], ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]), P(r)+po[8], (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (float*)(P(r)+po[13]), cap, rm, (u32)g_same);
     }
     proxy_pass(0);
     for (u32 r = 0; r < R; ++r)
       launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (float*)(P(r)+po[13]), rm, (const u64*)(P(r)+po[12]));
+    if (g_same) {
+      for (u32 r = 0; r < R; ++r) {
+        const int* cnt = (const int*)(P(r)+po[6]);
+        std::vector<char> got;
+        for (u32 le = 0; le < E; ++le) {
+          const char* si = P(r) + po[7] + (u64)le * cap * 4;
+          const char* rows = P(r) + po[8] + (u64)le * cap * rb;
+          got.insert(got.end(), (const char*)&cnt[le], (const char*)&cnt[le] + 4);
+          got.insert(got.end(), si, si + (u64)cnt[le] * 4);
+          if (!rm) got.insert(got.end(), rows, rows + (u64)cnt[le] * rb);
+        }
+        if (step == 0) first[r] = got;
+        else if (got != first[r]) { if (bad++ < 5) printf("step %d rank %u: rows not where step 0 put them\n", step, r); }
+      }
+    }
     // dispatch check
     for (u32 r = 0; r < R; ++r) {
       if (status[r*8]) { printf("status rank %u: %llx\n", r, status[r*8]); }
@@ -164,7 +185,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     // Every step wrote every stage's writes, and the kernels' doorbells carry the last step.
     if (ctr[(d * 2 + 0) * MAX_RANKS + r] != 7 + 4ull * steps || ctr[(d * 2 + 1) * MAX_RANKS + r] != 7 + 2ull * steps || (bells[(r * 3) * MAX_RANKS + d] >> 32) != (u64)steps) { if (bad++ < 5) printf("proxy counts r%u d%u\n", r, d); }
   }
-  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_stream ? " streamed" : "", bad ? "FAIL" : "ok", bad);
+  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_stream ? " streamed" : g_same ? " same inputs" : "", bad ? "FAIL" : "ok", bad);
   return bad;
 }
 int main() {
@@ -210,6 +231,15 @@ int main() {
   g_local = false;
   bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 0, 0);
   bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 0, 0);
+  // The same inputs every step: the same places (three rounds of the route at 600 tokens).
+  g_stream = false;
+  g_same = true;
+  bad += run(2, 600, 16, 4, 4, 600, 1200, false, 3, false, 0, 0);
+  bad += run(3, 64, 24, 4, 8, 60, 192, true, 3, false, 0, 0);
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 0, 1);
+  bad += run(2, 8, 2056, 8, 9, 8, 16, true, 3, false, 1, 0);
+  g_same = false;
+  g_stream = true;
   g_drop_flag = true;
   bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 0);
 

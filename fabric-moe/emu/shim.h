@@ -42,6 +42,15 @@ inline int __shfl_sync(unsigned, int v, int src) {
   g_warp_bars[w]->arrive_and_wait();
   return r;
 }
+inline unsigned __match_any_sync(unsigned, int v) {
+  unsigned w = threadIdx.x / 32, l = threadIdx.x % 32;
+  g_warp_vals[w][l] = (unsigned)v;
+  g_warp_bars[w]->arrive_and_wait();
+  unsigned m = 0;
+  for (int i = 0; i < 32; ++i) if (g_warp_vals[w][i] == (unsigned)v) m |= 1u << i;
+  g_warp_bars[w]->arrive_and_wait();
+  return m;
+}
 inline void __syncwarp() { g_warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
 inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

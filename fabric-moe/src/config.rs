@@ -163,7 +163,19 @@ pub struct Config {
     /// does not (`new` agrees on it: a streaming rank waits for flags only a streaming
     /// sender raises).
     pub streamed_combine: Option<bool>,
+    /// Rows in a fixed order: each rank's route gives its rows their places per expert in
+    /// an order fixed by the inputs (by rounds of 256 tokens, 32 tokens at a time, by the
+    /// expert's column in `topk_idx`, then by token) instead of by a shared atomic, so that
+    /// the same inputs leave the same rows in the same places of `recv_x` (and `src_info`)
+    /// every time, where every rank sets it. It costs the route a few microseconds (decode
+    /// dispatch 28.6-29.4 -> 32.5-33.2 µs on two H200), hence off by default; `combined`
+    /// does not depend on it. Needs `ranks * experts_per_rank <= 512`.
+    pub ordered_rows: bool,
 }
+
+/// Global experts up to which [`Config::ordered_rows`] works (`kernels/dispatch.cu`'s
+/// `ORDER_EXPERTS`).
+pub const ORDERED_ROWS_MAX_EXPERTS: usize = 512;
 
 impl Config {
     /// A config with the defaults: bf16, device `rank % devices`, capacity `ranks *
@@ -192,6 +204,7 @@ impl Config {
             layout: RecvLayout::ExpertMajor,
             tag: "moe".into(),
             streamed_combine: None,
+            ordered_rows: false,
         }
     }
 
@@ -233,6 +246,12 @@ impl Config {
         }
         if self.tag.is_empty() {
             return bad("empty tag".into());
+        }
+        if self.ordered_rows && self.experts() > ORDERED_ROWS_MAX_EXPERTS {
+            return bad(format!(
+                "ordered_rows with {} experts (at most {ORDERED_ROWS_MAX_EXPERTS})",
+                self.experts()
+            ));
         }
         Ok(())
     }
@@ -299,6 +318,12 @@ mod tests {
         let mut c = Config::new(2, 0, 4, 8, 8, 2);
         c.expert_capacity = Some(0);
         assert!(c.validate().is_err());
+        // Ordered rows: DeepSeek-V3's 256 experts, not 1024.
+        let mut c = Config::new(2, 0, 128, 128, 7168, 8);
+        c.ordered_rows = true;
+        assert!(c.validate().is_ok());
+        c.experts_per_rank = 512;
+        assert!(matches!(c.validate(), Err(MoeError::Config(why)) if why.contains("ordered_rows")));
         assert_eq!(Config::new(2, 0, 4, 8, 8, 2).capacity(), 16);
     }
 

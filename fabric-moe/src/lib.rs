@@ -60,7 +60,9 @@ mod proxy;
 pub mod reference;
 
 pub use alltoall::{AllToAll, Received, CLOCK_SLOTS, PROBES};
-pub use config::{Config, DispatchInput, Dtype, RecvLayout, TopkIdx, Transport, MAX_RANKS};
+pub use config::{
+    Config, DispatchInput, Dtype, RecvLayout, TopkIdx, Transport, MAX_RANKS, ORDERED_ROWS_MAX_EXPERTS,
+};
 pub use error::{MoeError, Result};
 pub use kernels::CudaStream;
 pub use proxy::ProxyTimes;

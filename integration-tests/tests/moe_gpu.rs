@@ -35,6 +35,10 @@
 //!   indices and weights per expert, the caller's summed rows sent back) on both ranks and
 //!   on one, random and uneven routing, back to back, and replayed from a CUDA graph.
 //!
+//! `moe_random_routing`, `moe_rank_major` and `moe_proxy_random_routing` also dispatch the
+//! same inputs three times with `Config::ordered_rows`: every step must leave the same rows
+//! in the same order per expert (sources and bytes) as the first.
+//!
 //! Ranks go on devices `rank % devices`: two GPUs where there are two (NVLink or PCIe P2P),
 //! else both on one; `FABRIC_REQUIRE_GPUS=2` makes a single GPU a failure. Without a CUDA
 //! driver each test prints `skipped: ...` and passes; `FABRIC_REQUIRE_CUDA=1` makes that a
@@ -118,6 +122,10 @@ struct Case {
     /// `Config::streamed_combine` (`None`: by shape, which for these 128-token steps is not
     /// streamed); `Some(true)` must stream.
     streamed: Option<bool>,
+    /// Every step dispatches step 0's inputs, and must leave the same rows in the same
+    /// order (sources and bytes per expert) as step 0 did: the route's places in a fixed
+    /// order.
+    same: bool,
 }
 
 const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Routing, steps: usize) -> Case {
@@ -135,6 +143,7 @@ const fn case(hidden: usize, topk: usize, experts_per_rank: usize, routing: Rout
         rank_major: 0,
         split: 0,
         streamed: None,
+        same: false,
     }
 }
 
@@ -152,6 +161,8 @@ fn cases(kind: &str) -> Vec<Case> {
             case(100, 4, 4, MASKED, 2),
             Case { idx64: true, ..case(7168, 2, 8, RANDOM, 2) },
             case(7168, 8, 128, MASKED, 2),
+            Case { same: true, ..case(7168, 8, 128, MASKED, 3) },
+            Case { same: true, idx64: true, ..case(128, 5, 8, RANDOM, 3) },
         ],
         "repeat" => vec![Case { pipelined: true, ..case(128, 4, 4, MASKED, 50) }],
         "uneven" => vec![
@@ -167,6 +178,7 @@ fn cases(kind: &str) -> Vec<Case> {
             case(100, 4, 4, MASKED, 2),
             case(7168, 8, 128, MASKED, 2),
             case(7168, 2, 4, Routing::OneExpert, 2),
+            Case { same: true, ..case(7168, 8, 128, MASKED, 3) },
         ],
         "proxy-repeat" => vec![Case { pipelined: true, ..case(128, 4, 4, MASKED, 50) }],
         "proxy-graph" => vec![Case { graph: true, ..case(7168, 8, 8, RANDOM, 40) }],
@@ -179,6 +191,7 @@ fn cases(kind: &str) -> Vec<Case> {
             Case { rank_major: 2, ..case(7168, 2, 4, Routing::OneExpert, 2) },
             Case { rank_major: 3, pipelined: true, ..case(128, 4, 4, MASKED, 20) },
             Case { rank_major: 3, graph: true, ..case(7168, 8, 8, RANDOM, 20) },
+            Case { rank_major: 3, same: true, ..case(7168, 8, 128, MASKED, 3) },
         ],
         // The stages launched one by one over NVLink (the fused kernels are the default).
         "split" => vec![
@@ -357,6 +370,7 @@ async fn run_case(
         c.layout = RecvLayout::RankMajor;
     }
     c.streamed_combine = case.streamed;
+    c.ordered_rows = case.same;
     let a2a = AllToAll::new(engine, store, c.clone()).await.map_err(s)?;
     if case.streamed.is_some_and(|on| on != a2a.streamed_combine()) {
         return Err(format!("rank {rank}: streamed combine {}, asked {case:?}", a2a.streamed_combine()));
@@ -415,8 +429,9 @@ async fn run_case(
                 .map_err(|e| format!("step {step}: {e}"))?;
         }
     } else {
+        let mut first = None;
         for step in 0..case.steps {
-            let all = all_inputs(step);
+            let all = all_inputs(if case.same { 0 } else { step });
             let d = DeviceInputs::upload(&ctx, &c, &all[rank], case.idx64).map_err(s)?;
             // SAFETY: `d` and `out` live until the stream is synchronized below.
             unsafe { dispatch(&a2a, &stream, &d.input(), case.split >> rank & 1 == 1).map_err(s)? };
@@ -432,6 +447,19 @@ async fn run_case(
                 let got = a2a.read_received().map_err(s)?;
                 check_received(&c, &all, rank, &got.sources, &got.rows)
                     .map_err(|e| format!("step {step}: {e}"))?;
+                if case.same {
+                    match &first {
+                        None => first = Some(got),
+                        Some(f) if f == &got => {}
+                        Some(f) => {
+                            let le = (0..f.sources.len()).find(|&le| f.sources[le] != got.sources[le]);
+                            return Err(format!(
+                                "rank {rank} step {step}: the same inputs left rows in another order than \
+                                 step 0 (first differing expert {le:?})"
+                            ));
+                        }
+                    }
+                }
             }
             // SAFETY: as above.
             unsafe {

@@ -46,9 +46,11 @@ pub const PROBES: usize = 24;
 ///
 /// After `dispatch_recv`, local expert `le` (global id `rank * experts_per_rank + le`) has
 /// `n = recv_count[le]` rows at `recv_x[le][0..n]` (`[experts_per_rank, capacity, hidden]`),
-/// and `src_info[le][i] = src_rank * max_tokens + token` says where row `i` came from. The
-/// order of rows within an expert is the order they were placed in (not fixed from step to
-/// step). `combine_send` reads `expert_out` in that same layout, and `combine_recv` leaves
+/// and `src_info[le][i] = src_rank * max_tokens + token` says where row `i` came from. In
+/// each local expert this rank's own rows come first, then rank + 1's, and so on. Within one
+/// source the order is that of its route: by default not fixed from step to step (a shared
+/// atomic), and with [`Config::ordered_rows`] on every rank fixed by the inputs, so that the
+/// same inputs leave the same `recv_x` and `src_info`, byte for byte. `combine_send` reads `expert_out` in that same layout, and `combine_recv` leaves
 /// `combined[t] = sum over k of topk_weights[t][k] * expert_out(topk_idx[t][k], t)` for
 /// every token `t` of the dispatch (zeros for a token whose ids are all negative).
 ///

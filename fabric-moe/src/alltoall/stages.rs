@@ -90,7 +90,8 @@ impl AllToAll {
             .u64(self.private_ptr(l.off_recv_pos))
             .u64(self.private_ptr(l.off_expert_w))
             .u32(l.capacity as u32)
-            .u32(u32::from(c.layout == RecvLayout::RankMajor));
+            .u32(u32::from(c.layout == RecvLayout::RankMajor))
+            .u32(u32::from(c.ordered_rows));
         Ok(send)
     }
 

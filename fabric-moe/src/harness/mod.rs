@@ -100,6 +100,8 @@ pub struct Params {
     pub layout: RecvLayout,
     /// [`Config::streamed_combine`](crate::Config::streamed_combine) (`None`: by shape).
     pub streamed_combine: Option<bool>,
+    /// [`Config::ordered_rows`](crate::Config::ordered_rows).
+    pub ordered_rows: bool,
 }
 
 impl Params {
@@ -121,6 +123,7 @@ impl Params {
             provider: "shm".into(),
             layout: RecvLayout::ExpertMajor,
             streamed_combine: None,
+            ordered_rows: false,
         }
     }
 
@@ -186,6 +189,9 @@ impl Params {
         if let Some(on) = self.streamed_combine {
             a.extend(["--streamed-combine".to_string(), if on { "on" } else { "off" }.to_string()]);
         }
+        if self.ordered_rows {
+            a.extend(["--ordered-rows".to_string(), "on".to_string()]);
+        }
         a
     }
 
@@ -220,6 +226,7 @@ impl Params {
                 "--provider" => p.provider = v.to_string(),
                 "--layout" => p.layout = v.parse().map_err(|e| format!("--layout {v}: {e}"))?,
                 "--streamed-combine" => p.streamed_combine = on_off(k, v)?,
+                "--ordered-rows" => p.ordered_rows = on_off(k, v)?.unwrap_or(false),
                 "--store" => store = Some(v.parse().map_err(|_| format!("--store {v}: not an address"))?),
                 _ => return Err(format!("unexpected argument {k}")),
             }
@@ -387,6 +394,7 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
     c.transport = p.transport;
     c.layout = p.layout;
     c.streamed_combine = p.streamed_combine;
+    c.ordered_rows = p.ordered_rows;
     let a2a = AllToAll::new(&engine, store, c.clone()).await?;
     let ctx = cuda::context(a2a.device())?;
     let sets: Vec<Set> = (0..SETS)

@@ -5,6 +5,8 @@
 #define ROUTE_SMEM_EXPERTS 4096
 // Warps of a block that computes its own slots (block_slots): THREADS / 32.
 #define BLOCK_SLOTS_WARPS 8
+// Experts up to which the route gives places in a fixed order (route_tokens).
+#define ORDER_EXPERTS 512
 
 // The route of a step, by one block (block 0 of moe_dispatch_send): send_slot[t][d] (slot of
 // token t in rank d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's place
@@ -12,15 +14,24 @@
 // num_tokens in the state. After each round of blockDim tokens it publishes how far it got,
 // state[ST_ROUTED] = seq << 32 | tokens routed, so that the other blocks copy the rows of
 // routed tokens while it routes the next ones (routed_upto).
+//
+// With `ordered` (Config::ordered_rows), at most ORDER_EXPERTS experts and BLOCK_SLOTS_WARPS warps, the places follow the
+// tokens' order (token by token, and a token's experts by j): each warp ranks its lanes per
+// expert (match_any, one j at a time) into warp counts, and the counts become offsets by a
+// scan over the warps and the earlier rounds, so that the same inputs give the same places,
+// and rows land in recv_x in the same order, every time. Past that, a shared atomic per
+// place (each place once, in no fixed order).
 __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
                              u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
-                             int* send_ecount, u64* state, u64* status, u64 seq) {
+                             int* send_ecount, u64* state, u64* status, u64 seq, u32 ordered_rows) {
     __shared__ int wcount[32][MAX_RANKS];
     __shared__ int carry[MAX_RANKS];
     __shared__ int scount[ROUTE_SMEM_EXPERTS];
+    __shared__ int wplace[BLOCK_SLOTS_WARPS][ORDER_EXPERTS];
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     i64 total = (i64)ranks * experts_per_rank;
     bool smem = total <= ROUTE_SMEM_EXPERTS;
+    bool ordered = ordered_rows && total <= ORDER_EXPERTS && nwarps <= BLOCK_SLOTS_WARPS;
     int* counts = smem ? scount : send_ecount;
     for (i64 e = tid; e < total; e += blockDim.x) counts[e] = 0;
     if (tid < ranks) carry[tid] = 0;
@@ -29,8 +40,14 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
     u32 below = (1u << lane) - 1u;
     for (u32 base = 0; base < num_tokens; base += blockDim.x) {
         u32 t = base + tid;
+        bool live = t < num_tokens;
         u64 mask = 0;
-        if (t < num_tokens) {
+        // The token's first FAST_K ids loaded before any of them is placed (placing stores,
+        // so the compiler would not move a later load above it), in registers (every index
+        // known at compile time); ordered, their places within the warp too.
+        i64 ids[FAST_K];
+        int pos[FAST_K];
+        if (!ordered && live) {
             // The token's place among this rank's rows for expert e (any order, each place
             // once): where the receiver puts it, after the earlier sources'.
             auto place_one = [&](u32 j, i64 e) {
@@ -43,10 +60,6 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
                 }
                 send_pos[(u64)t * k + j] = pos;
             };
-            // The token's first FAST_K ids loaded before any of them is placed (placing
-            // stores, so the compiler would not move a later load above it), in registers
-            // (every index known at compile time).
-            i64 ids[FAST_K];
 #pragma unroll
             for (u32 j = 0; j < FAST_K; ++j) ids[j] = j < k ? expert_of(topk_idx, idx64, (u64)t * k + j) : -1;
 #pragma unroll
@@ -54,6 +67,30 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
                 if (j < k) place_one(j, ids[j]);
             }
             for (u32 j = FAST_K; j < k; ++j) place_one(j, expert_of(topk_idx, idx64, (u64)t * k + j));
+        } else if (ordered) {
+            for (u32 q = tid; q < nwarps * (u32)total; q += blockDim.x) wplace[q / (u32)total][q % (u32)total] = 0;
+            __syncthreads();
+            // The place within the warp for now (the warp's offset is added below); every
+            // lane of the warp calls it with the same j.
+            auto place_ordered = [&](u32 j, i64 e) {
+                bool valid = live && e >= 0 && e < total;
+                if (live && e >= total) report(status, ERR_BAD_EXPERT, t);
+                if (valid) mask |= 1ull << (u32)(e / experts_per_rank);
+                int pos = -1;
+                // Lanes without a place get keys of their own (no match).
+                u32 m = __match_any_sync(0xffffffffu, valid ? (int)e : -1 - (int)lane);
+                if (valid) pos = wplace[warp][e] + __popc(m & below);
+                __syncwarp();
+                if (valid && (m & below) == 0) wplace[warp][e] += __popc(m);
+                __syncwarp();
+                if (live) send_pos[(u64)t * k + j] = pos;
+                return pos;
+            };
+#pragma unroll
+            for (u32 j = 0; j < FAST_K; ++j) ids[j] = live && j < k ? expert_of(topk_idx, idx64, (u64)t * k + j) : -1;
+#pragma unroll
+            for (u32 j = 0; j < FAST_K; ++j) pos[j] = j < k ? place_ordered(j, ids[j]) : -1;
+            for (u32 j = FAST_K; j < k; ++j) place_ordered(j, live ? expert_of(topk_idx, idx64, (u64)t * k + j) : -1);
         }
         for (u32 d = 0; d < ranks; ++d) {
             u32 ballot = __ballot_sync(0xffffffffu, (u32)(mask >> d) & 1u);
@@ -69,7 +106,31 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
             }
             carry[tid] = run;
         }
+        if (ordered) {
+            // Each warp's count of an expert becomes its offset: after the earlier rounds'
+            // rows and the earlier warps'.
+            for (u32 e = tid; e < (u32)total; e += blockDim.x) {
+                int run = counts[e];
+                for (u32 w = 0; w < nwarps; ++w) {
+                    int c = wplace[w][e];
+                    wplace[w][e] = run;
+                    run += c;
+                }
+                counts[e] = run;
+            }
+        }
         __syncthreads();
+        if (ordered && live) {
+            // The places within the warp plus the warp's offsets.
+#pragma unroll
+            for (u32 j = 0; j < FAST_K; ++j) {
+                if (pos[j] >= 0) send_pos[(u64)t * k + j] = pos[j] + wplace[warp][ids[j]];
+            }
+            for (u32 j = FAST_K; j < k; ++j) {
+                int p = send_pos[(u64)t * k + j];
+                if (p >= 0) send_pos[(u64)t * k + j] = p + wplace[warp][expert_of(topk_idx, idx64, (u64)t * k + j)];
+            }
+        }
         for (u32 d = 0; d < ranks; ++d) {
             u32 bit = (u32)(mask >> d) & 1u;
             u32 ballot = __ballot_sync(0xffffffffu, bit);
@@ -280,7 +341,7 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
                                    u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
                                    u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
                                    const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
-                                   float* expert_w, u32 capacity, u32 rank_major) {
+                                   float* expert_w, u32 capacity, u32 rank_major, u32 ordered_rows) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     // Block 0 routes the step's tokens, a round of blockDim tokens at a time; the other
@@ -300,7 +361,7 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     }
     if (blockIdx.x == 0) {
         route_tokens(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
-                     send_ecount, state, status, seq);
+                     send_ecount, state, status, seq, ordered_rows);
         routed = num_tokens;
         __syncthreads();
         // Our rows per expert into each destination's ecount, now (ordered before the flag by
@@ -477,11 +538,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_send(const cha
                                              u32 k, u32 experts_per_rank, u32 row_bytes, u64 off_dflag,
                                              u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
                                              const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
-                                             float* expert_w, u32 capacity, u32 rank_major) {
+                                             float* expert_w, u32 capacity, u32 rank_major, u32 ordered_rows) {
     dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
                        state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
                        off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy, x_expert, src_info, recv_pos,
-                       expert_w, capacity, rank_major);
+                       expert_w, capacity, rank_major, ordered_rows);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
@@ -507,12 +568,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch(const char* x,
                                         u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
                                         u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
                                         const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
-                                        float* expert_w, u32 capacity, u32 rank_major, const char* window,
+                                        float* expert_w, u32 capacity, u32 rank_major, u32 ordered_rows,
+                                        const char* window,
                                         int* expert_count, int* recv_count) {
     dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
                        state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
                        off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy, x_expert, src_info, recv_pos,
-                       expert_w, capacity, rank_major);
+                       expert_w, capacity, rank_major, ordered_rows);
     dispatch_recv_body(window, x_expert, expert_count, src_info, recv_pos, recv_count, state, status, rank,
                        ranks, max_tokens, k, experts_per_rank, capacity, row_bytes, off_dflag, off_ecount,
                        off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy);
