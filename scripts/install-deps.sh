@@ -3,11 +3,12 @@
 # librdmacm (headers + user-space providers), clang for bindgen, iperf3 (a benchmark
 # baseline), protoc (etcd-client generates its gRPC code at build time) and etcd-server (the
 # EtcdStore test starts a real etcd), and python3 with venv (the Python package's tests
-# build it into a virtual environment, scripts/python-tests.sh). Runs apt-get only when
+# build it into a virtual environment, scripts/python-tests.sh), and g++ (fabric-moe/emu runs
+# the GPU kernels as C++ on the CPU, in CI). Runs apt-get only when
 # something is missing. Needs root (or sudo).
 set -euo pipefail
 pkgs=(libfabric-dev libfabric-bin iperf3 libibverbs-dev librdmacm-dev ibverbs-providers pkg-config libclang-dev clang
-      protobuf-compiler etcd-server python3 python3-venv)
+      protobuf-compiler etcd-server python3 python3-venv g++)
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 missing=()
