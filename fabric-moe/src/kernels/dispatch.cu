@@ -8,6 +8,17 @@
 // Experts up to which the route gives places in a fixed order (route_tokens).
 #define ORDER_EXPERTS 512
 
+// An exclusive scan down one column of a table of per-warp counts: col[w * stride] becomes
+// `run` plus the counts of the warps before w; returns the column's total plus `run`.
+__device__ __forceinline__ int scan_warps(int* col, u32 stride, u32 nwarps, int run) {
+    for (u32 w = 0; w < nwarps; ++w) {
+        int c = col[w * stride];
+        col[w * stride] = run;
+        run += c;
+    }
+    return run;
+}
+
 // The route of a step, by one block (block 0 of moe_dispatch_send): send_slot[t][d] (slot of
 // token t in rank d's rows from us, or -1), send_count[d], send_pos[t][j] (the token's place
 // among our rows for its j-th expert) and send_ecount[e] (our rows per expert); notes
@@ -97,26 +108,12 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
             if (lane == 0) wcount[warp][d] = __popc(ballot);
         }
         __syncthreads();
-        if (tid < ranks) {
-            int run = carry[tid];
-            for (u32 w = 0; w < nwarps; ++w) {
-                int c = wcount[w][tid];
-                wcount[w][tid] = run;
-                run += c;
-            }
-            carry[tid] = run;
-        }
+        if (tid < ranks) carry[tid] = scan_warps(&wcount[0][tid], MAX_RANKS, nwarps, carry[tid]);
         if (ordered) {
             // Each warp's count of an expert becomes its offset: after the earlier rounds'
             // rows and the earlier warps'.
             for (u32 e = tid; e < (u32)total; e += blockDim.x) {
-                int run = counts[e];
-                for (u32 w = 0; w < nwarps; ++w) {
-                    int c = wplace[w][e];
-                    wplace[w][e] = run;
-                    run += c;
-                }
-                counts[e] = run;
+                counts[e] = scan_warps(&wplace[0][e], ORDER_EXPERTS, nwarps, counts[e]);
             }
         }
         __syncthreads();
