@@ -15,10 +15,10 @@ impl AllToAll {
     /// Routes this step's tokens by destination rank and writes each token once to every
     /// rank that holds one of its experts (with its expert ids and weights), straight into
     /// that rank's window (expert-major, a token for this rank's own experts goes straight
-    /// to its places in [`recv_x`](Self::recv_x) instead); then raises this step's dispatch flag at every rank (also those
-    /// that get no token: the flag carries the count). With ranks reached through the
-    /// proxy, it first closes the stage's receive gate (a stream write, see
-    /// [`dispatch_recv`](Self::dispatch_recv)).
+    /// to its places in [`recv_x`](Self::recv_x) instead); then raises this step's dispatch
+    /// flag at every rank (also those that get no token: the flag carries the count). With
+    /// ranks reached through the proxy, it first closes the stage's receive gate (a stream
+    /// write, see [`dispatch_recv`](Self::dispatch_recv)).
     ///
     /// # Safety
     ///
