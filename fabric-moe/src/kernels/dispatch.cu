@@ -7,6 +7,10 @@
 #define BLOCK_SLOTS_WARPS 8
 // Experts up to which the route gives places in a fixed order (route_tokens).
 #define ORDER_EXPERTS 512
+// The route's shared words: the counts, or ordered, the counts then the warps' places.
+#define ROUTE_SMEM_WORDS \
+    (ROUTE_SMEM_EXPERTS > ORDER_EXPERTS * (1 + BLOCK_SLOTS_WARPS) ? ROUTE_SMEM_EXPERTS \
+                                                                   : ORDER_EXPERTS * (1 + BLOCK_SLOTS_WARPS))
 
 // An exclusive scan down one column of a table of per-warp counts: col[w * stride] becomes
 // `run` plus the counts of the warps before w; returns the column's total plus `run`.
@@ -32,17 +36,19 @@ __device__ __forceinline__ int scan_warps(int* col, u32 stride, u32 nwarps, int 
 // scan over the warps and the earlier rounds, so that the same inputs give the same places,
 // and rows land in recv_x in the same order, every time. Past that, a shared atomic per
 // place (each place once, in no fixed order).
-__device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
-                             u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
-                             int* send_ecount, u64* state, u64* status, u64 seq, u32 ordered_rows) {
-    __shared__ int wcount[32][MAX_RANKS];
-    __shared__ int carry[MAX_RANKS];
-    __shared__ int scount[ROUTE_SMEM_EXPERTS];
-    __shared__ int wplace[BLOCK_SLOTS_WARPS][ORDER_EXPERTS];
+//
+// Compiled once per way (ORDERED), so that the default route carries none of the ordered
+// one's code; route_tokens below picks one and gives it the shared memory (one copy for
+// both).
+template <bool ORDERED>
+__device__ void route_way(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks, u32 experts_per_rank,
+                          int* send_slot, int* send_count, int* send_pos, int* send_ecount, u64* state,
+                          u64* status, u64 seq, int (*wcount)[MAX_RANKS], int* carry, int* scount) {
+    int (*wplace)[ORDER_EXPERTS] = (int (*)[ORDER_EXPERTS])(scount + ORDER_EXPERTS);
     u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     i64 total = (i64)ranks * experts_per_rank;
     bool smem = total <= ROUTE_SMEM_EXPERTS;
-    bool ordered = ordered_rows && total <= ORDER_EXPERTS && nwarps <= BLOCK_SLOTS_WARPS;
+    const bool ordered = ORDERED;
     int* counts = smem ? scount : send_ecount;
     for (i64 e = tid; e < total; e += blockDim.x) counts[e] = 0;
     if (tid < ranks) carry[tid] = 0;
@@ -147,6 +153,24 @@ __device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u3
     if (tid < ranks) send_count[tid] = carry[tid];
     if (smem) {
         for (i64 e = tid; e < total; e += blockDim.x) send_ecount[e] = scount[e];
+    }
+}
+
+__device__ void route_tokens(const void* topk_idx, u32 idx64, u32 num_tokens, u32 k, u32 ranks,
+                             u32 experts_per_rank, int* send_slot, int* send_count, int* send_pos,
+                             int* send_ecount, u64* state, u64* status, u64 seq, u32 ordered_rows) {
+    __shared__ int wcount[32][MAX_RANKS];
+    __shared__ int carry[MAX_RANKS];
+    // The counts per expert; ordered (at most ORDER_EXPERTS of them), the warps' table
+    // after them (each block's static shared memory is the kernel's largest: this keeps the
+    // dispatch kernels' at about 30 KB).
+    __shared__ int scount[ROUTE_SMEM_WORDS];
+    if (ordered_rows && (i64)ranks * experts_per_rank <= ORDER_EXPERTS && (blockDim.x >> 5) <= BLOCK_SLOTS_WARPS) {
+        route_way<true>(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
+                        send_ecount, state, status, seq, wcount, carry, scount);
+    } else {
+        route_way<false>(topk_idx, idx64, num_tokens, k, ranks, experts_per_rank, send_slot, send_count, send_pos,
+                         send_ecount, state, status, seq, wcount, carry, scount);
     }
 }
 
@@ -331,14 +355,15 @@ __device__ __forceinline__ void place_row(Get get, Base base, const char* src, i
     }
 }
 
-// The send stage (moe_dispatch_send, and the first half of moe_dispatch).
-__device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
+// The send stage (moe_dispatch_send, and the first half of moe_dispatch, which passes
+// `fused`); returns the step's sequence number.
+__device__ u64 dispatch_send_body(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
                                    int* send_slot, int* send_count, int* send_pos, int* send_ecount,
                                    const u64* peers, u64* state, u64* status, u32 num_tokens, u32 rank,
                                    u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 row_bytes,
                                    u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx, u64 timeout_ns,
                                    const u64* proxy, char* x_expert, int* src_info, int* recv_pos,
-                                   float* expert_w, u32 capacity, u32 rank_major, u32 ordered_rows) {
+                                   float* expert_w, u32 capacity, u32 rank_major, u32 ordered_rows, u32 fused) {
     u32 lane = threadIdx.x & 31;
     u32 warps = gridDim.x * (blockDim.x >> 5);
     // Block 0 routes the step's tokens, a round of blockDim tokens at a time; the other
@@ -436,7 +461,7 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
         }
     }
     if (blockIdx.x == 0) PROBE(status, 2);
-    if (!last_block(&state[ST_DONE_DSEND], true)) return;
+    if (!last_block(&state[ST_DONE_DSEND], true)) return seq;
     PROBE(status, 3);
     // Every block's rows, metas and (block 0's) ecounts are ordered before the flags by the
     // fences of last_block.
@@ -445,16 +470,32 @@ __device__ void dispatch_send_body(const char* x, const void* topk_idx, u32 idx6
     PROBE(status, 4);
     if (threadIdx.x == 0) {
         state[ST_DSEND] = seq;
+        // The fused kernel's receive has no last block of its own (see dispatch_recv_body):
+        // its sequence moves here, where no block of the launch reads it.
+        if (fused) state[ST_DRECV] = seq;
         state[ST_DONE_DSEND] = 0;
+    }
+    return seq;
+}
+
+// Rows per local expert, by the calling block: every source's (ecount, in the window),
+// clamped to what fits.
+__device__ void expert_counts(const int* ecount, int* expert_count, u32 ranks, u32 experts_per_rank, u32 capacity) {
+    for (u32 le = threadIdx.x; le < experts_per_rank; le += blockDim.x) {
+        long long n = 0;
+        for (u32 q = 0; q < ranks; ++q) n += ecount[(u64)q * experts_per_rank + le];
+        expert_count[le] = n > (long long)capacity ? (int)capacity : (int)n;
     }
 }
 
-// The receive stage (moe_dispatch_recv, and the second half of moe_dispatch).
+// The receive stage (moe_dispatch_recv, and the second half of moe_dispatch, which passes
+// `fused` and the step's sequence number `seq`).
 __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expert_count, int* src_info,
                                    int* recv_pos, int* recv_count, u64* state, u64* status, u32 rank,
                                    u32 ranks, u32 max_tokens, u32 k, u32 experts_per_rank, u32 capacity,
                                    u32 row_bytes, u64 off_dflag, u64 off_ecount, u64 off_meta, u64 off_rx,
-                                   u64 timeout_ns, float* expert_w, u32 rank_major, const u64* proxy) {
+                                   u64 timeout_ns, float* expert_w, u32 rank_major, const u64* proxy, u32 fused,
+                                   u64 seq) {
     __shared__ int cnt[MAX_RANKS];
     __shared__ int failed;
     if (threadIdx.x == 0) failed = 0;
@@ -462,7 +503,7 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
     __syncthreads();
     if (threadIdx.x < ranks) {
         u32 s = threadIdx.x;
-        u32 want = (u32)(state[ST_DRECV] + 1);
+        u32 want = fused ? (u32)seq : (u32)(state[ST_DRECV] + 1);
         u64 w = px_wait(proxy, PX_DISPATCH, s, want, PX_WRITES_DISPATCH, timeout_ns, &failed)
                     ? wait_seq((const u64*)(window + off_dflag) + s, want, timeout_ns, &failed)
                     : 0;
@@ -473,6 +514,12 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
     if (blockIdx.x == 0) PROBE(status, 6);
     __threadfence();
     const int* ecount = (const int*)(window + off_ecount);
+    if (fused && blockIdx.x == gridDim.x - 1 && !failed) {
+        // Fused, one block writes the rows per local expert as soon as the flags are in (the
+        // counts came before them), so that no last-block step follows the placing: its
+        // fence and count cost about 1.5 us at the end of a decode step.
+        expert_counts(ecount, expert_count, ranks, experts_per_rank, capacity);
+    }
     if (failed) {
         if (threadIdx.x == 0) report(status, ERR_DISPATCH_TIMEOUT, blockIdx.x);
     } else {
@@ -511,16 +558,11 @@ __device__ void dispatch_recv_body(const char* window, char* x_expert, int* expe
         }
     }
     if (blockIdx.x == 0) PROBE(status, 7);
+    if (fused) return;
     if (!last_block(&state[ST_DONE_DRECV], false)) return;
     PROBE(status, 8);
     // Rows per local expert: every source's, clamped to what fits (an overflow was reported).
-    if (!failed) {
-        for (u32 le = threadIdx.x; le < experts_per_rank; le += blockDim.x) {
-            long long n = 0;
-            for (u32 q = 0; q < ranks; ++q) n += ecount[(u64)q * experts_per_rank + le];
-            expert_count[le] = n > (long long)capacity ? (int)capacity : (int)n;
-        }
-    }
+    if (!failed) expert_counts(ecount, expert_count, ranks, experts_per_rank, capacity);
     __syncthreads();
     if (threadIdx.x == 0) {
         state[ST_DRECV] = (state[ST_DRECV] + 1) & 0xffffffffull;
@@ -539,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_send(const cha
     dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
                        state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
                        off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy, x_expert, src_info, recv_pos,
-                       expert_w, capacity, rank_major, ordered_rows);
+                       expert_w, capacity, rank_major, ordered_rows, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_recv(const char* window, char* x_expert, int* expert_count,
@@ -551,12 +593,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch_recv(const cha
                                              const u64* proxy) {
     dispatch_recv_body(window, x_expert, expert_count, src_info, recv_pos, recv_count, state, status, rank,
                        ranks, max_tokens, k, experts_per_rank, capacity, row_bytes, off_dflag, off_ecount,
-                       off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy);
+                       off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy, 0, 0);
 }
 
 // Both stages in one launch (AllToAll::dispatch without proxy ranks): a block that has sent
 // its rows goes on to wait for the flags and place what arrived, so the chain has one kernel
-// boundary less and the waits overlap the last block's flag step. Every block must be
+// boundary and one last-block step less (the receive's: the send's last block moves both
+// sequences on) and the waits overlap the last block's flag step. Every block must be
 // resident at once (the host checks the occupancy): a block waits for this rank's own flag,
 // which the last block to finish sending raises.
 extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch(const char* x, const void* topk_idx, u32 idx64, const float* topk_weights,
@@ -568,11 +611,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_dispatch(const char* x,
                                         float* expert_w, u32 capacity, u32 rank_major, u32 ordered_rows,
                                         const char* window,
                                         int* expert_count, int* recv_count) {
-    dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
+    u64 seq = dispatch_send_body(x, topk_idx, idx64, topk_weights, send_slot, send_count, send_pos, send_ecount, peers,
                        state, status, num_tokens, rank, ranks, max_tokens, k, experts_per_rank, row_bytes,
                        off_dflag, off_ecount, off_meta, off_rx, timeout_ns, proxy, x_expert, src_info, recv_pos,
-                       expert_w, capacity, rank_major, ordered_rows);
+                       expert_w, capacity, rank_major, ordered_rows, 1);
     dispatch_recv_body(window, x_expert, expert_count, src_info, recv_pos, recv_count, state, status, rank,
                        ranks, max_tokens, k, experts_per_rank, capacity, row_bytes, off_dflag, off_ecount,
-                       off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy);
+                       off_meta, off_rx, timeout_ns, expert_w, rank_major, proxy, 1, seq);
 }
