@@ -26,6 +26,12 @@ static bool g_local = false;
 // blocks sending, a flag per row, and the rest summing behind the flags; g_drop_flag also
 // clears one row flag before the sums, which must then time out and report, not hang.
 static bool g_stream = false, g_drop_flag = false;
+// Rank 1's dispatch flag at rank 0 cleared before the receive, which must then time out and
+// report, not hang.
+static bool g_drop_dflag = false;
+// Blocks of the row kernels at most: with few, warps take several items each (and the
+// route's other blocks wait for its rounds).
+static u32 g_max_blocks = 132;
 // Every step dispatches the same inputs, and every step's rows must land where step 0's did
 // (src_info and recv_x byte for byte): the route's places in a fixed order.
 static bool g_same = false;
@@ -74,7 +80,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
   };
   u32 blocks = std::min<u32>(132, std::max<u32>(1, (R * T + 7) / 8));
   u32 segs = (H % 8 == 0) ? ((H / 8 + 127) / 128) : 1;
-  u32 seg_blocks = std::min<u32>(132, std::max<u32>(1, (R * T * segs + 7) / 8));
+  u32 seg_blocks = std::min<u32>(g_max_blocks, std::max<u32>(1, (R * T * segs + 7) / 8));
   int bad = 0;
   u64 seed = rng_s;
   std::vector<std::vector<char>> first(R);
@@ -97,8 +103,17 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, &status[r*8], ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]), P(r)+po[8], (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (float*)(P(r)+po[13]), cap, rm, (u32)g_same);
     }
     proxy_pass(0);
+    if (g_drop_dflag) ((u64*)(W(0) + wo[0]))[1] = 0;
     for (u32 r = 0; r < R; ++r)
-      launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (float*)(P(r)+po[13]), rm, (const u64*)(P(r)+po[12]));
+      launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], g_drop_dflag ? (u64)20000000ull : (u64)1000000000ull, (float*)(P(r)+po[13]), rm, (const u64*)(P(r)+po[12]));
+    if (g_drop_dflag) {
+      // Rank 0 waited for rank 1's flag and gave up: a dispatch timeout, reported; rank 1
+      // (every flag in) placed its rows.
+      if ((status[0] >> 32) != 1) { if (bad++ < 5) printf("dropped dispatch flag: status %llx\n", status[0]); }
+      if (status[8]) { if (bad++ < 5) printf("dropped dispatch flag: rank 1 status %llx\n", status[8]); }
+      printf("R=%u T=%u, rank 1's dispatch flag at rank 0 dropped: %s\n", R, T, bad ? "FAIL" : "ok (timeout reported)");
+      return bad;
+    }
     if (g_same) {
       for (u32 r = 0; r < R; ++r) {
         const int* cnt = (const int*)(P(r)+po[6]);
@@ -185,7 +200,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     // Every step wrote every stage's writes, and the kernels' doorbells carry the last step.
     if (ctr[(d * 2 + 0) * MAX_RANKS + r] != 7 + 4ull * steps || ctr[(d * 2 + 1) * MAX_RANKS + r] != 7 + 2ull * steps || (bells[(r * 3) * MAX_RANKS + d] >> 32) != (u64)steps) { if (bad++ < 5) printf("proxy counts r%u d%u\n", r, d); }
   }
-  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d transport=%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_stream ? " streamed" : g_same ? " same inputs" : "", bad ? "FAIL" : "ok", bad);
+  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d blocks=%u transport=%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, seg_blocks, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_stream ? " streamed" : g_same ? " same inputs" : "", bad ? "FAIL" : "ok", bad);
   return bad;
 }
 int main() {
@@ -241,6 +256,16 @@ int main() {
   g_same = false;
   g_stream = true;
   g_drop_flag = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 0);
+  g_stream = false;
+  g_drop_flag = false;
+  // Two blocks: several items per warp (NVLink, mixed with the proxy, rank-major).
+  g_max_blocks = 2;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false);
+  bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 2);
+  bad += run(2, 16, 2056, 8, 8, 16, 32, false, 2, false, 0, 1);
+  g_max_blocks = 132;
+  g_drop_dflag = true;
   bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 0);
 
   return bad ? 1 : 0;
