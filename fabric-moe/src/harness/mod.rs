@@ -642,9 +642,14 @@ pub async fn run_rank(p: &Params, rank: usize, store: &TcpStore) -> Result<(), B
 /// The probes' breakdown of the last step of each graph replay (medians, µs from the first
 /// probe of each stage; `kernels/`'s PROBE numbers).
 fn probe_line(rank: usize, probes: &[[u64; crate::PROBES]]) -> String {
+    // A point no block stamped (the fused dispatch has no last block after its receive, so
+    // no "end") reads n/a, not 0.
     let at = |i: usize, from: usize| {
+        if probes.iter().all(|p| p[i] == 0) {
+            return "n/a".to_string();
+        }
         let mut v: Vec<u64> = probes.iter().map(|p| p[i].saturating_sub(p[from])).collect();
-        pct(&mut v, 0.5)
+        format!("{:.1}", pct(&mut v, 0.5))
     };
     let d = [
         "route",
@@ -658,8 +663,8 @@ fn probe_line(rank: usize, probes: &[[u64; crate::PROBES]]) -> String {
     ];
     let c =
         ["block 0 sent", "last block", "flags raised", "recv start", "flags seen", "block 0 summed", "end"];
-    let dl: Vec<String> = d.iter().enumerate().map(|(j, n)| format!("{n} {:.1}", at(j + 1, 0))).collect();
-    let cl: Vec<String> = c.iter().enumerate().map(|(j, n)| format!("{n} {:.1}", at(j + 11, 10))).collect();
+    let dl: Vec<String> = d.iter().enumerate().map(|(j, n)| format!("{n} {}", at(j + 1, 0))).collect();
+    let cl: Vec<String> = c.iter().enumerate().map(|(j, n)| format!("{n} {}", at(j + 11, 10))).collect();
     format!(
         "probe rank {rank}: dispatch (us from block 0's start): {}; combine: {}",
         dl.join(", "),
@@ -717,5 +722,16 @@ mod tests {
         ] {
             assert!(Params::parse_args(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn probe_points_never_stamped_read_na() {
+        // Two replays: block 0's start at 1000 / 2000 ns, the route 4 us later; no "end".
+        let mut a = [0u64; crate::PROBES];
+        let mut b = [0u64; crate::PROBES];
+        (a[0], a[1], b[0], b[1]) = (1000, 5000, 2000, 6000);
+        let line = probe_line(1, &[a, b]);
+        assert!(line.starts_with("probe rank 1: dispatch (us from block 0's start): route 4.0,"), "{line}");
+        assert!(line.contains("end n/a; combine:"), "{line}");
     }
 }
