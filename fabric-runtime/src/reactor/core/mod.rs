@@ -156,7 +156,9 @@ pub(crate) struct Core<D: Domain> {
     pub(crate) pollfds: Vec<libc::pollfd>,
     /// When operation deadlines are checked next (`sys::coarse_now_ns`).
     next_deadline_check: u64,
-    /// While the reactor thread sleeps: the latest it wakes (`None`: no timeout).
+    /// While the reactor thread sleeps: when its timeout runs out (`None`: no timeout),
+    /// counted from before its timers were read, so never past the instant a timer it was
+    /// prepared with falls due; `ppoll`'s own end is microseconds later.
     armed_until: Option<Instant>,
     /// The reactor thread's fallback sleep while a watcher has the wait fds (`sleep.rs`).
     watch_fallback: Duration,
