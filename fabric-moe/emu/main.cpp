@@ -32,6 +32,14 @@ static bool g_drop_dflag = false;
 // Blocks of the row kernels at most: with few, warps take several items each (and the
 // route's other blocks wait for its rounds).
 static u32 g_max_blocks = 132;
+// The fused kernels (moe_dispatch, moe_combine: NVLink only), every rank's blocks running
+// at once (launch_together): a block that has sent waits for the flags the last block of
+// each rank raises, and, streamed, the summing blocks for the row flags of senders running
+// beside them.
+static bool g_fused = false;
+// Their waits' bound: a few thousand threads spinning on two cores may take seconds (1 s
+// timed out once).
+static const u64 FUSED_WAIT = 20000000000ull;
 // Every step dispatches the same inputs, and every step's rows must land where step 0's did
 // (src_info and recv_x byte for byte): the route's places in a fixed order.
 static bool g_same = false;
@@ -97,14 +105,36 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
         for (u32 j = 0; j < K; ++j) { i64 e = row[j]; if (one_expert) e = j == 0 ? 0 : -1; else if (rnd() % 8 == 0) e = -1; idx[r][t*K+j] = e; idx32[r][t*K+j] = (int)e; w[r][t*K+j] = (1 + rnd() % 256) / 256.0f; }
       }
     }
-    for (u32 r = 0; r < R; ++r) {
+    if (g_fused && mode != 0) { printf("the fused kernels are NVLink's only\n"); return 1; }
+    if (g_fused) {
+      std::vector<std::function<void()>> ks;
+      // With g_drop_dflag, rank 1 is dead (its kernel never runs): rank 0 must give up.
+      u64 wait = g_drop_dflag ? (u64)200000000ull : FUSED_WAIT;
+      for (u32 r = 0; r < (g_drop_dflag ? 1u : R); ++r) {
+        const void* ip = idx64 ? (const void*)idx[r].data() : (const void*)idx32[r].data();
+        u64* state = (u64*)(P(r) + po[0]);
+        const char* xr = (const char*)x[r].data();
+        const float* wr = w[r].data();
+        u64* st = &status[r * 8];
+        ks.push_back([=, &P, &W] { moe_dispatch(xr, ip, (u32)idx64, wr, (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, st, ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], wait, (const u64*)(P(r)+po[12]), P(r)+po[8], (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (float*)(P(r)+po[13]), cap, rm, (u32)g_same, (const char*)W(r), (int*)(P(r)+po[6]), (int*)(P(r)+po[4])); });
+      }
+      launch_together(seg_blocks, 256, ks);
+      if (g_drop_dflag) {
+        // Every block of rank 0 sent, then waited for rank 1's flag and gave up: a dispatch
+        // timeout reported, the kernel ended.
+        if ((status[0] >> 32) != 1) { if (bad++ < 5) printf("dead peer: status %llx\n", status[0]); }
+        printf("R=%u T=%u fused, rank 1 dead: %s\n", R, T, bad ? "FAIL" : "ok (timeout reported)");
+        return bad;
+      }
+    }
+    for (u32 r = 0; r < R && !g_fused; ++r) {
       const void* ip = idx64 ? (const void*)idx[r].data() : (const void*)idx32[r].data();
       u64* state = (u64*)(P(r) + po[0]);
       launch(moe_dispatch_send, seg_blocks, 256, (const char*)x[r].data(), ip, (u32)idx64, (const float*)w[r].data(), (int*)(P(r)+po[2]), (int*)(P(r)+po[3]), (int*)(P(r)+po[10]), (int*)(P(r)+po[11]), (const u64*)(P(r)+po[1]), state, &status[r*8], ntok, r, R, T, K, E, rb, wo[0], wo[3], wo[4], wo[5], (u64)1000000000ull, (const u64*)(P(r)+po[12]), P(r)+po[8], (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (float*)(P(r)+po[13]), cap, rm, (u32)g_same);
     }
     proxy_pass(0);
     if (g_drop_dflag) ((u64*)(W(0) + wo[0]))[1] = 0;
-    for (u32 r = 0; r < R; ++r)
+    for (u32 r = 0; r < R && !g_fused; ++r)
       launch(moe_dispatch_recv, seg_blocks, 256, (const char*)W(r), P(r)+po[8], (int*)(P(r)+po[6]), (int*)(P(r)+po[7]), (int*)(P(r)+po[5]), (int*)(P(r)+po[4]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, K, E, cap, rb, wo[0], wo[3], wo[4], wo[5], g_drop_dflag ? (u64)20000000ull : (u64)1000000000ull, (float*)(P(r)+po[13]), rm, (const u64*)(P(r)+po[12]));
     if (g_drop_dflag) {
       // Rank 0 waited for rank 1's flag and gave up: a dispatch timeout, reported; rank 1
@@ -152,14 +182,23 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     for (u32 r = 0; r < R; ++r)
       if (rm) launch(moe_toy_experts_rank, blocks, 256, (const char*)W(r), O(r), (const int*)(P(r)+po[4]), r, R, T, K, E, H, wo[4], wo[5]);
       else launch(moe_toy_experts, blocks, 256, (const char*)(P(r)+po[8]), O(r), (const int*)(P(r)+po[6]), r, E, cap, H);
-    if (rm && g_local)
+    // (Fused and rank-major, the combine reads this rank's rows from expert_out too.)
+    if (rm && (g_local || g_fused))
       for (u32 r = 0; r < R; ++r) memset(W(r) + wo[6] + (u64)r * T * rb, 0x5a, (u64)T * rb);
     // Streamed: blocks [0, sb) send, [sb, seg_blocks) sum.
     u32 sb = g_stream ? std::max<u32>(1, seg_blocks / 2) : seg_blocks;
     if (g_stream && sb == seg_blocks) { printf("streamed case needs 2+ blocks\n"); return 1; }
     u64 crow = g_stream ? wo[7] : 0;
     const char* lo = rm && g_local ? (const char*)O(0) : nullptr;
-    for (u32 r = 0; r < R; ++r)
+    if (g_fused) {
+      std::vector<std::function<void()>> ks;
+      for (u32 r = 0; r < R; ++r) {
+        u64* st = &status[r * 8];
+        ks.push_back([=, &P, &W, &O] { moe_combine((const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), st, P(r)+po[9], (const int*)(P(r)+po[2]), FUSED_WAIT, g_stream ? sb : 0u, crow); });
+      }
+      launch_together(seg_blocks, 256, ks);
+    }
+    for (u32 r = 0; r < R && !g_fused; ++r)
       if (g_stream) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], (u32)(lo != nullptr), sb, crow);
       else if (rm && g_local) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], 1u, seg_blocks, (u64)0);
       else launch(moe_combine_send, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], crow);
@@ -172,7 +211,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
       if (t == ntok) { printf("no token of rank 0 went to rank 1\n"); return 1; }
       ((u64*)(W(0) + wo[7]))[(u64)1 * T + slot[t * R + 1]] = 0;
     }
-    for (u32 r = 0; r < R; ++r)
+    for (u32 r = 0; r < R && !g_fused; ++r)
       if (g_stream) launch(combine_recv_body, seg_blocks, 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], g_drop_flag ? (u64)20000000ull : (u64)1000000000ull, (const u64*)(P(r)+po[12]), lo ? (const char*)O(r) : nullptr, sb, crow);
       else if (rm && g_local) launch(combine_recv_body, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]), (const char*)O(r), 0u, (u64)0);
       else launch(moe_combine_recv, std::max<u32>(1, std::min<u32>(blocks, (T+7)/8)), 256, P(r)+po[9], (const char*)W(r), (const int*)(P(r)+po[2]), (u64*)(P(r)+po[0]), &status[r*8], r, R, T, H, wo[1], wo[6], (u64)1000000000ull, (const u64*)(P(r)+po[12]));
@@ -200,7 +239,7 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     // Every step wrote every stage's writes, and the kernels' doorbells carry the last step.
     if (ctr[(d * 2 + 0) * MAX_RANKS + r] != 7 + 4ull * steps || ctr[(d * 2 + 1) * MAX_RANKS + r] != 7 + 2ull * steps || (bells[(r * 3) * MAX_RANKS + d] >> 32) != (u64)steps) { if (bad++ < 5) printf("proxy counts r%u d%u\n", r, d); }
   }
-  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d blocks=%u transport=%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, seg_blocks, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_stream ? " streamed" : g_same ? " same inputs" : "", bad ? "FAIL" : "ok", bad);
+  printf("R=%u T=%u H=%u E=%u K=%u ntok=%u cap=%u idx64=%d one=%d steps=%d blocks=%u transport=%s%s%s%s: %s (%d bad)\n", R, T, H, E, K, ntok, cap, idx64, one_expert, steps, seg_blocks, mode == 0 ? "nvlink" : mode == 1 ? "proxy" : "mixed", rm ? (g_local ? " rank-major local" : " rank-major") : "", g_fused ? " fused" : "", g_stream ? " streamed" : g_same ? " same inputs" : "", bad ? "FAIL" : "ok", bad);
   return bad;
 }
 int main() {
@@ -267,6 +306,31 @@ int main() {
   g_max_blocks = 132;
   g_drop_dflag = true;
   bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 0);
+  g_drop_dflag = false;
+  // The fused kernels, every block of every rank at once (few blocks: each a few hundred
+  // threads): expert-major (a rank's own rows placed by its send), rank-major (its own rows
+  // read from expert_out, its window's section poisoned), the register and general paths,
+  // 3 ranks, the same inputs, and the streamed combine (half the blocks send while the
+  // others sum behind the row flags).
+  g_fused = true;
+  g_max_blocks = 4;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false);
+  bad += run(3, 40, 16, 2, 4, 40, 120, true, 2, false);
+  bad += run(2, 8, 2056, 8, 9, 8, 16, true, 2, false);
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 2, false, 0, 1);
+  bad += run(3, 8, 2056, 8, 8, 8, 16, false, 2, false, 0, 1);
+  g_same = true;
+  bad += run(2, 64, 24, 4, 8, 60, 128, true, 3, false);
+  g_same = false;
+  g_stream = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 3, false, 0, 1);
+  bad += run(3, 8, 2056, 8, 9, 8, 16, true, 2, false, 0, 0);
+  g_stream = false;
+  g_drop_dflag = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false);
+  g_drop_dflag = false;
+  g_fused = false;
+  g_max_blocks = 132;
 
   return bad ? 1 : 0;
 }

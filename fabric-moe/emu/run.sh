@@ -33,6 +33,10 @@ replace_body("__device__ __forceinline__ void st_release_sys(u64* p, u64 v)", " 
 replace_body("__device__ __forceinline__ u64 ld_acquire_gpu(const u64* p)", " return __atomic_load_n(p, __ATOMIC_ACQUIRE); ")
 replace_body("__device__ __forceinline__ void st_release_gpu(u64* p, u64 v)", " __atomic_store_n(p, v, __ATOMIC_RELEASE); ")
 import re; src = re.sub(r"#pragma unroll( [0-9]+)?", "", src).replace('extern "C" __global__', "__global__")
+# Each __shared__ declaration becomes a reference to its block's storage (shim.h).
+src = re.sub(r"__shared__\s+(\w+)\s+(\w+)((?:\[[^\]]+\])*)\s*;",
+             lambda m: f"auto& {m[2]} = emu_shared<{m[1]}{m[3]}, __COUNTER__>();", src)
+assert "__shared__" not in src, "a __shared__ declaration run.sh cannot rewrite"
 open(sys.argv[2], "w").write('#include "shim.h"\n' + src)
 PY
 cp "$here/shim.h" "$here/main.cpp" "$work/"
