@@ -172,7 +172,9 @@ fn a_revived_peer_comes_back_only_if_it_answers_within_the_bound() {
     // `c` is not polled: its "process" does not answer.
     let t = Instant::now();
     a.revive_peer(hc).expect("a revival starts");
-    assert!(t.elapsed() < Duration::from_millis(100), "revive_peer waited: {:?}", t.elapsed());
+    // (A revival that waited for its answer would take the whole bound; half of it leaves a
+    // loaded VM room.)
+    assert!(t.elapsed() < bound / 2, "revive_peer waited: {:?}", t.elapsed());
     assert!(matches!(a.revival(hc), Revival::Pending));
     let mut mine = Vec::new();
     let failed = settle(&mut a, None, hc, &mut mine);
