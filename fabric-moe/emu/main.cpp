@@ -40,6 +40,9 @@ static bool g_fused = false;
 // Their waits' bound: a few thousand threads spinning on two cores may take seconds (1 s
 // timed out once).
 static const u64 FUSED_WAIT = 20000000000ull;
+// Fused: rank 1 dies after the dispatch (its combine never runs); rank 0's combine must
+// report a timeout and end.
+static bool g_dead_combine = false;
 // Every step dispatches the same inputs, and every step's rows must land where step 0's did
 // (src_info and recv_x byte for byte): the route's places in a fixed order.
 static bool g_same = false;
@@ -192,11 +195,17 @@ int run(u32 R, u32 T, u32 H, u32 E, u32 K, u32 ntok, u32 cap, bool idx64, int st
     const char* lo = rm && g_local ? (const char*)O(0) : nullptr;
     if (g_fused) {
       std::vector<std::function<void()>> ks;
-      for (u32 r = 0; r < R; ++r) {
+      u64 wait = g_dead_combine ? (u64)200000000ull : FUSED_WAIT;
+      for (u32 r = 0; r < (g_dead_combine ? 1u : R); ++r) {
         u64* st = &status[r * 8];
-        ks.push_back([=, &P, &W, &O] { moe_combine((const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), st, P(r)+po[9], (const int*)(P(r)+po[2]), FUSED_WAIT, g_stream ? sb : 0u, crow); });
+        ks.push_back([=, &P, &W, &O] { moe_combine((const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), st, P(r)+po[9], (const int*)(P(r)+po[2]), wait, g_stream ? sb : 0u, crow); });
       }
       launch_together(seg_blocks, 256, ks);
+      if (g_dead_combine) {
+        if ((status[0] >> 32) != 2) { if (bad++ < 5) printf("dead peer: status %llx\n", status[0]); }
+        printf("R=%u T=%u fused%s combine, rank 1 dead: %s\n", R, T, g_stream ? " streamed" : "", bad ? "FAIL" : "ok (timeout reported)");
+        return bad;
+      }
     }
     for (u32 r = 0; r < R && !g_fused; ++r)
       if (g_stream) launch(combine_send_body, seg_blocks, 256, (const char*)O(r), (const char*)W(r), (const int*)(P(r)+po[5]), (const int*)(P(r)+po[4]), (const u64*)(P(r)+po[1]), (u64*)(P(r)+po[0]), r, R, T, K, E, cap, H, wo[1], wo[4], wo[6], rm, (const u64*)(P(r)+po[12]), &status[r*8], (u32)(lo != nullptr), sb, crow);
@@ -329,6 +338,12 @@ int main() {
   g_drop_dflag = true;
   bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false);
   g_drop_dflag = false;
+  g_dead_combine = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false);
+  g_stream = true;
+  bad += run(2, 64, 24, 4, 3, 50, 128, false, 1, false, 0, 1);
+  g_stream = false;
+  g_dead_combine = false;
   g_fused = false;
   g_max_blocks = 132;
 
