@@ -43,6 +43,12 @@ const WATCH_FALLBACK_MAX: Duration = Duration::from_secs(1);
 /// retry) falls due long before a sleep of up to a second ends, which this does not hide.
 const TIMER_SLACK: Duration = Duration::from_millis(1);
 
+/// Whether a sleep that ends at `armed_until` (`None`: never) serves a backend timer that
+/// read `t` at `now`: it ends no later than the timer falls due, give or take `TIMER_SLACK`.
+fn ends_in_time(armed_until: Option<Instant>, now: Instant, t: Duration) -> bool {
+    armed_until.is_some_and(|at| at <= now + t + TIMER_SLACK)
+}
+
 fn min_timeout(cur: Option<Duration>, t: Duration) -> Option<Duration> {
     Some(cur.map_or(t, |c| c.min(t)))
 }
@@ -201,8 +207,7 @@ impl<D: Domain> Core<D> {
             return false;
         }
         let now = Instant::now();
-        let late = |t: Duration| self.armed_until.is_none_or(|at| at > now + t + TIMER_SLACK);
-        if self.domains.iter().any(|d| d.timer().is_some_and(late)) {
+        if self.domains.iter().any(|d| d.timer().is_some_and(|t| !ends_in_time(self.armed_until, now, t))) {
             return false;
         }
         #[cfg(feature = "cuda")]
@@ -215,5 +220,32 @@ impl<D: Domain> Core<D> {
             }
             _ => true,
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sleep_serves_the_timer_it_was_armed_with() {
+        let ms = Duration::from_millis;
+        let start = Instant::now();
+        // A timer of "time left until an instant" (verbs' keep-alive), due at `due`: the
+        // sleep armed with it ends then. The check reads the clock (`now`), and the domain
+        // reads it again a little later for its timer, so its reading is short of `due -
+        // now`: without the slack the sleep seemed to end too late for its own timer.
+        let due = start + ms(100);
+        let now = start + Duration::from_micros(50);
+        let t = due.duration_since(now + Duration::from_micros(20));
+        assert!(ends_in_time(Some(due), now, t));
+        // A timer due well before the sleep ends (a handshake's retry started by a post
+        // into a sleep of a second) is not served: the reactor must be woken for it.
+        assert!(!ends_in_time(Some(start + ms(1000)), now, ms(100)));
+        // Past the slack, not served; within it, served.
+        assert!(!ends_in_time(Some(start + ms(102)), start, ms(100)));
+        assert!(ends_in_time(Some(start + ms(100) + TIMER_SLACK), start, ms(100)));
+        // A sleep with no timeout serves no timer.
+        assert!(!ends_in_time(None, start, ms(100)));
     }
 }
