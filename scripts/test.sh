@@ -38,8 +38,10 @@ runner="target.x86_64-unknown-linux-gnu.runner=\"$PWD/scripts/rxe-vm.sh cargo-ru
 # The binaries are the ones the host stage built: the whole workspace is selected (`-p`
 # would resolve other features and build every dependency a second time, ~5 GiB and ~3.5
 # min) and `--test` picks fabric-runtime's verbs tests and every integration test.
-vm_tests=(--test verbs_backend --test verbs_liveness)
-for f in integration-tests/tests/*.rs; do vm_tests+=(--test "$(basename "$f" .rs)"); done
+vm_tests=()
+for f in fabric-runtime/tests/verbs_*.rs integration-tests/tests/*.rs; do
+  vm_tests+=(--test "$(basename "$f" .rs)")
+done
 # examples.rs runs quickstart's kill tests in the VM, where nothing can be built: build it here.
 cargo build --example quickstart
 FABRIC_TEST_PROVIDERS=verbs cargo test --workspace "${vm_tests[@]}" --config "$runner"

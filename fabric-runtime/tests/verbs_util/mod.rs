@@ -1,6 +1,6 @@
-//! What the verbs backend tests share (`verbs_backend.rs`, `verbs_liveness.rs`): opening a
-//! domain on the test device (or skipping visibly without one), leaked registered buffers,
-//! and polling helpers.
+//! What the verbs backend tests share (`verbs_backend.rs`, `verbs_reconnect.rs`,
+//! `verbs_liveness.rs`): opening a domain on the test device (or skipping visibly without
+//! one), leaked registered buffers, and polling helpers.
 #![allow(dead_code)]
 
 use std::time::{Duration, Instant};

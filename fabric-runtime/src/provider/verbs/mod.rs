@@ -175,7 +175,7 @@
 //! (`integration-tests/tests/revive_verbs.rs`),
 //! 504-510 ms with a 500 ms bound (`tests/verbs_liveness.rs`).
 //!
-//! Measured on rxe in the emulated VM (`tests/verbs_backend.rs`,
+//! Measured on rxe in the emulated VM (`tests/verbs_reconnect.rs`,
 //! `integration-tests/tests/bad_access_verbs.rs`): a bad write, write with immediate or read
 //! fails in 3-45 ms (mean 4-22 ms over runs); a write with immediate to a live region right
 //! after it completes, its immediate counted, 6-73 ms (mean 6-32 ms) after the bad one failed.
