@@ -8,8 +8,8 @@
 //! peer is unreachable (the times are printed, `--nocapture`). Each run is a process group of
 //! its own, killed whole on every path.
 //!
-//! The binaries are built by the test itself (`cargo build --example`, through `$CARGO`, for
-//! the test's own profile; a no-op when they are up to date). Where the suite runs on another
+//! The binaries are built by the test itself (`cargo build --workspace --example`, through
+//! `$CARGO`, for the test's own profile; a no-op when they are up to date). Where the suite runs on another
 //! provider than tcp or shm (verbs in the rxe VM, where these multi-process runs would take
 //! minutes), the tests say SKIPPED on stderr and pass, except the two `quickstart` kill tests,
 //! which run on verbs too (its keep-alive finds a dead peer that nothing is posted to). Inside
@@ -47,7 +47,10 @@ fn example(name: &str) -> Result<PathBuf, String> {
         let cargo = std::env::var("CARGO").map_err(|_| "CARGO is not set (not run by cargo test)")?;
         let mut build = Command::new(cargo);
         build.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
-        build.args(["build", "--quiet", "-p", "fabric-examples"]);
+        // The whole workspace, as `cargo test --workspace` selects it: `-p fabric-examples`
+        // would resolve that package's features alone and overwrite the workspace crates'
+        // artifacts, and the next workspace build would compile them all again.
+        build.args(["build", "--quiet", "--workspace"]);
         for e in ["moe", "kv_transfer", "rl_weights", "quickstart"] {
             build.args(["--example", e]);
         }
