@@ -9,12 +9,13 @@
 //! its own, killed whole on every path.
 //!
 //! The binaries are built by the test itself (`cargo build --workspace --example`, through
-//! `$CARGO`, for the test's own profile; a no-op when they are up to date). Where the suite runs on another
-//! provider than tcp or shm (verbs in the rxe VM, where these multi-process runs would take
-//! minutes), the tests say SKIPPED on stderr and pass, except the two `quickstart` kill tests,
-//! which run on verbs too (its keep-alive finds a dead peer that nothing is posted to). Inside
-//! the VM nothing is built: the binaries must have been built before (`scripts/test.sh` does). The runs take turns (one lock): each starts several processes, and the
-//! machine may have two cores.
+//! `$CARGO`, for the test's own profile; a no-op when they are up to date). Where the suite
+//! runs on another provider than tcp or shm (verbs in the rxe VM, where these multi-process
+//! runs would take minutes), the tests say SKIPPED on stderr and pass, except the two
+//! `quickstart` kill tests, which run on verbs too (its keep-alive finds a dead peer that
+//! nothing is posted to). Inside the VM nothing is built: the binaries must have been built
+//! before (`scripts/test.sh` does). The runs take turns (one lock): each starts several
+//! processes, and the machine may have two cores.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
