@@ -30,9 +30,11 @@ vm_stage() {
   scripts/rxe-vm.sh setup
   runner="target.x86_64-unknown-linux-gnu.runner=\"$PWD/scripts/rxe-vm.sh cargo-runner\""
   # One VM per test binary; the suite's single-provider tests run on the first provider.
-  # The binaries are the ones the host stage built: the whole workspace is selected (`-p`
-  # would resolve other features and build every dependency a second time, ~5 GiB and ~3.5
-  # min) and `--test` picks fabric-runtime's verbs tests and every integration test.
+  # The whole workspace is selected, so the test binaries are the host stage's (`-p` would
+  # resolve other features and build every dependency a second time, ~5 GiB and ~3.5 min);
+  # `--test` picks fabric-runtime's verbs tests and every integration test. The runner's
+  # `--config` still gives the build scripts' host-side dependencies new hashes: those
+  # (bindgen, prost-build, ...) are compiled once more, beside the host stage's.
   vm_tests=()
   for f in fabric-runtime/tests/verbs_*.rs integration-tests/tests/*.rs; do
     vm_tests+=(--test "$(basename "$f" .rs)")
