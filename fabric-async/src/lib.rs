@@ -47,9 +47,9 @@ pub use fabric_runtime::provider::faults;
 pub use fabric_runtime::topology;
 pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
-    Arrivals, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats, Error,
-    GpuPath, GpuStats, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture, OpStats, PageLayout,
-    PeerEvent, PeerEvents, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture, RegionDescriptor,
-    RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
+    Arrivals, BatchEntry, BatchOp, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder,
+    EngineStats, Error, GpuPath, GpuStats, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture,
+    OpStats, PageLayout, PeerEvent, PeerEvents, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture,
+    RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
 };
 pub use watch::CompletionWatch;

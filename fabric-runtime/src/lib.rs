@@ -36,9 +36,9 @@ pub use counter::{ImmCounter, WaitFor};
 pub use engine::GpuCounter;
 #[cfg(not(loom))]
 pub use engine::{
-    CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats, GpuStats,
-    MemoryRegion, OpBatch, OpFuture, OpStats, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture,
-    RemoteRegion, ScatterEntry, Transfers,
+    BatchEntry, BatchOp, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats,
+    GpuStats, MemoryRegion, OpBatch, OpFuture, OpStats, PeerGroup, PeerId, ReactorMode, ReactorStats,
+    RecvFuture, RemoteRegion, ScatterEntry, Transfers,
 };
 pub use error::{Error, Result, Side};
 #[cfg(not(loom))]

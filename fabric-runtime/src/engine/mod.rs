@@ -19,6 +19,7 @@
 //! `recv.rs` (two-sided receive). The engine depends on `shared/` and starts the reactor
 //! (`reactor/`); the reactor never depends on the engine.
 
+mod batch;
 mod builder;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -55,6 +56,7 @@ use crate::sync::Driver;
 
 pub use crate::reactor::ReactorMode;
 pub use crate::shared::PeerId;
+pub use batch::{BatchEntry, BatchOp};
 pub use builder::EngineBuilder;
 #[cfg(feature = "cuda")]
 pub use gpu::signal::GpuCounter;
@@ -658,6 +660,16 @@ impl Engine {
         imm: Option<u32>,
     ) -> OpFuture {
         self.transfers().scatter(src, group, entries, imm)
+    }
+
+    /// Many writes or many reads between any local and remote regions as one transfer;
+    /// see [`Transfers::batch`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Engine::write`].
+    pub fn batch(&self, op: BatchOp, entries: &[BatchEntry<'_>]) -> OpFuture {
+        self.transfers().batch(op, entries)
     }
 
     /// One imm-only write to every member of `group`; see [`Transfers::barrier`].

@@ -48,6 +48,17 @@ impl OpFuture {
         OpFuture { inner: Inner::Failed(Some(e)), driver: None, linger: Linger::default() }
     }
 
+    /// The error of an operation refused before anything was posted (a bad offset, an
+    /// unknown peer, a shut-down engine), taken out of the future, which then resolves with
+    /// [`Error::Shutdown`]; `None` for an operation that was handed to the reactor. Never
+    /// polls: for callers that report refusals at the call (the C API).
+    pub fn refused(&mut self) -> Option<Error> {
+        match &mut self.inner {
+            Inner::Failed(e) => e.take(),
+            Inner::Pending(_) => None,
+        }
+    }
+
     /// Makes polling drive `driver` (an `Inline` engine's NICs).
     pub(crate) fn driven_by(mut self, driver: Option<&Driver>) -> Self {
         self.driver = driver.cloned();
