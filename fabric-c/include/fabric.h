@@ -413,9 +413,10 @@ fabric_status fabric_write_paged(const fabric_engine *engine, const fabric_regio
 // Moves `n` entries, each between any local and any remote region, as one operation: all
 // checked before anything is posted, handed to the reactor at once, and finished when the
 // last one is (with the first error if any failed). Host memory and GPUDirect regions take
-// one batched path; GPU memory that is staged or reached through CUDA IPC is moved entry
-// by entry (a write batch as one scatter per local region). No immediates: announce a
-// finished batch with `fabric_send` or `fabric_imm`.
+// one batched path, and so do GPU regions of processes on this host reached through CUDA
+// IPC (one gate of copies, reads included); staged GPU memory, or CUDA IPC mixed with NIC
+// paths in one batch, is moved entry by entry (a write batch as one scatter per local
+// region). No immediates: announce a finished batch with `fabric_send` or `fabric_imm`.
 //
 // # Safety
 //

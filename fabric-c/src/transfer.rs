@@ -221,9 +221,10 @@ pub struct FabricBatchEntry {
 /// Moves `n` entries, each between any local and any remote region, as one operation: all
 /// checked before anything is posted, handed to the reactor at once, and finished when the
 /// last one is (with the first error if any failed). Host memory and GPUDirect regions take
-/// one batched path; GPU memory that is staged or reached through CUDA IPC is moved entry
-/// by entry (a write batch as one scatter per local region). No immediates: announce a
-/// finished batch with `fabric_send` or `fabric_imm`.
+/// one batched path, and so do GPU regions of processes on this host reached through CUDA
+/// IPC (one gate of copies, reads included); staged GPU memory, or CUDA IPC mixed with NIC
+/// paths in one batch, is moved entry by entry (a write batch as one scatter per local
+/// region). No immediates: announce a finished batch with `fabric_send` or `fabric_imm`.
 ///
 /// # Safety
 ///
@@ -263,18 +264,20 @@ pub unsafe extern "C" fn fabric_batch(
             FabricBatchOp::Write => BatchOp::Write,
             FabricBatchOp::Read => BatchOp::Read,
         };
-        if list.iter().all(BatchEntry::is_direct) {
+        let mut batch = e.batch(op, &list);
+        match batch.refused() {
+            // Staged GPU ends, or IPC mixed with NIC paths: entry by entry.
             // SAFETY: the caller's contract.
-            unsafe { engine_op_out(e.batch(op, &list), out) }
-        } else {
+            Some(fabric_async::Error::Unsupported(_)) => unsafe { op_out(entry_by_entry(e, op, &list), out) },
+            Some(err) => Err(err.into()),
             // SAFETY: the caller's contract.
-            unsafe { op_out(entry_by_entry(e, op, &list), out) }
+            None => unsafe { op_out(batch, out) },
         }
     })
 }
 
-/// A batch with staged or CUDA IPC ends: writes as one scatter per local region (one gate
-/// of copies per region through CUDA IPC), reads one by one; all posted now.
+/// A batch the engine does not take whole (staged GPU ends, or CUDA IPC mixed with NIC
+/// paths): writes as one scatter per local region, reads one by one; all posted now.
 fn entry_by_entry(
     e: &Engine,
     op: BatchOp,

@@ -64,17 +64,25 @@ impl Transfers<'_> {
     /// completion is the initiator's to see; announce it with a message or an imm-only
     /// write after the future resolved.
     ///
+    /// Where every remote region is GPU memory of another process on this host reached
+    /// through CUDA IPC, the batch is one gate of copies through the peers' mappings, either
+    /// way (`docs/gpu.md`): GPU to GPU on one host, reads included.
+    ///
     /// Everything is checked before anything is posted: that every region belongs to this
     /// engine, both ranges of every entry, and that every entry is direct
-    /// ([`BatchEntry::is_direct`]; otherwise [`Error::Unsupported`]). Overlapping
-    /// destination ranges are allowed and land in an undefined order, as with separate
-    /// operations.
+    /// ([`BatchEntry::is_direct`]) or, as above, every one through CUDA IPC; otherwise
+    /// [`Error::Unsupported`]. Overlapping destination ranges are allowed and land in an
+    /// undefined order, as with separate operations.
     ///
     /// # Cancel safety
     ///
     /// As for [`Transfers::write`]: dropping the future recalls nothing, and every region
     /// stays registered and allocated until the NIC is done with it.
     pub fn batch(&self, op: BatchOp, entries: &[BatchEntry<'_>]) -> OpFuture {
+        #[cfg(feature = "cuda")]
+        if !entries.is_empty() && entries.iter().all(|e| super::gpu::via_ipc(e.remote)) {
+            return self.ipc_batch(op, entries).unwrap_or_else(OpFuture::failed);
+        }
         match self.batch_plan(op, entries) {
             Ok(ops) => self.submit_batch(ops),
             Err(e) => OpFuture::failed(e),

@@ -5,6 +5,7 @@
 //! ```text
 //!  write_imm, write_paged, scatter ─► one gate: every copy on a stream of the source's device
 //!      (one submission, however many blocks) ─► event ready ─► one imm-only write per region
+//!  batch (write or read) ─► one gate of copies, either way through the mappings ─► event ready
 //! ```
 //!
 //! A KV request of many small blocks is one gate and one arrival, not a transport operation
@@ -12,9 +13,11 @@
 //! `paged_arrivals` and `scatter_arrivals` say so).
 
 use std::any::Any;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::cuda;
+use crate::engine::batch::{BatchEntry, BatchOp};
 use crate::engine::op::OpFuture;
 use crate::engine::region::{MemoryRegion, RemoteRegion};
 use crate::engine::transfer::{PeerGroup, ScatterEntry, Transfers};
@@ -169,5 +172,92 @@ impl Transfers<'_> {
             .map(|((m, r), _)| (m, r))
             .collect();
         self.ipc_write(src, &parts, imm)
+    }
+}
+
+impl Transfers<'_> {
+    /// A batch whose every remote region is reached through CUDA IPC: every entry is one
+    /// copy of one gate (local memory into the peer's mapping for writes, the mapping into
+    /// local memory for reads), and the future completes when the gate's event is ready.
+    /// Local GPU regions must all be on one device. No immediates (a batch has none).
+    pub(in crate::engine) fn ipc_batch(&self, op: BatchOp, entries: &[BatchEntry<'_>]) -> Result<OpFuture> {
+        let t0 = std::time::Instant::now();
+        let mut ordinal = None;
+        for e in entries {
+            if let Some(g) = &e.local.inner.gpu {
+                match ordinal {
+                    Some(o) if o != g.ordinal => {
+                        return Err(Error::Unsupported(format!(
+                            "a CUDA IPC batch with local GPU regions on devices {o} and {}",
+                            g.ordinal
+                        )))
+                    }
+                    _ => ordinal = Some(g.ordinal),
+                }
+            }
+        }
+        let first_remote = entries.first().and_then(|e| e.remote.desc.gpu.as_ref()).map_or(0, |g| g.ordinal);
+        let ordinal = ordinal.unwrap_or(first_remote) as usize;
+        let mut keep: Keep = Vec::new();
+        let mut mapped: HashMap<*const crate::pure::descriptor::RegionDescriptor, u64> = HashMap::new();
+        let mut kept: HashSet<*const crate::shared::memory::RegionShared> = HashSet::new();
+        let mut copies = Vec::with_capacity(entries.len());
+        for e in entries {
+            self.check_local(e.local)?;
+            self.check_remote(e.remote)?;
+            e.local.check(e.local_off, e.len)?;
+            e.remote.check(e.remote_off, e.len)?;
+            if e.len == 0 {
+                continue;
+            }
+            let base = match mapped.get(&Arc::as_ptr(&e.remote.desc)) {
+                Some(&b) => b,
+                None => {
+                    let export = e
+                        .remote
+                        .ipc
+                        .as_ref()
+                        .ok_or_else(|| Error::Unsupported("CUDA IPC to this region".into()))?;
+                    let mapping = self.shared().gpu.ipc_mapping(export, ordinal)?;
+                    let b = cuda::DeviceMemory::device_ptr(&*mapping);
+                    keep.push(mapping);
+                    mapped.insert(Arc::as_ptr(&e.remote.desc), b);
+                    b
+                }
+            };
+            if kept.insert(Arc::as_ptr(&e.local.inner)) {
+                keep.push(e.local.inner.clone());
+            }
+            let (local, on_device) = match &e.local.inner.gpu {
+                Some(g) => (g.ptr + e.local_off, true),
+                None => (e.local.inner.backing().addr() + e.local_off, false),
+            };
+            let remote = base + e.remote_off;
+            let len = e.len as usize;
+            copies.push(match (op, on_device) {
+                (BatchOp::Write, true) => CudaCopy { dir: CopyDir::DeviceToDevice, dst: remote, src: local, len },
+                (BatchOp::Write, false) => CudaCopy { dir: CopyDir::HostToDevice, dst: remote, src: local, len },
+                (BatchOp::Read, true) => CudaCopy { dir: CopyDir::DeviceToDevice, dst: local, src: remote, len },
+                (BatchOp::Read, false) => CudaCopy { dir: CopyDir::DeviceToHost, dst: local, src: remote, len },
+            });
+        }
+        if copies.is_empty() {
+            return Ok(OpFuture::done());
+        }
+        let state = Arc::new(OpState::default());
+        let handed = std::time::Instant::now();
+        let s = Submission::Gated(Box::new(GatedCopies {
+            ordinal,
+            copies,
+            then: Vec::new(),
+            done: Some(Notify::Future(state.clone())),
+            keep,
+            after: None,
+            handed,
+        }));
+        let g = &self.shared().stats.gpu;
+        crate::shared::stats::bump(&g.plan_ns, handed.saturating_duration_since(t0).as_nanos() as u64);
+        self.hand(vec![s])?;
+        Ok(OpFuture::pending(state).driven_by(self.engine.driver()).without_linger())
     }
 }

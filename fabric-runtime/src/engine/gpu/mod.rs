@@ -16,6 +16,7 @@
 //! ```
 
 mod ipc;
+pub(super) use ipc::via_ipc;
 pub(super) mod signal;
 mod staged;
 
