@@ -234,12 +234,13 @@ impl Transfers<'_> {
             };
             let remote = base + e.remote_off;
             let len = e.len as usize;
-            copies.push(match (op, on_device) {
-                (BatchOp::Write, true) => CudaCopy { dir: CopyDir::DeviceToDevice, dst: remote, src: local, len },
-                (BatchOp::Write, false) => CudaCopy { dir: CopyDir::HostToDevice, dst: remote, src: local, len },
-                (BatchOp::Read, true) => CudaCopy { dir: CopyDir::DeviceToDevice, dst: local, src: remote, len },
-                (BatchOp::Read, false) => CudaCopy { dir: CopyDir::DeviceToHost, dst: local, src: remote, len },
-            });
+            let (dir, dst, src) = match (op, on_device) {
+                (BatchOp::Write, true) => (CopyDir::DeviceToDevice, remote, local),
+                (BatchOp::Write, false) => (CopyDir::HostToDevice, remote, local),
+                (BatchOp::Read, true) => (CopyDir::DeviceToDevice, local, remote),
+                (BatchOp::Read, false) => (CopyDir::DeviceToHost, local, remote),
+            };
+            copies.push(CudaCopy { dir, dst, src, len });
         }
         if copies.is_empty() {
             return Ok(OpFuture::done());
