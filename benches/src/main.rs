@@ -230,7 +230,10 @@ struct Cli {
     /// two processes on this host, and its row (median of --rounds bursts) goes beside the
     /// engine's, ratio engine / peer. nixl: NIXL's UCX backend (the nixl-cu13 wheel, found
     /// through PYTHONPATH), host memory at bw's sizes and --buffer patterns, and with
-    /// --location cuda GPU S -> GPU R beside the CUDA IPC rows. nccl: torch.distributed NCCL
+    /// --location cuda GPU S -> GPU R beside the CUDA IPC rows; UCX held to the engine's
+    /// transport (UCX_TLS=tcp,self on lo beside tcp, sm,self beside shm,
+    /// cuda_ipc,cuda_copy,tcp,self beside CUDA IPC; UCX_TLS in the environment wins), each row
+    /// naming the transport UCX reported. nccl: torch.distributed NCCL
     /// send/recv, GPU rows only. Run by FABRIC_PYTHON or python3; a peer that cannot run
     /// here gets a row "skipped: <why>" (docs/gpu.md).
     #[arg(long, global = true, value_name = "nixl,nccl", num_args = 0..=1, default_missing_value = "",

@@ -15,7 +15,11 @@
 //!   between two processes of this host: host memory (`DRAM`) at bw's sizes, patterns
 //!   (`--buffer`), region and `--huge-pages`, beside the host rows (first `--domains`
 //!   count); with `--location cuda`, GPU S → GPU R (`VRAM`, torch tensors) beside the CUDA
-//!   IPC rows.
+//!   IPC rows. UCX is held to the engine's transport ([`ucx_tls`]: tcp → `tcp,self` on `lo`,
+//!   shm → `sm,self`, GPU → `cuda_ipc,cuda_copy,tcp,self`); left to itself it moves DRAM with
+//!   `cma` whatever the engine's provider. An explicit `UCX_TLS` in fabric-bench's environment
+//!   wins. Each row's baseline names the transport UCX reported for that size's puts
+//!   (`UCX_PROTO_INFO=y` tables, [`put_ranges`]) and the `UCX_TLS` it ran with.
 //! - **nccl**: torch.distributed's NCCL `send`/`recv`, rank 0 on GPU S, rank 1 on GPU R,
 //!   beside the CUDA IPC rows; host rows say `skipped: NCCL is GPU-only`.
 //!
@@ -28,6 +32,8 @@
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
 
 use crate::bw;
 use crate::gpu::{self, Location};
@@ -155,8 +161,230 @@ pub enum Outcome {
     /// Not run: why.
     Skipped(String),
     /// Run: the peer's name and version from its probe (`NIXL 1.5.1 UCX`), the bursts it
-    /// printed, and what went wrong if it failed part way.
-    Ran { label: String, bursts: Vec<Burst>, error: Option<String> },
+    /// printed, what went wrong if it failed part way, and (NIXL) the UCX transports it was
+    /// given and reported.
+    Ran { label: String, bursts: Vec<Burst>, error: Option<String>, ucx: Option<Ucx> },
+}
+
+/// The `UCX_TLS` both NIXL processes run with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UcxTls {
+    /// Its value (`tcp,self`).
+    pub tls: String,
+    /// Taken from fabric-bench's environment (an explicit `UCX_TLS` wins over the match).
+    pub from_env: bool,
+    /// `UCX_NET_DEVICES=lo` too (matched tcp: loopback only, as the engine on 127.0.0.1),
+    /// unless the environment names the devices.
+    pub net_lo: bool,
+}
+
+/// The engine's transport at `place` on `provider`, as the rows name it.
+pub fn engine_transport(provider: &str, place: Place) -> String {
+    match place {
+        Place::Gpu { .. } => "CUDA IPC".into(),
+        Place::Host if provider == "tcp" => "tcp;ofi_rxm".into(),
+        Place::Host if crate::raw::is_verbs(provider) => "verbs RC".into(),
+        Place::Host => provider.into(),
+    }
+}
+
+/// The `UCX_TLS` that matches the engine's transport (pure): tcp → `tcp,self`; shm →
+/// `sm,self` (posix/sysv for active messages, `cma` for the puts: UCX's shared memory);
+/// verbs → `rc,self`; GPU memory → `cuda_ipc,cuda_copy,tcp,self`. `cuda_ipc` has puts and
+/// gets only, no active messages, and NIXL's endpoints need those (wire-up, notifications):
+/// `cuda_ipc,cuda_copy,self` fails to connect as `cma,self` does on host memory
+/// ("no active messages transport"), so tcp carries them (as it did when UCX chose alone);
+/// the VRAM puts still go to `cuda_ipc`, the fastest UCX finds for them.
+pub fn matched_tls(provider: &str, place: Place) -> &'static str {
+    match place {
+        Place::Gpu { .. } => "cuda_ipc,cuda_copy,tcp,self",
+        Place::Host if provider == "shm" => "sm,self",
+        Place::Host if crate::raw::is_verbs(provider) => "rc,self",
+        Place::Host => "tcp,self",
+    }
+}
+
+/// The `UCX_TLS` of the NIXL peer at `place` (pure): `env` (fabric-bench's `UCX_TLS`, if set
+/// and not blank) wins; else [`matched_tls`].
+pub fn ucx_tls(provider: &str, place: Place, env: Option<&str>) -> UcxTls {
+    match env.map(str::trim).filter(|t| !t.is_empty()) {
+        Some(t) => UcxTls { tls: t.to_string(), from_env: true, net_lo: false },
+        None => UcxTls {
+            tls: matched_tls(provider, place).into(),
+            from_env: false,
+            net_lo: place == Place::Host && provider == "tcp",
+        },
+    }
+}
+
+impl UcxTls {
+    /// Whether NIXL's UCX backend must run with `ucx_error_handling_mode=none`. NIXL creates
+    /// its endpoints with peer error handling by default, which UCX's shared-memory
+    /// transports lack (`posix/memory - no peer failure handler`): with no transport in the
+    /// list that has it for active messages (tcp, rc, ud, dc, ib, all) the endpoint cannot be
+    /// made. A list that excludes (`^...`) leaves the default.
+    pub fn error_handling_none(&self) -> bool {
+        if self.tls.starts_with('^') {
+            return false;
+        }
+        let net = |t: &str| {
+            let t = t.split(':').next().unwrap_or(t).trim();
+            matches!(t, "tcp" | "ib" | "all") || ["rc", "ud", "dc"].iter().any(|p| t.starts_with(p))
+        };
+        !self.tls.split(',').any(net)
+    }
+
+    /// The environment of the two NIXL processes (pure): `UCX_TLS` unless it came from the
+    /// environment, `UCX_NET_DEVICES=lo` with `net_lo`, and `UCX_PROTO_INFO=y` (UCX prints
+    /// the protocols it chose, [`put_ranges`]); none of them where `set(name)` says the
+    /// environment already has it.
+    pub fn env(&self, set: impl Fn(&str) -> bool) -> Vec<(&'static str, String)> {
+        let mut v = Vec::new();
+        if !self.from_env && !set("UCX_TLS") {
+            v.push(("UCX_TLS", self.tls.clone()));
+        }
+        if self.net_lo && !set("UCX_NET_DEVICES") {
+            v.push(("UCX_NET_DEVICES", "lo".into()));
+        }
+        if !set("UCX_PROTO_INFO") {
+            v.push(("UCX_PROTO_INFO", "y".into()));
+        }
+        v
+    }
+
+    /// The script's options for it: `--ucx-error-handling none` where
+    /// [`UcxTls::error_handling_none`].
+    pub fn script_args(&self) -> Vec<String> {
+        if self.error_handling_none() {
+            vec!["--ucx-error-handling".into(), "none".into()]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// `UCX_TLS=tcp,self`, and where it came from if not matched.
+    fn describe(&self) -> String {
+        let from = if self.from_env { " from the environment" } else { "" };
+        format!("UCX_TLS={}{from}", self.tls)
+    }
+}
+
+/// What UCX was given and what it reported for one NIXL sweep.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ucx {
+    pub tls: UcxTls,
+    /// The initiator's put protocols ([`put_ranges`]).
+    pub puts: Vec<PutRange>,
+}
+
+/// One row of a UCX protocol table (`UCX_PROTO_INFO=y`) of `remote memory write by ucp_put*`
+/// on an endpoint to the other process: sizes `lo..=hi` go over `via` (`cma/memory`,
+/// `tcp/lo`, `cuda_ipc/cuda`: transport/device, several when UCX splits a put over lanes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutRange {
+    pub lo: u64,
+    pub hi: u64,
+    pub via: Vec<String>,
+}
+
+/// `0`, `16515`, `inf`, `8K` (UCX's memunits) as bytes.
+fn memunits(s: &str) -> Option<u64> {
+    let s = s.trim();
+    if s == "inf" {
+        return Some(u64::MAX);
+    }
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'K' | 'k') => (&s[..i], 1u64 << 10),
+        (i, 'M' | 'm') => (&s[..i], 1 << 20),
+        (i, 'G' | 'g') => (&s[..i], 1 << 30),
+        (i, 'T' | 't') => (&s[..i], 1 << 40),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().ok()?.checked_mul(mult)
+}
+
+/// The put rows of the UCX protocol tables in a process's output (pure). UCX prints each
+/// table once per endpoint configuration and operation, every line prefixed with
+/// `[time] [host:pid:thread]`:
+///
+/// ```text
+/// | ucp_context_0 intra-node cfg#1                           |
+/// | remote memory write by ucp_put* from host memory to host |
+/// | Range  | Description |              Config               |
+/// | 0..inf | zero-copy   | cma/memory                        |
+/// ```
+///
+/// Tables of the endpoint to itself (`self cfg#0`) and of other operations are skipped, as
+/// are lines that are not table lines.
+pub fn put_ranges(out: &str) -> Vec<PutRange> {
+    let mut v: Vec<PutRange> = Vec::new();
+    let (mut other_process, mut put) = (false, false);
+    for line in out.lines() {
+        let mut t = line.trim();
+        while t.starts_with('[') {
+            match t.find(']') {
+                Some(i) => t = t[i + 1..].trim_start(),
+                None => break,
+            }
+        }
+        let Some(inner) = t.strip_prefix('|').and_then(|t| t.strip_suffix('|')) else { continue };
+        let cells: Vec<&str> = inner.split('|').map(str::trim).collect();
+        match cells.as_slice() {
+            [title] if title.contains(" cfg#") => {
+                other_process = !title.contains(" self cfg#");
+                put = false;
+            }
+            [title] => put = title.starts_with("remote memory write by ucp_put"),
+            [range, _, config] if put && other_process => {
+                let (lo, hi) = match range.split_once("..") {
+                    Some((a, b)) => (memunits(a), memunits(b)),
+                    None => (memunits(range), memunits(range)),
+                };
+                let (Some(lo), Some(hi)) = (lo, hi) else { continue };
+                let via: Vec<String> = config
+                    .split(|c: char| c.is_whitespace() || c == ',')
+                    .filter(|w| {
+                        w.split_once('/').is_some_and(|(tl, dev)| {
+                            !tl.is_empty()
+                                && !dev.is_empty()
+                                && tl.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                        })
+                    })
+                    .map(String::from)
+                    .collect();
+                let r = PutRange { lo, hi, via };
+                if !r.via.is_empty() && !v.contains(&r) {
+                    v.push(r);
+                }
+            }
+            _ => {}
+        }
+    }
+    v
+}
+
+/// The transports UCX reported for puts of `size` bytes (`cma/memory`, `tcp/lo+tcp/eth0`), if
+/// it reported any.
+pub fn put_via(puts: &[PutRange], size: usize) -> Option<String> {
+    let size = size as u64;
+    let mut via: Vec<&str> = Vec::new();
+    for r in puts.iter().filter(|r| r.lo <= size && size <= r.hi) {
+        for w in &r.via {
+            if !via.contains(&w.as_str()) {
+                via.push(w);
+            }
+        }
+    }
+    (!via.is_empty()).then(|| via.join("+"))
+}
+
+/// A NIXL row's baseline name (pure): the probe's `NIXL 1.5.1 UCX`, the transport UCX reported
+/// for the size's puts, and the `UCX_TLS` it ran with: `NIXL 1.5.1 UCX tcp/lo (UCX_TLS=tcp,self)`.
+pub fn nixl_label(label: &str, tls: &UcxTls, via: Option<&str>) -> String {
+    match via {
+        Some(via) => format!("{label} {via} ({})", tls.describe()),
+        None => format!("{label} ({}; no UCX protocol table)", tls.describe()),
+    }
 }
 
 /// How the peer moved the blocks, for the rows' case.
@@ -169,9 +397,12 @@ fn how(peer: Peer, place: Place, window: usize) -> String {
 }
 
 /// The rows of one peer at one place (pure). Host: one row per pattern and size, its engine
-/// figure from `engine(Some(pattern), size)`; GPU: one per size, `engine(None, size)` (the CUDA
-/// IPC row). Each row's baseline is the median of the peer's bursts, its ratio engine / peer.
-/// A skip or a failure is a row of its own with no figures.
+/// figure from `engine(Some(pattern), size)`, its case naming the engine's transport
+/// (`engine_tl`, [`engine_transport`]); GPU: one per size, `engine(None, size)` (the CUDA IPC
+/// row). Each row's baseline is the median of the peer's bursts, its ratio engine / peer; a
+/// NIXL baseline is named by [`nixl_label`]. A skip or a failure is a row of its own with no
+/// figures.
+#[allow(clippy::too_many_arguments)]
 pub fn rows(
     peer: Peer,
     place: Place,
@@ -179,6 +410,7 @@ pub fn rows(
     outcome: &Outcome,
     sizes: &[usize],
     patterns: &[Pattern],
+    engine_tl: &str,
     engine: impl Fn(Option<Pattern>, usize) -> Option<f64>,
 ) -> Vec<Row> {
     let empty = |why: &str| {
@@ -186,9 +418,9 @@ pub fn rows(
         Row::new("bw", &format!("{} vs {}: {short}", place.label(), peer.name()), "gbps", f64::NAN)
             .baseline(peer.name(), f64::NAN)
     };
-    let (label, bursts, error) = match outcome {
+    let (label, bursts, error, ucx) = match outcome {
         Outcome::Skipped(why) => return vec![empty(&format!("skipped: {why}"))],
-        Outcome::Ran { label, bursts, error } => (label, bursts, error),
+        Outcome::Ran { label, bursts, error, ucx } => (label, bursts, error, ucx),
     };
     let how = how(peer, place, window);
     let mut out = Vec::new();
@@ -209,7 +441,7 @@ pub fn rows(
             let e = engine(pat, size).unwrap_or(f64::NAN);
             let row = match (pat, place) {
                 (Some(p), _) => {
-                    let case = format!("{} {p} vs {} ({how})", human(size), peer.name());
+                    let case = format!("{} {p} {engine_tl} vs {} ({how})", human(size), peer.name());
                     Row::new("bw", &case, "gbps", e).pattern(p)
                 }
                 (None, Place::Gpu { .. }) => {
@@ -218,7 +450,25 @@ pub fn rows(
                 }
                 (None, Place::Host) => unreachable!("host rows have a pattern"),
             };
-            out.push(row.size(size).baseline(label, median(v)));
+            let row = row.size(size).field("engine_transport", json!(engine_tl));
+            let row = match ucx {
+                Some(u) => {
+                    let via = put_via(&u.puts, size);
+                    row.baseline(&nixl_label(label, &u.tls, via.as_deref()), median(v))
+                        .field("peer_transport", via.map_or(Value::Null, |w| json!(w)))
+                        .field("peer_ucx_tls", json!(u.tls.tls))
+                        .field(
+                            "peer_ucx_tls_from",
+                            json!(if u.tls.from_env { "environment" } else { "matched" }),
+                        )
+                        .field(
+                            "peer_ucx_error_handling",
+                            json!(if u.tls.error_handling_none() { "none" } else { "peer" }),
+                        )
+                }
+                None => row.baseline(label, median(v)),
+            };
+            out.push(row);
         }
     }
     if let Some(e) = error {
@@ -306,9 +556,16 @@ impl Script {
     }
 
     fn start(&self, args: &[String]) -> Result<Spawned, String> {
+        self.start_with(args, &[])
+    }
+
+    /// The script with `args`, and `extra` in its environment.
+    fn start_with(&self, args: &[String], extra: &[(&'static str, String)]) -> Result<Spawned, String> {
         let mut all = vec![self.dir.join("peers.py").display().to_string()];
         all.extend(args.iter().cloned());
-        Spawned::start_on(&self.python, &all, None, &Self::env()).map_err(|e| {
+        let mut env = Self::env();
+        env.extend(extra.iter().cloned());
+        Spawned::start_on(&self.python, &all, None, &env).map_err(|e| {
             if self.python == "python3" {
                 format!("{e} (set FABRIC_PYTHON to a Python 3 with the peer's packages)")
             } else {
@@ -317,13 +574,21 @@ impl Script {
         })
     }
 
-    /// `ok <label>`, or why the peer cannot run.
-    fn probe(&self, peer: Peer, place: Place) -> Result<String, String> {
+    /// `ok <label>`, or why the peer cannot run. NIXL's probe starts its UCX backend as the
+    /// sweep will (`tls`'s environment and error handling).
+    fn probe(&self, peer: Peer, place: Place, tls: &UcxTls) -> Result<String, String> {
         let mut args = vec!["probe".to_string(), peer.name().into()];
         if let Place::Gpu { send, recv } = place {
             args.extend(["--cuda".into(), format!("{send},{recv}")]);
         }
-        let (status, out) = self.start(&args)?.finish(Instant::now() + PROBE_LIMIT);
+        let env = match peer {
+            Peer::Nixl => {
+                args.extend(tls.script_args());
+                tls.env(|k| std::env::var_os(k).is_some())
+            }
+            Peer::Nccl => Vec::new(),
+        };
+        let (status, out) = self.start_with(&args, &env)?.finish(Instant::now() + PROBE_LIMIT);
         for line in out.lines().rev() {
             if let Some(label) = line.strip_prefix("ok ") {
                 return Ok(label.trim().to_string());
@@ -339,8 +604,9 @@ impl Script {
         ))
     }
 
-    /// The two processes of one sweep; the bursts the sender printed, and the error if any.
-    fn sweep(&self, peer: Peer, s: &Sweep) -> (Vec<Burst>, Option<String>) {
+    /// The two processes of one sweep; the bursts the sender printed, the put protocols UCX
+    /// reported in its output (NIXL), and the error if any. NIXL runs with `tls`'s environment.
+    fn sweep(&self, peer: Peer, s: &Sweep, tls: &UcxTls) -> (Vec<Burst>, Vec<PutRange>, Option<String>) {
         let deadline = Instant::now() + RUN_LIMIT;
         let (send, recv) = match s.place {
             Place::Host => (None, None),
@@ -351,20 +617,23 @@ impl Script {
                 let rdv = self.dir.join(format!("rdv-{}", s.place.label().replace(['>', ':'], "_")));
                 let _ = std::fs::remove_dir_all(&rdv);
                 if let Err(e) = std::fs::create_dir_all(&rdv) {
-                    return (Vec::new(), Some(format!("cannot create {}: {e}", rdv.display())));
+                    return (Vec::new(), Vec::new(), Some(format!("cannot create {}: {e}", rdv.display())));
                 }
                 let rdv = rdv.display().to_string();
                 let mut target = vec!["nixl".to_string(), "target".into(), "--rdv".into(), rdv.clone()];
                 target.extend(s.args(recv));
                 let mut init = vec!["nixl".to_string(), "initiator".into(), "--rdv".into(), rdv];
                 init.extend(s.args(send));
+                target.extend(tls.script_args());
+                init.extend(tls.script_args());
+                let env = tls.env(|k| std::env::var_os(k).is_some());
                 // The target (receiver) first, then the initiator (sender, which prints).
-                self.start(&target).and_then(|t| self.start(&init).map(|i| (i, t)))
+                self.start_with(&target, &env).and_then(|t| self.start_with(&init, &env).map(|i| (i, t)))
             }
             Peer::Nccl => {
                 let port = match std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()) {
                     Ok(a) => a.port().to_string(),
-                    Err(e) => return (Vec::new(), Some(format!("no free port: {e}"))),
+                    Err(e) => return (Vec::new(), Vec::new(), Some(format!("no free port: {e}"))),
                 };
                 let rank = |r: usize, ord: Option<usize>| {
                     let mut v = vec!["nccl".to_string(), "--rank".into(), r.to_string(), "--port".into()];
@@ -373,14 +642,14 @@ impl Script {
                     v
                 };
                 if s.place == Place::Host {
-                    return (Vec::new(), Some("NCCL is GPU-only".into()));
+                    return (Vec::new(), Vec::new(), Some("NCCL is GPU-only".into()));
                 }
                 self.start(&rank(0, send)).and_then(|r0| self.start(&rank(1, recv)).map(|r1| (r0, r1)))
             }
         };
         let (sender, receiver) = match started {
             Ok(p) => p,
-            Err(e) => return (Vec::new(), Some(e)),
+            Err(e) => return (Vec::new(), Vec::new(), Some(e)),
         };
         let (ss, sout) = sender.finish(deadline);
         let (rs, rout) = receiver.finish(if ss == Some(true) {
@@ -408,7 +677,8 @@ impl Script {
         if rs != Some(true) {
             errors.push(format!("{rname}: {}: {}", status(rs), last_words(&rout)));
         }
-        (bursts, if errors.is_empty() { None } else { Some(errors.join("; ")) })
+        let puts = if peer == Peer::Nixl { put_ranges(&sout) } else { Vec::new() };
+        (bursts, puts, if errors.is_empty() { None } else { Some(errors.join("; ")) })
     }
 }
 
@@ -463,6 +733,8 @@ pub async fn run(o: &Opts, rep: &mut Report) {
         }
     }
     let peers = o.peers.clone();
+    let provider = o.provider.clone();
+    let env_tls = std::env::var("UCX_TLS").ok();
     let outcomes = tokio::task::spawn_blocking(move || {
         let script = match Script::write() {
             Ok(s) => s,
@@ -480,22 +752,37 @@ pub async fn run(o: &Opts, rep: &mut Report) {
                     Outcome::Skipped("NCCL is GPU-only (its rows come with --location cuda)".into())
                 } else {
                     eprintln!("peer {}: {} probe", peer.name(), s.place.label());
-                    match script.probe(peer, s.place) {
+                    let tls = ucx_tls(&provider, s.place, env_tls.as_deref());
+                    match script.probe(peer, s.place, &tls) {
                         Err(why) => Outcome::Skipped(why),
                         Ok(label) => {
+                            let held = match peer {
+                                Peer::Nixl => format!(
+                                    ", {}{} (engine: {})",
+                                    tls.describe(),
+                                    if tls.error_handling_none() {
+                                        ", ucx_error_handling_mode=none"
+                                    } else {
+                                        ""
+                                    },
+                                    engine_transport(&provider, s.place)
+                                ),
+                                Peer::Nccl => String::new(),
+                            };
                             eprintln!(
-                                "peer {}: {label}, {} {} sizes x {} x {} rounds",
+                                "peer {}: {label}, {} {} sizes x {} x {} rounds{held}",
                                 peer.name(),
                                 s.place.label(),
                                 s.points.len(),
                                 s.patterns.iter().map(|p| p.name()).collect::<Vec<_>>().join(","),
                                 s.rounds
                             );
-                            let (bursts, error) = script.sweep(peer, s);
+                            let (bursts, puts, error) = script.sweep(peer, s, &tls);
                             if let Some(e) = &error {
                                 eprintln!("peer {} {}: {e}", peer.name(), s.place.label());
                             }
-                            Outcome::Ran { label, bursts, error }
+                            let ucx = (peer == Peer::Nixl).then_some(Ucx { tls, puts });
+                            Outcome::Ran { label, bursts, error, ucx }
                         }
                     }
                 };
@@ -515,7 +802,8 @@ pub async fn run(o: &Opts, rep: &mut Report) {
             (Place::Gpu { send, recv }, _) => rep.engine_of("bw", &gpu::ipc_case(size, *send, *recv)),
             (Place::Host, None) => None,
         };
-        new.extend(rows(*peer, *place, o.window, outcome, &sizes, &o.buffers, engine));
+        let tl = engine_transport(&o.provider, *place);
+        new.extend(rows(*peer, *place, o.window, outcome, &sizes, &o.buffers, &tl, engine));
     }
     if let Some(why) = gpu_skip {
         for &peer in &o.peers {
@@ -588,13 +876,24 @@ mod tests {
             burst(Peer::Nixl, Cold, 4096, 5.0),
             burst(Peer::Nixl, Hot, 1 << 20, 40.0),
         ];
-        let out = Outcome::Ran { label: "NIXL 1.5.1 UCX".into(), bursts, error: None };
+        let tls = ucx_tls("tcp", Place::Host, None);
+        let puts = vec![
+            PutRange { lo: 0, hi: 8184, via: vec!["tcp/lo".into()] },
+            PutRange { lo: 8185, hi: u64::MAX, via: vec!["tcp/lo".into(), "tcp/eth0".into()] },
+        ];
+        let out = Outcome::Ran {
+            label: "NIXL 1.5.1 UCX".into(),
+            bursts,
+            error: None,
+            ucx: Some(Ucx { tls, puts }),
+        };
         let engine = |p: Option<Pattern>, size: usize| match (p, size) {
             (Some(Hot), 4096) => Some(30.0),
             (Some(Cold), 4096) => Some(2.5),
             _ => None,
         };
-        let rows = rows(Peer::Nixl, Place::Host, 16, &out, &[4096, 1 << 20], &[Hot, Cold], engine);
+        let rows =
+            rows(Peer::Nixl, Place::Host, 16, &out, &[4096, 1 << 20], &[Hot, Cold], "tcp;ofi_rxm", engine);
         // hot 4 KiB, hot 1 MiB (no engine row: ratio null), cold 4 KiB; no cold 1 MiB burst.
         assert_eq!(rows.len(), 3);
         let path = std::env::temp_dir().join(format!("fabric-bench-peers-rows-{}.json", std::process::id()));
@@ -608,11 +907,21 @@ mod tests {
         let res = v["results"].as_array().unwrap();
         assert_eq!(res.last().unwrap()["test"], "lat", "the peers' rows go after bw's");
         let r = &res[1];
-        assert_eq!(r["case"], "4 KiB hot vs nixl (DRAM, one request of 16 blocks at a time)");
+        assert_eq!(r["case"], "4 KiB hot tcp;ofi_rxm vs nixl (DRAM, one request of 16 blocks at a time)");
         assert_eq!(
             (r["baseline"].as_str(), r["baseline_gbps"].as_f64()),
-            (Some("NIXL 1.5.1 UCX"), Some(20.0))
+            (Some("NIXL 1.5.1 UCX tcp/lo (UCX_TLS=tcp,self)"), Some(20.0))
         );
+        assert_eq!(
+            (r["engine_transport"].as_str(), r["peer_transport"].as_str()),
+            (Some("tcp;ofi_rxm"), Some("tcp/lo"))
+        );
+        assert_eq!(
+            (r["peer_ucx_tls"].as_str(), r["peer_ucx_tls_from"].as_str()),
+            (Some("tcp,self"), Some("matched"))
+        );
+        assert_eq!(r["peer_ucx_error_handling"], "peer");
+        assert_eq!(res[2]["baseline"], "NIXL 1.5.1 UCX tcp/lo+tcp/eth0 (UCX_TLS=tcp,self)");
         assert_eq!((r["engine_gbps"].as_f64(), r["ratio"].as_f64()), (Some(30.0), Some(1.5)));
         assert_eq!((r["pattern"].as_str(), r["size"].as_u64()), (Some("hot"), Some(4096)));
         assert!(res[2]["engine_gbps"].is_null() && res[2]["ratio"].is_null());
@@ -623,9 +932,9 @@ mod tests {
     fn gpu_rows_skips_and_failures() {
         let place = Place::Gpu { send: 0, recv: 1 };
         let bursts = vec![burst(Peer::Nccl, Pattern::Cold, 64 << 20, 2000.0)];
-        let out = Outcome::Ran { label: "NCCL 2.27.5 (torch 2.11.0)".into(), bursts, error: None };
+        let out = Outcome::Ran { label: "NCCL 2.27.5 (torch 2.11.0)".into(), bursts, error: None, ucx: None };
         let engine = |p: Option<Pattern>, size| (p.is_none() && size == 64 << 20).then_some(2500.0);
-        let r = rows(Peer::Nccl, place, 4, &out, &[64 << 20], &[Pattern::Hot], engine);
+        let r = rows(Peer::Nccl, place, 4, &out, &[64 << 20], &[Pattern::Hot], "CUDA IPC", engine);
         assert_eq!(r.len(), 1);
         let mut rep = Report::new("shm");
         rep.insert_after(&["bw"], r);
@@ -638,7 +947,7 @@ mod tests {
         );
         // Skipped: one row, no figures; failed part way: the rows it has, then the failure.
         let skip = Outcome::Skipped("import nixl failed (No module named 'nixl_cu13')".into());
-        let r = rows(Peer::Nixl, Place::Host, 16, &skip, &[4096], &[Pattern::Hot], |_, _| Some(1.0));
+        let r = rows(Peer::Nixl, Place::Host, 16, &skip, &[4096], &[Pattern::Hot], "shm", |_, _| Some(1.0));
         assert_eq!(r.len(), 1);
         let mut rep = Report::new("tcp");
         rep.push(r[0].clone());
@@ -646,15 +955,21 @@ mod tests {
             .engine_of("bw", "host vs nixl: skipped: import nixl failed (No module named 'nixl_cu13')")
             .is_some_and(f64::is_nan));
         let bursts = vec![burst(Peer::Nixl, Pattern::Hot, 4096, 10.0)];
-        let failed =
-            Outcome::Ran { label: "NIXL".into(), bursts, error: Some("target: killed\nmore".into()) };
-        let r = rows(Peer::Nixl, Place::Host, 16, &failed, &[4096, 8192], &[Pattern::Hot], |_, _| Some(1.0));
+        let failed = Outcome::Ran {
+            label: "NIXL".into(),
+            bursts,
+            error: Some("target: killed\nmore".into()),
+            ucx: None,
+        };
+        let r = rows(Peer::Nixl, Place::Host, 16, &failed, &[4096, 8192], &[Pattern::Hot], "shm", |_, _| {
+            Some(1.0)
+        });
         assert_eq!(r.len(), 2);
         let mut rep = Report::new("tcp");
         rep.insert_after(&["bw"], r);
         assert!(rep.engine_of("bw", "host vs nixl: failed: target: killed").is_some());
-        let none = Outcome::Ran { label: "NIXL".into(), bursts: Vec::new(), error: None };
-        let r = rows(Peer::Nixl, Place::Host, 16, &none, &[4096], &[Pattern::Hot], |_, _| None);
+        let none = Outcome::Ran { label: "NIXL".into(), bursts: Vec::new(), error: None, ucx: None };
+        let r = rows(Peer::Nixl, Place::Host, 16, &none, &[4096], &[Pattern::Hot], "shm", |_, _| None);
         let mut rep = Report::new("tcp");
         rep.insert_after(&["bw"], r);
         assert!(rep.engine_of("bw", "host vs nixl: failed: no result lines").is_some());
@@ -677,6 +992,122 @@ mod tests {
         assert!(a.ends_with("--loc cuda:1") && !a.contains("--huge"), "{a}");
         let host = Sweep { place: Place::Host, huge: true, ..s };
         assert!(host.args(None).join(" ").ends_with("--huge --loc host"));
+    }
+
+    #[test]
+    fn ucx_tls_matches_the_engine() {
+        let gpu = Place::Gpu { send: 0, recv: 1 };
+        let m = |provider: &str, place| {
+            let t = ucx_tls(provider, place, None);
+            (t.error_handling_none(), t.tls, t.net_lo, engine_transport(provider, place))
+        };
+        assert_eq!(m("tcp", Place::Host), (false, "tcp,self".into(), true, "tcp;ofi_rxm".into()));
+        assert_eq!(m("shm", Place::Host), (true, "sm,self".into(), false, "shm".into()));
+        assert_eq!(m("verbs", Place::Host), (false, "rc,self".into(), false, "verbs RC".into()));
+        assert_eq!(m("verbs:rxe0", Place::Host), (false, "rc,self".into(), false, "verbs RC".into()));
+        // GPU memory: CUDA IPC whatever the host provider, tcp only for active messages.
+        for p in ["tcp", "shm"] {
+            assert_eq!(m(p, gpu), (false, "cuda_ipc,cuda_copy,tcp,self".into(), false, "CUDA IPC".into()));
+        }
+        // An explicit UCX_TLS wins (blank is not explicit), and the label says so.
+        let t = ucx_tls("shm", Place::Host, Some(" tcp "));
+        assert_eq!(t, UcxTls { tls: "tcp".into(), from_env: true, net_lo: false });
+        assert_eq!(ucx_tls("shm", Place::Host, Some("  ")), ucx_tls("shm", Place::Host, None));
+        assert_eq!(
+            nixl_label("NIXL 1.4.1 UCX", &t, Some("tcp/lo")),
+            "NIXL 1.4.1 UCX tcp/lo (UCX_TLS=tcp from the environment)"
+        );
+        assert_eq!(
+            nixl_label("NIXL 1.4.1 UCX", &ucx_tls("shm", Place::Host, None), None),
+            "NIXL 1.4.1 UCX (UCX_TLS=sm,self; no UCX protocol table)"
+        );
+    }
+
+    #[test]
+    fn ucx_error_handling_and_environment() {
+        let t = |tls: &str| UcxTls { tls: tls.into(), from_env: true, net_lo: false };
+        // Shared memory alone has no peer failure handler: NIXL's default (peer) cannot connect.
+        for none in ["sm,self", "shm", "posix,cma,self", "cuda_ipc,cuda_copy,sm,self", "self"] {
+            assert!(t(none).error_handling_none(), "{none}");
+        }
+        for peer in ["tcp", "tcp,self", "rc,self", "rc_mlx5,ud_mlx5:aux", "dc_x,sm", "all", "^tcp", "ib"] {
+            assert!(!t(peer).error_handling_none(), "{peer}");
+        }
+        // Matched: UCX_TLS, UCX_NET_DEVICES=lo (tcp), UCX_PROTO_INFO=y, each unless already set.
+        let tcp = ucx_tls("tcp", Place::Host, None);
+        let names =
+            |v: Vec<(&str, String)>| v.into_iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>();
+        assert_eq!(names(tcp.env(|_| false)), ["UCX_TLS=tcp,self", "UCX_NET_DEVICES=lo", "UCX_PROTO_INFO=y"]);
+        assert_eq!(names(tcp.env(|k| k != "UCX_PROTO_INFO")), ["UCX_PROTO_INFO=y"]);
+        let shm = ucx_tls("shm", Place::Host, None);
+        assert_eq!(names(shm.env(|_| false)), ["UCX_TLS=sm,self", "UCX_PROTO_INFO=y"]);
+        // From the environment: inherited as it is.
+        let env = ucx_tls("tcp", Place::Host, Some("tcp,cma"));
+        assert_eq!(names(env.env(|k| k == "UCX_TLS")), ["UCX_PROTO_INFO=y"]);
+    }
+
+    /// What NIXL 1.4.1's initiator printed with UCX_PROTO_INFO=y (UCX 1.22, default UCX_TLS):
+    /// the endpoint to itself, active messages over tcp, puts to the target over cma.
+    const PROTO_INFO: &str = "\
+[1795864348.173149] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.173149] [vm:11470:0]   | ucp_context_0 self cfg#0                                 |
+[1795864348.173149] [vm:11470:0]   | remote memory write by ucp_put* from host memory to host |
+[1795864348.173149] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.173149] [vm:11470:0]   | Range  | Description |              Config               |
+[1795864348.173149] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.173149] [vm:11470:0]   | 0..inf | zero-copy   | self/memory                       |
+[1795864348.173149] [vm:11470:0]   +--------+-------------+-----------------------------------+
+fabric-peer peer=nixl pattern=hot size=65536 ops=1024 bytes=67108864 seconds=0.036524497 gbps=14.699
+[1795864348.174340] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.174340] [vm:11470:0]   | ucp_context_0 intra-node cfg#1                           |
+[1795864348.174340] [vm:11470:0]   | remote memory write by ucp_put* from host memory to host |
+[1795864348.174340] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.174340] [vm:11470:0]   | Range  | Description |              Config               |
+[1795864348.174340] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.174340] [vm:11470:0]   | 0..inf | zero-copy   | cma/memory                        |
+[1795864348.174340] [vm:11470:0]   +--------+-------------+-----------------------------------+
+[1795864348.175043] [vm:11470:0]   +------------+--------------------+---------------+
+[1795864348.175043] [vm:11470:0]   | ucp_context_0 intra-node cfg#1                  |
+[1795864348.175043] [vm:11470:0]   | active message by ucp_am_send* from host memory |
+[1795864348.175043] [vm:11470:0]   +------------+--------------------+---------------+
+[1795864348.175043] [vm:11470:0]   |   Range    |    Description     |    Config     |
+[1795864348.175043] [vm:11470:0]   +------------+--------------------+---------------+
+[1795864348.175043] [vm:11470:0]   |          0 | short              | tcp/lo        |
+[1795864348.175043] [vm:11470:0]   |   1..16515 | zero-copy          | tcp/lo        |
+[1795864348.175043] [vm:11470:0]   | 16516..inf | multi-frag copy-in | tcp/lo        |
+[1795864348.175043] [vm:11470:0]   +------------+--------------------+---------------+
+";
+
+    #[test]
+    fn ucx_protocol_tables_parse() {
+        let puts = put_ranges(PROTO_INFO);
+        assert_eq!(puts, [PutRange { lo: 0, hi: u64::MAX, via: vec!["cma/memory".into()] }]);
+        assert_eq!(put_via(&puts, 65536).as_deref(), Some("cma/memory"));
+        // Split ranges, a put split over two lanes, memunits, a table repeated (same rows once).
+        let split = "\
+  | ucp_context_0 intra-node cfg#2 |
+  | remote memory write by ucp_put* from host memory to host |
+  | Range | Description | Config |
+  | 0..8184 | short | tcp/lo |
+  | 8185..64K | zero-copy | 52% on tcp/lo and 48% on tcp/eth0 |
+  | 65537..inf | zero-copy | cuda_ipc/cuda, tcp/lo |
+  | ucp_context_0 intra-node cfg#2 |
+  | remote memory write by ucp_put* from host memory to host |
+  | 0..8184 | short | tcp/lo |
+  | ucp_context_0 inter-node cfg#3 |
+  | remote memory read by ucp_get* from host memory to host |
+  | 0..inf | zero-copy | rc_mlx5/mlx5_0:1 |
+";
+        let puts = put_ranges(split);
+        assert_eq!(puts.len(), 3, "{puts:?}");
+        assert_eq!(put_via(&puts, 0).as_deref(), Some("tcp/lo"));
+        assert_eq!(put_via(&puts, 8184).as_deref(), Some("tcp/lo"));
+        assert_eq!(put_via(&puts, 65536).as_deref(), Some("tcp/lo+tcp/eth0"));
+        assert_eq!(put_via(&puts, 65537).as_deref(), Some("cuda_ipc/cuda+tcp/lo"));
+        // No tables (UCX_PROTO_INFO off, or the run failed first): nothing reported.
+        assert!(put_ranges("fabric-peer peer=nixl\n| not | a table |\n").is_empty());
+        assert_eq!(put_via(&[], 4096), None);
+        assert_eq!((memunits("8K"), memunits("1M"), memunits("x")), (Some(8192), Some(1 << 20), None));
     }
 
     #[test]

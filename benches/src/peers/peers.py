@@ -4,10 +4,13 @@
 temporary folder and runs it (benches/src/peers/mod.rs); it is not meant to be run by hand,
 though it can be:
 
-    peers.py probe nixl [--cuda S,R]          one line: "ok <what>" or "skip <why>"
+    peers.py probe nixl [--cuda S,R] [--ucx-error-handling peer|none]
+                                              one line: "ok <what>" or "skip <why>"
     peers.py probe nccl --cuda S,R
     peers.py nixl target    --rdv DIR --loc host|cuda:N --region BYTES [--huge]
+                            [--ucx-error-handling peer|none]
     peers.py nixl initiator --rdv DIR --loc host|cuda:N --region BYTES [--huge]
+                            [--ucx-error-handling peer|none]
                             --window W --rounds R --patterns hot,cold --points SIZE:OPS,...
     peers.py nccl --rank 0|1 --port P --loc cuda:N --region BYTES
                   --window W --rounds R --patterns cold --points SIZE:OPS,...
@@ -24,6 +27,15 @@ then the next), at the offsets of fabric-bench's --buffer pattern in a region of
 request per size and pattern first. NCCL's burst ends when the receiver's 1-byte ack, sent
 after its last receive, has arrived (as fabric-bench's engine burst ends at the receiver's
 ack).
+
+NIXL's UCX transports come from the environment: fabric-bench sets UCX_TLS to match its
+engine's transport (tcp,self with UCX_NET_DEVICES=lo; sm,self; cuda_ipc,cuda_copy,tcp,self)
+unless UCX_TLS is already set, and UCX_PROTO_INFO=y, so that UCX prints the protocols it
+chose (the initiator's tables of "remote memory write by ucp_put*" name the transport of
+each size range; fabric-bench reads them from its output). --ucx-error-handling none sets
+the UCX backend's ucx_error_handling_mode: NIXL's default, peer, makes UCX refuse its
+shared-memory transports for active messages ("no peer failure handler"), so a UCX_TLS
+without tcp or an RDMA transport needs none.
 """
 
 import argparse
@@ -144,8 +156,34 @@ def gpu_buffer(n, ordinal):
     return t, t.data_ptr()
 
 
-def nixl_setup(name, loc, region, huge):
-    """An agent with the UCX backend and `region` bytes registered at `loc`."""
+def ucx_agent(nixl_agent, nixl_agent_config, name, err_mode):
+    """An agent with the UCX backend only, its ucx_error_handling_mode `err_mode` (NIXL's
+    default when empty); RuntimeError if the backend does not start. Its start connects the
+    agent to itself already, so a UCX_TLS that NIXL cannot use fails here."""
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    if "UCX" not in getattr(agent, "plugin_list", ["UCX"]):
+        raise RuntimeError("NIXL has no UCX backend (libplugin_UCX.so not found or failed to load)")
+    params = {}
+    if err_mode:
+        if "ucx_error_handling_mode" not in agent.get_plugin_params("UCX"):
+            raise RuntimeError(f"NIXL's UCX backend takes no ucx_error_handling_mode ({err_mode})")
+        params["ucx_error_handling_mode"] = err_mode
+    tls = os.environ.get("UCX_TLS", "UCX's choice")
+    try:
+        agent.create_backend("UCX", params)
+    except Exception as e:
+        raise RuntimeError(
+            f"NIXL's UCX backend did not start (UCX_TLS={tls}, {params or 'default parameters'}): "
+            f"{type(e).__name__}: {e}"
+        ) from None
+    if "UCX" not in agent.backends:
+        raise RuntimeError("NIXL has no UCX backend (libplugin_UCX.so not found or failed to load)")
+    return agent
+
+
+def nixl_setup(name, loc, region, huge, err_mode=""):
+    """An agent with the UCX backend (its ucx_error_handling_mode `err_mode`, when given) and
+    `region` bytes registered at `loc`."""
     nixl_agent, nixl_agent_config, _ = import_nixl()
     ordinal = parse_loc(loc)
     if ordinal is None:
@@ -154,9 +192,10 @@ def nixl_setup(name, loc, region, huge):
     else:
         keep, addr = gpu_buffer(region, ordinal)
         mem, dev = "VRAM", ordinal
-    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-    if "UCX" not in agent.backends:
-        fail("NIXL has no UCX backend (libplugin_UCX.so not found or failed to load)")
+    try:
+        agent = ucx_agent(nixl_agent, nixl_agent_config, name, err_mode)
+    except RuntimeError as e:
+        fail(str(e))
     agent.register_memory([(addr, region, dev, "")], mem, backends=["UCX"])
     return agent, keep, addr, mem, dev
 
@@ -179,7 +218,9 @@ def get_file(path, limit=120.0):
 
 
 def nixl_target(a):
-    agent, keep, addr, mem, dev = nixl_setup("fabric-peer-target", a.loc, a.region, a.huge)
+    agent, keep, addr, mem, dev = nixl_setup(
+        "fabric-peer-target", a.loc, a.region, a.huge, a.ucx_error_handling
+    )
     put_file(os.path.join(a.rdv, "target.meta"), agent.get_agent_metadata())
     put_file(os.path.join(a.rdv, "target.desc"), f"{addr} {a.region} {dev} {mem}".encode())
     agent.add_remote_agent(get_file(os.path.join(a.rdv, "initiator.meta")))
@@ -196,7 +237,9 @@ def nixl_target(a):
 
 
 def nixl_initiator(a):
-    agent, keep, addr, mem, dev = nixl_setup("fabric-peer-initiator", a.loc, a.region, a.huge)
+    agent, keep, addr, mem, dev = nixl_setup(
+        "fabric-peer-initiator", a.loc, a.region, a.huge, a.ucx_error_handling
+    )
     put_file(os.path.join(a.rdv, "initiator.meta"), agent.get_agent_metadata())
     remote = agent.add_remote_agent(get_file(os.path.join(a.rdv, "target.meta")))
     raddr, rlen, rdev, rmem = get_file(os.path.join(a.rdv, "target.desc")).decode().split()
@@ -329,9 +372,11 @@ def probe(a):
             torch, why = probe_torch_cuda(a.cuda)
             if why:
                 return f"skip {why}"
-        agent = nixl_agent("fabric-peer-probe", nixl_agent_config(backends=["UCX"]))
-        if "UCX" not in agent.backends:
-            return "skip NIXL has no UCX backend (libplugin_UCX.so not found or failed to load)"
+        try:
+            name, err = "fabric-peer-probe", a.ucx_error_handling
+            agent = ucx_agent(nixl_agent, nixl_agent_config, name, err)
+        except RuntimeError as e:
+            return f"skip {e}"
         mems = agent.get_backend_mem_types("UCX")
         if a.cuda and "VRAM_SEG" not in mems:
             return f"skip NIXL's UCX backend has no VRAM here (memory types {mems})"
@@ -357,6 +402,7 @@ def main():
     pr = sub.add_parser("probe")
     pr.add_argument("peer", choices=["nixl", "nccl"])
     pr.add_argument("--cuda", default="")
+    pr.add_argument("--ucx-error-handling", choices=["peer", "none"], default="")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--loc", default="host")
     common.add_argument("--region", type=int, required=True)
@@ -369,6 +415,7 @@ def main():
     nx = sub.add_parser("nixl", parents=[common])
     nx.add_argument("role", choices=["target", "initiator"])
     nx.add_argument("--rdv", required=True)
+    nx.add_argument("--ucx-error-handling", choices=["peer", "none"], default="")
     nc = sub.add_parser("nccl", parents=[common])
     nc.add_argument("--rank", type=int, choices=[0, 1], required=True)
     nc.add_argument("--port", type=int, required=True)
