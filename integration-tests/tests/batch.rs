@@ -183,3 +183,46 @@ async fn bad_batches_are_refused_before_anything_is_posted() {
     a.batch(BatchOp::Write, &[]).await.expect("empty batch");
     a.batch(BatchOp::Read, &[entry(0, 0, 0)]).await.expect("zero-length entry");
 }
+
+/// Entries that continue each other on both sides (KV blocks laid out alike at both ends)
+/// are posted as one operation per run: 250 blocks of 4 KiB in 3 runs (broken by a gap on
+/// one side and by a change of remote region) are 3 operations, and every byte lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contiguous_entries_are_one_operation() {
+    let Some(a) = engine(1) else { return };
+    let b = engine(1).unwrap();
+    let src = patterned(&a, 90).await;
+    let far = [b.alloc(LEN).await.unwrap(), b.alloc(LEN).await.unwrap()];
+    let rem = [
+        a.remote_region(&far[0].descriptor().to_bytes()).await.unwrap(),
+        a.remote_region(&far[1].descriptor().to_bytes()).await.unwrap(),
+    ];
+    const BLOCK: u64 = 4096;
+    // Blocks 0..100 into region 0 at the same offsets; 100..175 into region 0 one block
+    // further on (a gap on the remote side only); 175..250 into region 1.
+    let place = |k: u64| match k {
+        0..100 => (0, k * BLOCK),
+        100..175 => (0, (k + 1) * BLOCK),
+        _ => (1, (k - 175) * BLOCK),
+    };
+    let entries: Vec<BatchEntry<'_>> = (0..250u64)
+        .map(|k| {
+            let (r, off) = place(k);
+            BatchEntry { local: &src, local_off: k * BLOCK, remote: &rem[r], remote_off: off, len: BLOCK }
+        })
+        .collect();
+    let before = a.stats().total().posted_ops;
+    tokio::time::timeout(WAIT, a.batch(BatchOp::Write, &entries)).await.expect("timed out").expect("batch");
+    assert_eq!(a.stats().total().posted_ops - before, 3, "250 contiguous entries in 3 runs: 3 operations");
+    let got = [far[0].to_vec(), far[1].to_vec()];
+    for k in 0..250u64 {
+        let (r, off) = place(k);
+        for i in [0, BLOCK / 2, BLOCK - 1] {
+            assert_eq!(got[r][(off + i) as usize], pattern_byte(90, k * BLOCK + i), "block {k} byte {i}");
+        }
+    }
+    assert!(
+        got[0][(100 * BLOCK) as usize..(101 * BLOCK) as usize].iter().all(|&x| x == 0),
+        "the gap was written"
+    );
+}

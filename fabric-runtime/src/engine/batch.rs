@@ -30,6 +30,15 @@ pub struct BatchEntry<'r> {
     pub len: u64,
 }
 
+/// Entries of a batch that continue each other on both sides, as one transfer.
+struct Run<'r> {
+    keep: Arc<RegionShared>,
+    remote: &'r RemoteRegion,
+    local_off: u64,
+    remote_off: u64,
+    len: u64,
+}
+
 /// The direction of a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchOp {
@@ -57,10 +66,12 @@ impl BatchEntry<'_> {
 }
 
 impl Transfers<'_> {
-    /// Moves every entry of `entries` in direction `op` as one transfer: each entry is
-    /// sharded over the NICs like a single [`Transfers::write`] or [`Transfers::read`], all
-    /// of them are handed to the reactor at once, and the future resolves when the last one
-    /// has completed (with the first error if any failed). No immediates: a batch's
+    /// Moves every entry of `entries` in direction `op` as one transfer: entries that
+    /// continue each other on both sides (in the same two regions, each starting where the
+    /// one before it ended, on both sides) are merged, each run is sharded over the NICs
+    /// like a single [`Transfers::write`] or [`Transfers::read`], all of them are handed to
+    /// the reactor at once, and the future resolves when the last one has completed (with
+    /// the first error if any failed). No immediates: a batch's
     /// completion is the initiator's to see; announce it with a message or an imm-only
     /// write after the future resolved.
     ///
@@ -100,10 +111,12 @@ impl Transfers<'_> {
             BatchOp::Write => OpKind::Write,
             BatchOp::Read => OpKind::Read,
         };
-        let mut ops = Vec::with_capacity(entries.len());
+        // Checked whole first; runs of entries that continue each other on both sides (the
+        // same two regions, the next bytes of each) become one transfer.
+        let mut runs: Vec<Run<'_>> = Vec::new();
         // Consecutive entries usually share their local region: one check and one clone of
-        // its handle per run, not per entry.
-        let mut last: Option<(*const RegionShared, Arc<RegionShared>)> = None;
+        // its handle per run of them, not per entry.
+        let mut last: Option<Arc<RegionShared>> = None;
         for e in entries {
             if !e.is_direct() {
                 return Err(Error::Unsupported(
@@ -111,12 +124,11 @@ impl Transfers<'_> {
                 ));
             }
             let keep = match &last {
-                Some((p, keep)) if std::ptr::eq(*p, Arc::as_ptr(&e.local.inner)) => keep.clone(),
+                Some(keep) if Arc::ptr_eq(keep, &e.local.inner) => keep.clone(),
                 _ => {
                     self.check_local(e.local)?;
-                    let keep = e.local.inner.clone();
-                    last = Some((Arc::as_ptr(&keep), keep.clone()));
-                    keep
+                    last = Some(e.local.inner.clone());
+                    e.local.inner.clone()
                 }
             };
             self.check_remote(e.remote)?;
@@ -125,12 +137,33 @@ impl Transfers<'_> {
             if e.len == 0 {
                 continue;
             }
-            let base = keep.backing().addr() + e.local_off;
+            if let Some(r) = runs.last_mut() {
+                if Arc::ptr_eq(&r.keep, &keep)
+                    && Arc::ptr_eq(&r.remote.desc, &e.remote.desc)
+                    && r.remote.peer == e.remote.peer
+                    && r.local_off + r.len == e.local_off
+                    && r.remote_off + r.len == e.remote_off
+                {
+                    r.len += e.len;
+                    continue;
+                }
+            }
+            runs.push(Run {
+                keep,
+                remote: e.remote,
+                local_off: e.local_off,
+                remote_off: e.remote_off,
+                len: e.len,
+            });
+        }
+        let mut ops = Vec::with_capacity(runs.len());
+        for r in runs {
+            let base = r.keep.backing().addr() + r.local_off;
             let start = self.shared().next_start();
-            for s in self.opts.shards(e.len, nics, start)? {
+            for s in self.opts.shards(r.len, nics, start)? {
                 let req =
-                    Self::req(s.nic, kind, base + s.offset, s.len, e.remote, e.remote_off + s.offset, None);
-                ops.push((req, Some(keep.clone())));
+                    Self::req(s.nic, kind, base + s.offset, s.len, r.remote, r.remote_off + s.offset, None);
+                ops.push((req, Some(r.keep.clone())));
             }
         }
         Ok(ops)

@@ -177,7 +177,7 @@ impl Transfers<'_> {
 
 impl Transfers<'_> {
     /// A batch whose every remote region is reached through CUDA IPC: every entry is one
-    /// copy of one gate (local memory into the peer's mapping for writes, the mapping into
+    /// copy (entries that continue each other on both sides, one copy) of one gate (local memory into the peer's mapping for writes, the mapping into
     /// local memory for reads), and the future completes when the gate's event is ready.
     /// Local GPU regions must all be on one device. No immediates (a batch has none).
     pub(in crate::engine) fn ipc_batch(&self, op: BatchOp, entries: &[BatchEntry<'_>]) -> Result<OpFuture> {
@@ -201,7 +201,7 @@ impl Transfers<'_> {
         let mut keep: Keep = Vec::new();
         let mut mapped: HashMap<*const crate::pure::descriptor::RegionDescriptor, u64> = HashMap::new();
         let mut kept: HashSet<*const crate::shared::memory::RegionShared> = HashSet::new();
-        let mut copies = Vec::with_capacity(entries.len());
+        let mut copies: Vec<CudaCopy> = Vec::with_capacity(entries.len());
         for e in entries {
             self.check_local(e.local)?;
             self.check_remote(e.remote)?;
@@ -240,7 +240,13 @@ impl Transfers<'_> {
                 (BatchOp::Read, true) => (CopyDir::DeviceToDevice, local, remote),
                 (BatchOp::Read, false) => (CopyDir::DeviceToHost, local, remote),
             };
-            copies.push(CudaCopy { dir, dst, src, len });
+            // A copy that continues the one before it on both sides joins it.
+            match copies.last_mut() {
+                Some(c) if c.dir == dir && c.src + c.len as u64 == src && c.dst + c.len as u64 == dst => {
+                    c.len += len
+                }
+                _ => copies.push(CudaCopy { dir, dst, src, len }),
+            }
         }
         if copies.is_empty() {
             return Ok(OpFuture::done());
