@@ -16,6 +16,11 @@ typedef enum {
   FABRIC_MODE_ADAPTIVE = 1,
   // Spins on a core (`pin_core`) all the time: the lowest latency.
   FABRIC_MODE_BUSY_POLL = 2,
+  // Testing or waiting for an operation runs the engine's pass on the calling thread (no
+  // hand-over between threads); a reactor thread stands by and takes over, as in
+  // `Event`, while nobody tests. For callers that poll their operations in a loop, as
+  // NIXL's `checkXfer` does.
+  FABRIC_MODE_INLINE = 3,
 } fabric_mode;
 
 // What a call of the C API returns. `FABRIC_STATUS_OK` (0) and `FABRIC_STATUS_IN_PROGRESS` (1) are not

@@ -18,7 +18,8 @@
  * target sees it (fabric's messages are not ordered with its writes).
  *
  * Backend parameters: provider (tcp), nics (comma-separated), domains (0), mode
- * (event|adaptive|busy_poll), op_timeout_ms (30000), max_msg_size (16384), cuda_ipc (-1).
+ * (inline|event|adaptive|busy_poll), op_timeout_ms (30000), max_msg_size (16384), cuda_ipc
+ * (-1).
  * docs/nixl.md is the guide. */
 
 #include <cstdint>
@@ -114,15 +115,17 @@ public:
         o.provider = provider_.c_str();
         o.nics = nics_.empty() ? nullptr : nics_.c_str();
         o.domains = static_cast<uint32_t>(std::stoul(param("domains", "0")));
-        const std::string mode = param("mode", "event");
+        const std::string mode = param("mode", "inline");
         if (mode == "event") {
             o.mode = FABRIC_MODE_EVENT;
         } else if (mode == "adaptive") {
             o.mode = FABRIC_MODE_ADAPTIVE;
         } else if (mode == "busy_poll") {
             o.mode = FABRIC_MODE_BUSY_POLL;
+        } else if (mode == "inline") {
+            o.mode = FABRIC_MODE_INLINE;
         } else {
-            NIXL_ERROR << "FABRIC: mode must be event, adaptive or busy_poll, not " << mode;
+            NIXL_ERROR << "FABRIC: mode must be inline, event, adaptive or busy_poll, not " << mode;
             initErr = true;
             return;
         }
@@ -430,7 +433,7 @@ private:
 };
 
 nixl_b_params_t options() {
-    return {{"provider", "tcp"},        {"nics", ""},         {"domains", "0"}, {"mode", "event"},
+    return {{"provider", "tcp"},        {"nics", ""},         {"domains", "0"}, {"mode", "inline"},
             {"op_timeout_ms", "30000"}, {"max_msg_size", "16384"}, {"cuda_ipc", "-1"}};
 }
 

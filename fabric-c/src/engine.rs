@@ -19,6 +19,11 @@ pub enum FabricMode {
     Adaptive = 1,
     /// Spins on a core (`pin_core`) all the time: the lowest latency.
     BusyPoll = 2,
+    /// Testing or waiting for an operation runs the engine's pass on the calling thread (no
+    /// hand-over between threads); a reactor thread stands by and takes over, as in
+    /// `Event`, while nobody tests. For callers that poll their operations in a loop, as
+    /// NIXL's `checkXfer` does.
+    Inline = 3,
 }
 
 /// Options of `fabric_engine_new`. Fill with `fabric_engine_options_init`, then set fields.
@@ -118,6 +123,7 @@ fn builder(o: &FabricEngineOptions) -> Result<fabric_async::EngineBuilder, Failu
             ReactorMode::Adaptive { spin: Duration::from_micros(u64::from(us)) }
         }
         FabricMode::BusyPoll => ReactorMode::BusyPoll,
+        FabricMode::Inline => ReactorMode::Inline,
     });
     if o.pin_core >= 0 {
         b = b.pin_core(o.pin_core as usize);
