@@ -6,7 +6,10 @@
 #     (rdma_rxe) inside a qemu VM (scripts/rxe-vm.sh, docs/testbed-rxe.md), then perftest and
 #     the quickstart over verbs in one VM. Fails if the VM cannot start. FABRIC_SKIP_VM=1
 #     skips this stage (loudly) on machines that cannot run it;
-#  4. the Python package's tests (scripts/python-tests.sh: pytest over tcp and shm).
+#  4. the NIXL backend plugin through NIXL's own Python API (scripts/nixl-tests.sh: the
+#     nixl-cu13 wheel, two agents in two processes over tcp and shm; one "skipped:" line where
+#     NIXL's headers are not found);
+#  5. the Python package's tests (scripts/python-tests.sh: pytest over tcp and shm).
 # Every cargo command on target/debug selects the whole workspace: a build of one package
 # resolves other features and overwrites the workspace crates' artifacts, so the next
 # workspace build compiles them again. The Python stage (maturin builds one package) is last.
@@ -54,6 +57,12 @@ if [ "${FABRIC_SKIP_VM:-0}" = 1 ]; then
 else
   vm_stage
 fi
+
+echo "== nixl: the FABRIC backend plugin"
+start=$(date +%s)
+scripts/nixl-tests.sh
+NIXL_TEST_BACKENDS=FABRIC:shm scripts/nixl-tests.sh
+echo "== nixl stage: $(( $(date +%s) - start )) s"
 
 echo "== python: the fabric package"
 start=$(date +%s)

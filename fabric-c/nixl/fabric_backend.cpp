@@ -18,10 +18,11 @@
  * target sees it (fabric's messages are not ordered with its writes).
  *
  * Backend parameters: provider (tcp), nics (comma-separated), domains (0), mode
- * (inline|event|adaptive|busy_poll), op_timeout_ms (30000), max_msg_size (16384), cuda_ipc
+ * (inline|event|adaptive|busy_poll), op_timeout_ms (30000), max_msg_size (131072), cuda_ipc
  * (-1).
  * docs/nixl.md is the guide. */
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -97,8 +98,11 @@ struct Request : nixlBackendReqH {
     fabric_op *notif = nullptr;
     bool has_notif = false;
     uint32_t peer = 0;
+    bool local = false; /* within this agent */
     std::string message;     /* the notification's message to a peer, made at post */
     std::string local_notif; /* or its payload, for a transfer within this agent */
+    fabric_status failed = FABRIC_STATUS_OK; /* a failure waiting to be named (see checkXfer) */
+    std::chrono::steady_clock::time_point failed_at;
     ~Request() override {
         fabric_op_free(data);
         fabric_op_free(notif);
@@ -130,7 +134,7 @@ public:
             return;
         }
         o.op_timeout_ms = std::stoull(param("op_timeout_ms", "30000"));
-        o.max_msg_size = static_cast<uint32_t>(std::stoul(param("max_msg_size", "16384")));
+        o.max_msg_size = static_cast<uint32_t>(std::stoul(param("max_msg_size", "131072")));
         o.cuda_ipc = std::stoi(param("cuda_ipc", "-1"));
         fabric_status s = fabric_engine_new(&o, &engine_);
         if (s != FABRIC_STATUS_OK) {
@@ -283,7 +287,8 @@ public:
                                                       rmd->remote, static_cast<uint64_t>(r.addr - rmd->base),
                                                       static_cast<uint64_t>(l.len)});
         }
-        if (agent != localAgent && !peer_of(agent, req->peer)) {
+        req->local = agent == localAgent;
+        if (!req->local && !peer_of(agent, req->peer)) {
             NIXL_ERROR << "FABRIC: prepXfer: no connection info of agent " << agent;
             delete req;
             return NIXL_ERR_NOT_FOUND;
@@ -303,6 +308,7 @@ public:
         fabric_op_free(req->notif);
         req->data = nullptr;
         req->notif = nullptr;
+        req->failed = FABRIC_STATUS_OK;
         req->has_notif = opt != nullptr && opt->hasNotif;
         if (req->has_notif) {
             /* To ourselves: straight into the list getNotifs hands out. */
@@ -320,9 +326,9 @@ public:
         if (req->data == nullptr) return NIXL_ERR_NOT_POSTED;
         fabric_status s = fabric_op_test(req->data);
         if (s == FABRIC_STATUS_IN_PROGRESS) return NIXL_IN_PROG;
-        if (s != FABRIC_STATUS_OK) return fail("FABRIC: transfer", s);
+        if (s != FABRIC_STATUS_OK) return failed(req, s);
         if (!req->has_notif) return NIXL_SUCCESS;
-        if (req->message.empty()) {
+        if (req->local) {
             /* A local transfer's notification. */
             std::lock_guard<std::mutex> g(lock_);
             local_notifs_.emplace_back(localAgent, req->local_notif);
@@ -337,6 +343,26 @@ public:
         s = fabric_op_test(req->notif);
         if (s == FABRIC_STATUS_IN_PROGRESS) return NIXL_IN_PROG;
         return s == FABRIC_STATUS_OK ? NIXL_SUCCESS : fail("FABRIC: notification", s);
+    }
+
+    /* A failed transfer. A write into a process that just died can fail as a refused
+     * access (shm) or a lost connection before the engine has seen the process gone (its
+     * pidfd, its liveness connection: within about 20 ms): such a failure is held back,
+     * the request staying in progress, for up to 100 ms or until the peer is known down,
+     * so that NIXL hears NIXL_ERR_REMOTE_DISCONNECT for a dead peer and drops it. */
+    nixl_status_t failed(Request *req, fabric_status s) const {
+        const bool maybe_dead = s == FABRIC_STATUS_ERR_REMOTE_ACCESS || s == FABRIC_STATUS_ERR_CONNECTION_LOST;
+        if (!maybe_dead || req->local) return fail("FABRIC: transfer", s);
+        const auto now = std::chrono::steady_clock::now();
+        if (req->failed == FABRIC_STATUS_OK) {
+            req->failed = s;
+            req->failed_at = now;
+        }
+        if (fabric_peer_status(engine_, req->peer) == FABRIC_STATUS_ERR_PEER_UNREACHABLE) {
+            return fail("FABRIC: transfer (the peer is gone)", FABRIC_STATUS_ERR_PEER_UNREACHABLE);
+        }
+        if (now - req->failed_at < std::chrono::milliseconds(100)) return NIXL_IN_PROG;
+        return fail("FABRIC: transfer", req->failed);
     }
 
     nixl_status_t releaseReqH(nixlBackendReqH *handle) const override {
@@ -434,7 +460,7 @@ private:
 
 nixl_b_params_t options() {
     return {{"provider", "tcp"},        {"nics", ""},         {"domains", "0"}, {"mode", "inline"},
-            {"op_timeout_ms", "30000"}, {"max_msg_size", "16384"}, {"cuda_ipc", "-1"}};
+            {"op_timeout_ms", "30000"}, {"max_msg_size", "131072"}, {"cuda_ipc", "-1"}};
 }
 
 } // namespace

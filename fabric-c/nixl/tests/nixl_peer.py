@@ -269,16 +269,14 @@ def as_local_remote(op, rows):
 
 
 class _State:
-    nixl = None  # the nixl module (imported in the peer only)
-    agent = None
-    name = None
-    backend = None
-    mem = "DRAM"
-    dev = 0
-    regions = []  # numpy arrays or torch tensors
-    reg_descs = []
-    remotes = {}  # agent name -> dict(addrs, sizes, mem, dev)
-    handles = []
+    def __init__(self):
+        self.nixl = None  # the nixl module (imported in the peer only)
+        self.agent = self.name = self.backend = None
+        self.mem, self.dev = "DRAM", 0
+        self.regions = []  # numpy arrays or torch tensors
+        self.reg_descs = []
+        self.remotes = {}  # agent name -> dict(addrs, sizes, mem, dev)
+        self.handles = []  # requests whose release failed, released again at teardown
 
 
 S = _State()

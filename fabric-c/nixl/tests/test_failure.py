@@ -1,5 +1,5 @@
 """Failures: a target killed with SIGKILL (the initiator's transfers end in an error within
-5 s, never hang), and requests released while still in flight."""
+1 s, never hang), and requests released while still in flight."""
 
 import time
 
@@ -9,7 +9,7 @@ import pytest
 import nixl_peer as P
 from conftest import MiB, Pair
 
-BOUND = 5.0  # seconds from the kill (or from the next transfer) to the error
+BOUND = 1.0  # seconds from the kill (or from the next transfer) to the error
 
 
 def no_peer_failure(spec):
@@ -22,8 +22,8 @@ def no_peer_failure(spec):
 def test_killed_target(peers, spec, when):
     """after_md: killed once the initiator has loaded its metadata, before any transfer;
     after_xfer: after a transfer; in_flight: during a 64 MiB WRITE, which must then end in an
-    error (DONE allowed over shm) within 5 s of the kill. Then the next transfer must end in an
-    error (check_xfer_state 'ERR', or a NIXL error raised) within 5 s."""
+    error (DONE allowed over shm) within 1 s of the kill. Then the next transfer must end in an
+    error (check_xfer_state 'ERR', or a NIXL error raised) within 1 s."""
     no_peer_failure(spec)
     pair = Pair(peers, spec, sizes=[64 * MiB, MiB])
     small = [(1, 0, 1, 0, MiB)]
