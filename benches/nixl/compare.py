@@ -19,8 +19,10 @@ one request made with initialize_xfer, posted twice to warm up (once if that pos
 than --seconds; the first post of a process also connects), then posted again N times
 (transfer(), then check_xfer_state until DONE), N chosen so the cell takes about --seconds (at
 least --min-iter posts unless they would take more than 3 x --seconds, then one; at most
---max-iter); the figure is the median post's GB/s (1e9 bytes per second). A "many" row per memory and transport: one WRITE request of 10,000
-descriptors of 4 KiB, the median time from transfer() to DONE, and its GB/s.
+--max-iter); the figure is the median post's GB/s (1e9 bytes per second). Two "many" rows per memory and transport: one WRITE request of 10,000
+descriptors of 4 KiB laid out alike at both ends (descriptor k at slot k on both sides, as
+KV blocks often are: a backend may merge them), and one with the target's slots shuffled
+(nothing to merge); the median time from transfer() to DONE, and its GB/s.
 
 Transports (default: tcp and shm for DRAM, cuda_ipc for VRAM):
     UCX        UCX_TLS pinned: tcp -> tcp,self; shm -> shm,self (posix, sysv, cma);
@@ -42,6 +44,7 @@ Everything stays on 127.0.0.1 (UCX_NET_DEVICES=lo, FI_TCP_IFACE=lo); every wait 
 import argparse
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -82,9 +85,14 @@ def cmd_bench(peer, cells, seconds, min_iter, max_iter, timeout=60.0):
     agent = P.S.agent
     region = P.S.regions[0].shape[0]
     out = []
-    for op, size, descs in cells:
+    for cell in cells:
+        op, size, descs = cell[:3]
         slots = max(1, region // size)
         rows = [(0, (k % slots) * size, 0, (k % slots) * size, size) for k in range(descs)]
+        if cell[3:] == ("shuffled",):
+            order = list(range(descs))
+            random.Random(descs).shuffle(order)
+            rows = [(0, r[1], 0, rows[order[k]][3], size) for k, r in enumerate(rows)]
         res = dict(op=op, size=size, descs=descs, bytes=size * descs)
         h = None
         try:
@@ -186,6 +194,15 @@ def run_group(args, backend, mem, transport, pdir, cells, gpus):
     """One backend on one memory and transport: start target and initiator, run the cells.
     Returns (results keyed by (op, size, descs) and 'many', notes, skip reason or None)."""
     env = P.base_env(pdir)
+    # NIXL_COMPARE_ENV_<BACKEND>: "KEY=VALUE ..." for that backend's processes only
+    # (LD_LIBRARY_PATH is put first, the rest replace): the LIBFABRIC plugin needs a libfabric
+    # 2.x whose soname is the system 1.x's, so it cannot share a process with FABRIC.
+    for word in os.environ.get(f"NIXL_COMPARE_ENV_{backend}", "").split():
+        key, _, value = word.partition("=")
+        if key == "LD_LIBRARY_PATH":
+            env[key] = ":".join(p for p in [value, env.get(key)] if p)
+        elif key:
+            env[key] = value
     env["NIXL_LOG_LEVEL"] = "INFO" if backend == "LIBFABRIC" else env.get("NIXL_LOG_LEVEL", "WARN")
     if backend == "UCX":
         env["UCX_PROTO_INFO"] = "y"
@@ -219,10 +236,12 @@ def run_group(args, backend, mem, transport, pdir, cells, gpus):
             out = i.call("bench", "target", cells, args.seconds, args.min_iter, args.max_iter,
                          limit=per_cell * len(cells) + 120)
             res.update({(r["op"], r["size"], r["descs"]): r for r in out})
-            # The region holds 10,000 distinct 4 KiB slots.
-            out = i.call("bench", "target", [("WRITE", MANY_SIZE, MANY)], args.seconds,
-                         args.min_iter, args.max_iter, limit=per_cell + 120)
-            res["many"] = out[0]
+            # The region holds 10,000 distinct 4 KiB slots: once laid out alike at both ends
+            # (descriptor k at slot k on both sides: a backend may merge them), once with the
+            # target's slots in a shuffled order (nothing to merge).
+            out = i.call("bench", "target", [("WRITE", MANY_SIZE, MANY), ("WRITE", MANY_SIZE, MANY, "shuffled")],
+                         args.seconds, args.min_iter, args.max_iter, limit=2 * per_cell + 120)
+            res["many"], res["many_shuffled"] = out[0], out[1]
         except Exception as e:
             return res, notes, str(e).strip().splitlines()[-1][:300]
         return res, notes, None
@@ -319,7 +338,10 @@ def main():
                 print(f"# {mem} {transport}: {n}")
             print(f"# {mem} {transport}: {b} took {time.monotonic() - t0:.1f} s", flush=True)
         print(head)
-        keys = [(c, f"{c[0]:5} {fmt_size(c[1]):>5} {c[2]:>5}") for c in cells] + [("many", f"{'WRITE':5} {'4K':>5} {MANY:>5}")]
+        keys = [(c, f"{c[0]:5} {fmt_size(c[1]):>5} {c[2]:>5}") for c in cells] + [
+            ("many", f"{'WRITE':5} {'4K':>5} {MANY:>5}"),
+            ("many_shuffled", f"{'WRITE':5} {'4K':>5} {MANY:>5} shuffled"),
+        ]
         for key, label in keys:
             vals, line = {}, []
             for b in backends:
@@ -333,8 +355,8 @@ def main():
             for c in cols[len(backends):]:
                 line.append(f"{ratio(vals.get('FABRIC'), vals.get(c.split('/')[1])):>13}")
             print(f"{mem:4} {transport:9} {label} | " + " ".join(line))
-            if key == "many":
-                ms = [f"{b} {results[b]['many']['secs'] * 1e3:.1f} ms" for b in backends if b in vals]
+            if key in ("many", "many_shuffled"):
+                ms = [f"{b} {results[b][key]['secs'] * 1e3:.1f} ms" for b in backends if b in vals]
                 if ms:
                     print(f"    time from transfer() to DONE: {', '.join(ms)}")
             # One line per reason: backends that share it (VRAM without a GPU) are named together.
@@ -347,9 +369,10 @@ def main():
                     whys.setdefault(r["error"], []).append(b)
             for why, bs in whys.items():
                 print(f"    skipped: {', '.join(bs)}: {why}")
-            rows.append(dict(mem=mem, transport=transport, op=key[0] if key != "many" else "WRITE",
-                             size=key[1] if key != "many" else MANY_SIZE, descs=key[2] if key != "many" else MANY,
-                             many=key == "many", gbps={b: vals.get(b) for b in backends},
+            many = key in ("many", "many_shuffled")
+            rows.append(dict(mem=mem, transport=transport, op="WRITE" if many else key[0],
+                             size=MANY_SIZE if many else key[1], descs=MANY if many else key[2],
+                             many=key if many else False, gbps={b: vals.get(b) for b in backends},
                              secs={b: (results.get(b, {}).get(key) or {}).get("secs") for b in backends}))
         sys.stdout.flush()
     if args.json:

@@ -125,7 +125,10 @@ def backend_config(backend, transport, mem="DRAM"):
         env["FI_TCP_IFACE"] = "lo"
     elif backend == "LIBFABRIC":
         env["FI_PROVIDER"] = "shm" if transport == "cuda_ipc" else transport
-        env["FI_TCP_IFACE"] = "lo"
+        # NIXL 1.4.1's LIBFABRIC backend does not come up on lo ("Unsupported address
+        # format"): NIXL_LIBFABRIC_IFACE names an interface of a network namespace of the
+        # caller's own (scripts/nixl-gpu-run.sh makes one with a dummy interface).
+        env["FI_TCP_IFACE"] = os.environ.get("NIXL_LIBFABRIC_IFACE", "lo")
     return env, params
 
 
