@@ -29,6 +29,31 @@ pub fn primary() -> String {
     providers().into_iter().next().unwrap_or_else(|| "tcp".into())
 }
 
+/// An `Event`-mode engine of `nics` NICs on the [`primary`] provider, or `None` where that
+/// many cannot be had. On libfabric the N NICs are N domains on loopback
+/// (`EngineBuilder::domains`, each its own endpoint and connections); on verbs (the rxe VM)
+/// the devices in `RXE_VM_DEVICES` (else `RXE_VM_DEVICE`, else `rxe0`), of which the VM may
+/// have fewer.
+pub fn nic_engine(nics: usize) -> Option<fabric_async::Engine> {
+    let p = primary();
+    let b = fabric_async::Engine::builder().mode(fabric_async::ReactorMode::Event);
+    let b = if p.starts_with("verbs") {
+        let devices: Vec<String> = std::env::var("RXE_VM_DEVICES")
+            .unwrap_or_else(|_| std::env::var("RXE_VM_DEVICE").unwrap_or_else(|_| "rxe0".into()))
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        if devices.len() < nics {
+            eprintln!("verbs: {nics} NICs wanted, the VM has {devices:?}: skipped");
+            return None;
+        }
+        b.provider("verbs").nics(devices.into_iter().take(nics))
+    } else {
+        b.provider(p).domains(nics)
+    };
+    Some(b.build().expect("engine"))
+}
+
 /// Says that a test did not run, and why, on the process's stderr: the test harness
 /// captures `println!` and `eprintln!`, and a skip must be visible without `--nocapture`.
 pub fn skipped(test: &str, why: &str) {

@@ -10,35 +10,16 @@
 
 use std::time::Duration;
 
-use fabric_async::{
-    Arrivals, Engine, Error, PageLayout, ReactorMode, RemoteRegion, Route, ScatterEntry, TransferOpts,
-};
-use integration_tests::{fill_pattern, pattern_byte, primary};
+use fabric_async::{Arrivals, Engine, Error, PageLayout, RemoteRegion, Route, ScatterEntry, TransferOpts};
+use integration_tests::{fill_pattern, nic_engine, pattern_byte, primary};
 
 const WAIT: Duration = Duration::from_secs(30);
 /// How long to watch a counter after the expected arrivals, to see that no extra one comes.
 const SETTLE: Duration = Duration::from_millis(150);
 
-/// An engine of `nics` NICs on the primary provider, or `None` where that many NICs cannot
-/// be had (verbs has as many as the VM has devices).
+/// An engine of `nics` NICs on the primary provider ([`nic_engine`]).
 fn engine(nics: usize) -> Option<Engine> {
-    let p = primary();
-    let b = Engine::builder().mode(ReactorMode::Event);
-    let b = if p.starts_with("verbs") {
-        let devices: Vec<String> = std::env::var("RXE_VM_DEVICES")
-            .unwrap_or_else(|_| std::env::var("RXE_VM_DEVICE").unwrap_or_else(|_| "rxe0".into()))
-            .split_whitespace()
-            .map(str::to_owned)
-            .collect();
-        if devices.len() < nics {
-            eprintln!("verbs: {nics} NICs wanted, the VM has {devices:?}: skipped");
-            return None;
-        }
-        b.provider("verbs").nics(devices.into_iter().take(nics))
-    } else {
-        b.provider(p).domains(nics)
-    };
-    Some(b.build().expect("engine"))
+    nic_engine(nics)
 }
 
 /// Two connected engines of `nics` NICs each: the sender and the target.

@@ -91,7 +91,9 @@ impl Transfers<'_> {
     /// stays registered and allocated until the NIC is done with it.
     pub fn batch(&self, op: BatchOp, entries: &[BatchEntry<'_>]) -> OpFuture {
         #[cfg(feature = "cuda")]
-        if !entries.is_empty() && entries.iter().all(|e| super::gpu::via_ipc(e.remote)) {
+        if !entries.is_empty()
+            && entries.iter().all(|e| e.remote.gpu_path() == Some(crate::pure::staging::GpuPath::Ipc))
+        {
             return self.ipc_batch(op, entries).unwrap_or_else(OpFuture::failed);
         }
         match self.batch_plan(op, entries) {

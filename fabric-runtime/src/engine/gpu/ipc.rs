@@ -104,6 +104,22 @@ impl Transfers<'_> {
                 (subs, None)
             }
         };
+        self.hand_gate(t0, ordinal, copies, then, done, keep, state)
+    }
+
+    /// Hands one gate of copies to the reactor (its planning time, since `t0`, counted) and
+    /// gives the future of `state`.
+    #[allow(clippy::too_many_arguments)]
+    fn hand_gate(
+        &self,
+        t0: std::time::Instant,
+        ordinal: usize,
+        copies: Vec<CudaCopy>,
+        then: Vec<Submission>,
+        done: Option<Notify>,
+        keep: Keep,
+        state: Arc<OpState>,
+    ) -> Result<OpFuture> {
         let handed = std::time::Instant::now();
         let s = Submission::Gated(Box::new(GatedCopies {
             ordinal,
@@ -252,19 +268,7 @@ impl Transfers<'_> {
             return Ok(OpFuture::done());
         }
         let state = Arc::new(OpState::default());
-        let handed = std::time::Instant::now();
-        let s = Submission::Gated(Box::new(GatedCopies {
-            ordinal,
-            copies,
-            then: Vec::new(),
-            done: Some(Notify::Future(state.clone())),
-            keep,
-            after: None,
-            handed,
-        }));
-        let g = &self.shared().stats.gpu;
-        crate::shared::stats::bump(&g.plan_ns, handed.saturating_duration_since(t0).as_nanos() as u64);
-        self.hand(vec![s])?;
-        Ok(OpFuture::pending(state).driven_by(self.engine.driver()).without_linger())
+        let done = Some(Notify::Future(state.clone()));
+        self.hand_gate(t0, ordinal, copies, Vec::new(), done, keep, state)
     }
 }

@@ -16,7 +16,6 @@
 //! ```
 
 mod ipc;
-pub(super) use ipc::via_ipc;
 pub(super) mod signal;
 mod staged;
 
