@@ -118,6 +118,10 @@ typedef struct {
   // Writes into GPU memory of a process on this host through CUDA IPC: 1 on (the
   // default), 0 off (the NIC path instead), -1 the default.
   int32_t cuda_ipc;
+  // Transfers longer than this many bytes are cut into shards of it, dealt over the
+  // NICs (`domains`); 0: the engine's default (1 MiB). Peers must agree on it when they
+  // count arrivals (`fabric_write_arrivals`).
+  uint64_t chunk_bytes;
 } fabric_engine_options;
 
 // Called, from any thread (usually the engine's reactor thread), when an operation may

@@ -52,6 +52,10 @@ pub struct FabricEngineOptions {
     /// Writes into GPU memory of a process on this host through CUDA IPC: 1 on (the
     /// default), 0 off (the NIC path instead), -1 the default.
     pub cuda_ipc: i32,
+    /// Transfers longer than this many bytes are cut into shards of it, dealt over the
+    /// NICs (`domains`); 0: the engine's default (1 MiB). Peers must agree on it when they
+    /// count arrivals (`fabric_write_arrivals`).
+    pub chunk_bytes: u64,
 }
 
 /// An engine: one reactor thread driving the NICs of one process or GPU.
@@ -80,6 +84,7 @@ pub unsafe extern "C" fn fabric_engine_options_init(opts: *mut FabricEngineOptio
         op_timeout_ms: 30_000,
         max_msg_size: 0,
         cuda_ipc: -1,
+        chunk_bytes: 0,
     };
     // SAFETY: the caller's contract: `opts` is writable for one options struct.
     unsafe { opts.write(d) };
@@ -131,6 +136,9 @@ fn builder(o: &FabricEngineOptions) -> Result<fabric_async::EngineBuilder, Failu
     b = b.op_timeout((o.op_timeout_ms > 0).then(|| Duration::from_millis(o.op_timeout_ms)));
     if o.max_msg_size > 0 {
         b = b.messages(o.max_msg_size as usize, 64);
+    }
+    if o.chunk_bytes > 0 {
+        b = b.transfer(fabric_async::TransferOpts::sharded(o.chunk_bytes));
     }
     match o.cuda_ipc {
         -1 => {}
