@@ -1,5 +1,5 @@
 //! The one place atomics and locks are imported from, so that `--cfg loom` swaps in loom's
-//! model-checked versions (CONVENTIONS.md 10).
+//! model-checked versions (`counter/loom_tests.rs`).
 
 #[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
