@@ -3,7 +3,7 @@
 use std::ffi::{c_char, CStr, CString};
 use std::time::Duration;
 
-use fabric_async::{Engine, PeerEvent, PeerId, ReactorMode};
+use fabric_async::{Engine, PeerId, ReactorMode};
 use futures::executor::block_on;
 
 use crate::status::{boundary, boundary_void, FabricStatus, Failure};
@@ -327,28 +327,7 @@ pub unsafe extern "C" fn fabric_peer_status(engine: *const FabricEngine, peer: u
     boundary(|| {
         // SAFETY: the caller's contract.
         let e = unsafe { engine_ref(engine) }?;
-        // The stream starts with the current state of every peer, ready at once.
-        let mut events = e.peer_events();
-        let mut state = None;
-        while let Some(ev) = futures::FutureExt::now_or_never(futures::StreamExt::next(&mut events)).flatten()
-        {
-            match ev {
-                PeerEvent::Up { peer: p } if p.0 == peer => state = Some(true),
-                PeerEvent::Down { peer: p, .. } | PeerEvent::Removed { peer: p } if p.0 == peer => {
-                    state = Some(false)
-                }
-                _ => {}
-            }
-        }
-        match state {
-            Some(true) => Ok(FabricStatus::Ok),
-            Some(false) => {
-                Err(Failure::new(FabricStatus::ErrPeerUnreachable, format!("peer {peer} is down")))
-            }
-            None => Err(Failure::new(
-                FabricStatus::ErrUnknownPeer,
-                format!("peer {peer} is not a peer (never added, or removed)"),
-            )),
-        }
+        e.peer_status(PeerId(peer))?;
+        Ok(FabricStatus::Ok)
     })
 }

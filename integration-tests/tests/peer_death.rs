@@ -157,6 +157,14 @@ async fn killed_peer(p: &str) {
     let down = events.next_about(dv.peer()).await;
     let detected = killed.elapsed();
     let PeerEvent::Down { reason, .. } = down else { panic!("{p}: expected Down, got {down:?}") };
+    // The same, asked without waiting; the survivor is up; an id never given is unknown.
+    let status = engine.peer_status(dv.peer());
+    assert!(
+        matches!(status, Err(Error::PeerUnreachable { ref message, .. }) if *message == reason),
+        "{p}: {status:?}"
+    );
+    assert!(engine.peer_status(ds.peer()).is_ok(), "{p}: the survivor is up");
+    assert!(matches!(engine.peer_status(fabric_async::PeerId(1 << 30)), Err(Error::UnknownPeer { .. })));
     println!(
         "{p}: killed peer: {failed}/{CHUNKS} writes in flight failed, all resolved {resolved:?} after \
          the kill, Down event by {detected:?} ({reason}); a later write failed in {later:?}"

@@ -301,6 +301,20 @@ impl Engine {
         }
     }
 
+    /// Whether `peer` is up, without waiting: `Ok(())` while it is,
+    /// [`Error::PeerUnreachable`] with the reason once it was found down (as
+    /// [`Engine::peer_events`] reports) or removed, [`Error::UnknownPeer`] for an id this
+    /// engine never gave. One atomic load while no peer has gone.
+    pub fn peer_status(&self, peer: PeerId) -> Result<()> {
+        if peer.0 >= self.shared().npeers.load(Ordering::Acquire) {
+            return Err(Error::UnknownPeer { peer: peer.0 });
+        }
+        match self.shared().peer_events.gone(peer) {
+            Some(message) => Err(Error::PeerUnreachable { peer: peer.0, message }),
+            None => Ok(()),
+        }
+    }
+
     /// A stream of peer changes: [`PeerEvent::Up`](crate::PeerEvent::Up) when a peer is
     /// added, [`PeerEvent::Down`](crate::PeerEvent::Down)
     /// when it is found gone (shm: its process exited; tcp: its connection failed; verbs:
