@@ -408,6 +408,14 @@ fabric_status fabric_read(const fabric_engine *engine, const fabric_region *dst,
 // `engine` and `dst` are live handles of one engine; `n` is writable.
 fabric_status fabric_write_arrivals(const fabric_engine *engine, const fabric_remote *dst, uint64_t len, uint64_t *n);
 
+// How many arrivals of the immediate `fabric_write_paged` of `pages` pages into `dst` makes
+// at its owner.
+//
+// # Safety
+//
+// `engine` and `dst` are live handles of one engine; `n` is writable.
+fabric_status fabric_paged_arrivals(const fabric_engine *engine, const fabric_remote *dst, size_t pages, uint64_t *n);
+
 // Writes page `src_pages[i]` of `src` into page `dst_pages[i]` of `dst` for each of the `n`
 // pairs (KV-cache blocks), in one call. With `imm` >= 0 the owner counts arrivals of
 // `(uint32_t)imm` (one per page with one NIC); -1: none. Everything is checked before

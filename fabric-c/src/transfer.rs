@@ -129,6 +129,30 @@ pub unsafe extern "C" fn fabric_write_arrivals(
     })
 }
 
+/// How many arrivals of the immediate `fabric_write_paged` of `pages` pages into `dst` makes
+/// at its owner.
+///
+/// # Safety
+///
+/// `engine` and `dst` are live handles of one engine; `n` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn fabric_paged_arrivals(
+    engine: *const FabricEngine,
+    dst: *const FabricRemote,
+    pages: usize,
+    n: *mut u64,
+) -> FabricStatus {
+    boundary(|| {
+        // SAFETY: the caller's contract (both).
+        let (e, d) = unsafe { (engine_ref(engine)?, remote_ref("dst", dst)?) };
+        non_null("n", n)?;
+        let v = e.paged_arrivals(d, pages)?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { n.write(v) };
+        Ok(FabricStatus::Ok)
+    })
+}
+
 /// The geometry of a paged write: page `i` of a list is `page_len` bytes at
 /// `offset + i * stride` of its region.
 #[repr(C)]

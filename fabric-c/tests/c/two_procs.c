@@ -3,8 +3,10 @@
  *   two_procs target PROVIDER DIR      two_procs initiator PROVIDER DIR
  *   alloc 4 MiB, descriptor -> DIR/desc, pid -> DIR/pid
  *                                      remote region from DIR/desc
- *                                      2 MiB as 16 write_imm (imm 7), 2 MiB as a batch of
- *                                      512 writes in reverse order; waits for every op
+ *                                      2 MiB as 16 write_imm (imm 7), 1 MiB as a batch of
+ *                                      256 writes in reverse order, 1 MiB as a paged write
+ *                                      (imm 7) whose end a callback announces; waits for
+ *                                      every op
  *                                      send "n=ARRIVALS"
  *   recv, wait for ARRIVALS of imm 7,
  *   check all 4 MiB, send "verified"
@@ -57,6 +59,10 @@ static double now_ms(void) {
 }
 
 static uint8_t pattern(size_t i) { return (uint8_t)(i * 131u + 7u); }
+
+/* fabric_op_set_wake's callback: counts its calls (from the engine's reactor thread). */
+static int wakes;
+static void woken(void *ctx) { __atomic_add_fetch((int *)ctx, 1, __ATOMIC_ACQ_REL); }
 
 static void put_file(const char *dir, const char *name, const void *data, size_t len) {
     char tmp[512], path[512];
@@ -194,8 +200,8 @@ static int initiator(const char *provider, const char *dir) {
         CHECK(fabric_write_arrivals(e, dst, HALF / CHUNKS, &a));
         arrivals += a;
     }
-    /* Second half: one batch of 512 writes of 4 KiB, in reverse order. */
-    enum { PAGES = 512 };
+    /* Third quarter: one batch of 256 writes of 4 KiB, in reverse order. */
+    enum { PAGES = 256 };
     fabric_batch_entry *b = calloc(PAGES, sizeof *b);
     for (int i = 0; i < PAGES; i++) {
         uint64_t off = HALF + (uint64_t)(PAGES - 1 - i) * 4096;
@@ -203,6 +209,27 @@ static int initiator(const char *provider, const char *dir) {
     }
     fabric_op *batch = NULL;
     CHECK(fabric_batch(e, FABRIC_BATCH_OP_WRITE, b, PAGES, &batch));
+    /* Last quarter: a paged write of 256 pages of 4 KiB (page i to page i), with the
+     * immediate, whose end a callback announces. */
+    uint32_t pages_list[PAGES];
+    for (int i = 0; i < PAGES; i++) pages_list[i] = (uint32_t)i;
+    fabric_page_layout layout = {4096, 4096, 4096, HALF + HALF / 2, HALF + HALF / 2};
+    fabric_op *paged = NULL;
+    CHECK(fabric_write_paged(e, src, dst, &layout, pages_list, pages_list, PAGES, IMM, &paged));
+    uint64_t a = 0;
+    CHECK(fabric_paged_arrivals(e, dst, PAGES, &a));
+    arrivals += a;
+    CHECK(fabric_op_set_wake(paged, woken, (void *)&wakes));
+    double end = now_ms() + 20000;
+    while (fabric_op_test(paged) == FABRIC_STATUS_IN_PROGRESS || __atomic_load_n(&wakes, __ATOMIC_ACQUIRE) == 0) {
+        if (now_ms() > end) {
+            fprintf(stderr, "initiator: the paged write's callback never came (%d calls)\n", wakes);
+            return 1;
+        }
+        usleep(100);
+    }
+    EXPECT(fabric_op_test(paged), FABRIC_STATUS_OK);
+    fabric_op_free(paged);
     for (int i = 0; i < CHUNKS; i++) finish(ops[i], "write_imm");
     finish(batch, "write batch");
     char msg[64];
@@ -247,7 +274,7 @@ static int initiator(const char *provider, const char *dir) {
             return 1;
         }
     }
-    printf("initiator: %u bytes written (write_imm and batch) and read back (read and batch)\n", LEN);
+    printf("initiator: %u bytes written (write_imm, batch, paged; %d callback calls) and read back (read and batch)\n", LEN, wakes);
 
     /* Bad arguments: clear errors, nothing posted. */
     EXPECT(fabric_write(e, src, LEN - 8, dst, 0, 16, &op), FABRIC_STATUS_ERR_OUT_OF_BOUNDS);
