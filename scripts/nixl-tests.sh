@@ -32,8 +32,8 @@ fi
 pip=("$venv/bin/pip" install -q --disable-pip-version-check)
 # nixl-cu13 requires torch (5 GB with its CUDA libraries), which only the VRAM tests use:
 # installed without it, and torch added where nvidia-smi sees a GPU.
-"${pip[@]}" --no-deps nixl-cu13==1.4.1
 "${pip[@]}" pytest numpy
+"${pip[@]}" --no-deps nixl-cu13==1.4.1
 if nvidia-smi -L >/dev/null 2>&1; then
   "${pip[@]}" torch || echo "torch not installed: the VRAM tests will skip"
 fi
