@@ -2,7 +2,7 @@
 # Device run of the Python package (issue 31, docs/python.md) on a GPU machine without cargo
 # or network: the repository tree plus target/ship-py/, made on a dev machine by
 # scripts/python-gpu-ship.sh:
-#   target/ship-py/wheel/fabric-*-abi3-*.whl   the extension, release (abi3: CPython >= 3.11)
+#   target/ship-py/wheel/fabric_rdma-*-abi3-*.whl   the extension, release (abi3: CPython >= 3.11)
 #   target/ship-py/wheels/*.whl                pytest and its pure-Python dependencies
 #   target/ship-py/fabric-bench                (optional) release fabric-bench, for `rtt`
 #   target/ship-py/site/                       (optional) the trimmed NIXL wheel (nixl_cu13)
@@ -54,7 +54,7 @@ step() {
 echo "== machine"
 nvidia-smi -L 2>&1 | head -8
 $py --version
-whl=$(ls "$ship"/wheel/fabric-*.whl 2>/dev/null | head -1)
+whl=$(ls "$ship"/wheel/fabric_rdma-*.whl 2>/dev/null | head -1)
 if [ -z "$whl" ]; then
   echo "!! no wheel in $ship/wheel: build it with scripts/python-gpu-ship.sh"
   exit 1
@@ -69,8 +69,8 @@ for w in sys.argv[2:]:
 PY
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 $py - <<'PY'
-import fabric, numpy
-print("fabric", fabric.__version__, "from", fabric.__file__, "| numpy", numpy.__version__)
+import fabric_rdma, numpy
+print("fabric", fabric_rdma.__version__, "from", fabric_rdma.__file__, "| numpy", numpy.__version__)
 try:
     import torch
     print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())

@@ -29,7 +29,7 @@ import sys
 import time
 from collections import deque
 
-import fabric
+import fabric_rdma
 
 KIB, MIB = 1 << 10, 1 << 20
 PIPE_SECONDS = 120  # the longest any process waits for the other
@@ -81,7 +81,7 @@ def buffer(device, n):
 
 
 def fabric_receiver(args, conn, device):
-    engine = fabric.Engine(args.provider, args.mode)
+    engine = fabric_rdma.Engine(args.provider, args.mode)
     keep, _ = buffer(device, max(args.sizes))
     region = engine.register(memoryview(keep) if device == "host" else keep)
     ack = engine.alloc(4096)
@@ -109,7 +109,7 @@ def fabric_side(args, src_dev, dst_dev):
     p = ctx.Process(target=fabric_receiver, args=(args, child, dst_dev), daemon=True)
     p.start()
     try:
-        engine = fabric.Engine(args.provider, args.mode)
+        engine = fabric_rdma.Engine(args.provider, args.mode)
         keep, _ = buffer(src_dev, max(args.sizes))
         src = engine.register(memoryview(keep) if src_dev == "host" else keep)
         acks = engine.alloc(4096)

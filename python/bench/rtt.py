@@ -16,11 +16,11 @@ import multiprocessing as mp
 import statistics
 import time
 
-import fabric
+import fabric_rdma
 
 
 def echo(args, conn):
-    engine = fabric.Engine(args.provider, args.mode)
+    engine = fabric_rdma.Engine(args.provider, args.mode)
     region = engine.alloc(4096)
     conn.send(region.descriptor)
     dst = engine.remote_region(conn.recv()).wait(timeout=30)
@@ -45,7 +45,7 @@ def main():
     a, b = ctx.Pipe()
     p = ctx.Process(target=echo, args=(args, b), daemon=True)
     p.start()
-    engine = fabric.Engine(args.provider, args.mode)
+    engine = fabric_rdma.Engine(args.provider, args.mode)
     region = engine.alloc(4096)
     a.send(region.descriptor)
     dst = engine.remote_region(a.recv()).wait(timeout=30)

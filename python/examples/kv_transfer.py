@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-import fabric
+import fabric_rdma
 
 
 def expected(device, req, layers, count, nb):
@@ -65,7 +65,7 @@ def sync(device):
 
 
 def decoder(args, conn):
-    engine = fabric.Engine(args.provider)
+    engine = fabric_rdma.Engine(args.provider)
     nb = args.block_kib << 10
     region, cache = new_cache(engine, args.decode_device, args.layers, args.blocks, nb)
     conn.send((engine.address, region.descriptor))
@@ -89,7 +89,7 @@ def decoder(args, conn):
 
 
 async def prefill(args, workers):
-    engine = fabric.Engine(args.provider)
+    engine = fabric_rdma.Engine(args.provider)
     nb = args.block_kib << 10
     per_req = args.blocks_per_request
     src, blocks_u8 = new_cache(engine, args.device, args.layers, per_req, nb)
@@ -100,7 +100,7 @@ async def prefill(args, workers):
         dst = await engine.remote_region(desc)
         peers.append(dst.peer)
         dsts.append(dst)
-    layout = fabric.PageLayout(nb)
+    layout = fabric_rdma.PageLayout(nb)
     latencies, failed = [], 0
     lock = asyncio.Lock()  # one request at a time uses the source blocks
 
@@ -161,8 +161,8 @@ def cuda_missing(provider, devices):
         if not d.startswith("cuda:") or int(d[5:]) >= torch.cuda.device_count():
             return f"{d}: torch sees {torch.cuda.device_count()} CUDA device(s)"
         try:
-            fabric.Engine(provider).alloc(4096, device=d)
-        except fabric.Unsupported as e:
+            fabric_rdma.Engine(provider).alloc(4096, device=d)
+        except fabric_rdma.Unsupported as e:
             return str(e)
     return None
 

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-import fabric
+import fabric_rdma
 
 
 def tensor_sizes(model_bytes, count):
@@ -64,7 +64,7 @@ def sync(device):
 
 
 def worker(args, conn):
-    engine = fabric.Engine(args.provider)
+    engine = fabric_rdma.Engine(args.provider)
     sizes = tensor_sizes(args.model_mib << 20, args.tensors)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
     copies = [new_params(args.worker_device, sizes) for _ in range(2)]  # double-buffered model
@@ -85,7 +85,7 @@ def worker(args, conn):
 
 
 async def trainer(args, conns):
-    engine = fabric.Engine(args.provider)
+    engine = fabric_rdma.Engine(args.provider)
     model = args.model_mib << 20
     sizes = tensor_sizes(model, args.tensors)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
@@ -137,8 +137,8 @@ def cuda_missing(provider, devices):
         if not d.startswith("cuda:") or int(d[5:]) >= torch.cuda.device_count():
             return f"{d}: torch sees {torch.cuda.device_count()} CUDA device(s)"
         try:
-            fabric.Engine(provider).alloc(4096, device=d)
-        except fabric.Unsupported as e:
+            fabric_rdma.Engine(provider).alloc(4096, device=d)
+        except fabric_rdma.Unsupported as e:
             return str(e)
     return None
 

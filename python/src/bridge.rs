@@ -74,7 +74,7 @@ pub(crate) fn none(py: Python<'_>, (): ()) -> PyResult<Py<PyAny>> {
 
 /// An engine operation in progress (what the Rust API returns as a future). Await it, or
 /// call `wait()`; dropping it unawaited drops the Rust future (see the module docs).
-#[pyclass(module = "fabric", name = "Pending")]
+#[pyclass(module = "fabric_rdma", name = "Pending")]
 pub struct Pending {
     state: Mutex<State>,
 }
@@ -145,7 +145,7 @@ impl Pending {
     }
 
     /// Blocks until the operation completes and returns its result, the GIL released.
-    /// `timeout` in seconds (None: no limit): past it raises `fabric.Timeout` and drops the
+    /// `timeout` in seconds (None: no limit): past it raises `fabric_rdma.Timeout` and drops the
     /// operation as cancelling its awaitable does. Ctrl-C raises `KeyboardInterrupt` the
     /// same way.
     #[pyo3(signature = (timeout=None))]
@@ -264,7 +264,7 @@ struct Entry {
 }
 
 /// One per asyncio event loop: the socket it watches and the tasks waiting on it.
-#[pyclass(module = "fabric", frozen)]
+#[pyclass(module = "fabric_rdma", frozen)]
 pub struct Bridge {
     wake: Arc<Wakeups>,
     reader: UnixStream,
@@ -369,7 +369,7 @@ impl Bridge {
 }
 
 /// The done callback of a task's asyncio.Future: a cancelled future drops its Rust future.
-#[pyclass(module = "fabric", frozen)]
+#[pyclass(module = "fabric_rdma", frozen)]
 struct DoneHook {
     bridge: Py<Bridge>,
     id: u64,

@@ -11,7 +11,7 @@ use crate::bridge::{none, pending, Pending};
 
 /// The arrival counter of one immediate value (`Engine.imm_counter`). Arrivals that landed
 /// before it was asked for are counted; every counter of one value shares one count.
-#[pyclass(module = "fabric", name = "ImmCounter", frozen)]
+#[pyclass(module = "fabric_rdma", name = "ImmCounter", frozen)]
 pub struct PyImmCounter {
     pub(crate) counter: ImmCounter,
 }
@@ -53,7 +53,7 @@ impl PyImmCounter {
 }
 
 /// A change of a peer's state: `kind` is `"up"`, `"down"` (with `reason`) or `"removed"`.
-#[pyclass(module = "fabric", name = "PeerEvent", frozen, get_all)]
+#[pyclass(module = "fabric_rdma", name = "PeerEvent", frozen, get_all)]
 pub struct PyPeerEvent {
     kind: &'static str,
     peer: u32,
@@ -84,7 +84,7 @@ fn event(py: Python<'_>, ev: Option<PeerEvent>) -> PyResult<Py<PyAny>> {
 
 /// `Engine.peer_events()`: an async iterator of `PeerEvent`s, starting with the current
 /// state of every peer and ending at shutdown.
-#[pyclass(module = "fabric", name = "PeerEvents", frozen)]
+#[pyclass(module = "fabric_rdma", name = "PeerEvents", frozen)]
 pub struct PyPeerEvents {
     pub(crate) events: Arc<futures::lock::Mutex<fabric_async::PeerEvents>>,
 }
@@ -102,7 +102,7 @@ impl PyPeerEvents {
         pending(async move { Ok(events.lock().await.next().await) }, event)
     }
 
-    /// Blocking: the next event, or None at shutdown; raises `fabric.Timeout` after
+    /// Blocking: the next event, or None at shutdown; raises `fabric_rdma.Timeout` after
     /// `timeout` seconds.
     #[pyo3(signature = (timeout=None))]
     fn next(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
@@ -114,7 +114,7 @@ impl PyPeerEvents {
 }
 
 /// Several peers' regions, the target of `scatter` and `barrier` (`Engine.peer_group`).
-#[pyclass(module = "fabric", name = "PeerGroup", frozen)]
+#[pyclass(module = "fabric_rdma", name = "PeerGroup", frozen)]
 pub struct PyPeerGroup {
     pub(crate) group: PeerGroup,
 }

@@ -1,4 +1,4 @@
-//! `fabric.Engine`: the Rust `Engine`'s methods, each operation returned as a `Pending`
+//! `fabric_rdma.Engine`: the Rust `Engine`'s methods, each operation returned as a `Pending`
 //! (await it, or `.wait()`), memory registration blocking (it is set-up, not the data path).
 
 use std::mem::ManuallyDrop;
@@ -17,7 +17,7 @@ use crate::errors::IntoPy;
 use crate::memory::{memory_of, parse_device, CudaBuffer, Memory, PyPageLayout, PyRemoteRegion, Region};
 
 /// A transfer engine: one reactor thread driving the NIC(s) of one process or GPU.
-#[pyclass(module = "fabric", name = "Engine", frozen)]
+#[pyclass(module = "fabric_rdma", name = "Engine", frozen)]
 pub struct PyEngine {
     /// Dropped in `Drop` with the GIL released: the last handle joins the reactor thread.
     engine: ManuallyDrop<Engine>,
@@ -379,7 +379,7 @@ impl PyEngine {
     }
 
     fn __repr__(&self) -> String {
-        format!("<fabric.Engine {} nics={}>", self.engine.transport(), self.engine.nics())
+        format!("<fabric_rdma.Engine {} nics={}>", self.engine.transport(), self.engine.nics())
     }
 }
 

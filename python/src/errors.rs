@@ -13,80 +13,80 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyType};
 use pyo3::{create_exception, PyErr};
 
-create_exception!(fabric, FabricError, PyException, "Base class of every error the engine reports.");
-create_exception!(fabric, OutOfBounds, FabricError, "A range falls outside its region; nothing was posted.");
-create_exception!(fabric, UnknownPeer, FabricError, "The peer id was never added to this engine.");
+create_exception!(fabric_rdma, FabricError, PyException, "Base class of every error the engine reports.");
+create_exception!(fabric_rdma, OutOfBounds, FabricError, "A range falls outside its region; nothing was posted.");
+create_exception!(fabric_rdma, UnknownPeer, FabricError, "The peer id was never added to this engine.");
 create_exception!(
-    fabric,
+    fabric_rdma,
     PeerUnreachable,
     FabricError,
     "The peer is gone (its process died, it was removed, or an operation outlived op_timeout)."
 );
 create_exception!(
-    fabric,
+    fabric_rdma,
     RemoteAccess,
     FabricError,
     "The peer refused this operation's access to its memory; only this operation failed."
 );
 create_exception!(
-    fabric,
+    fabric_rdma,
     ConnectionLost,
     FabricError,
     "The operation was lost with a connection the transport tore down; the peer stays up."
 );
 create_exception!(
-    fabric,
+    fabric_rdma,
     Malformed,
     FabricError,
     "Bytes that should be a descriptor or an address are not one."
 );
 create_exception!(
-    fabric,
+    fabric_rdma,
     Stale,
     FabricError,
     "A descriptor or address of a peer or region that is gone; nothing was written."
 );
-create_exception!(fabric, Foreign, FabricError, "A descriptor or address of another transport or NIC count.");
-create_exception!(fabric, NoRemoteCqData, FabricError, "The provider cannot deliver immediates.");
-create_exception!(fabric, ProviderNotFound, FabricError, "No provider of that name on this machine.");
-create_exception!(fabric, CompletionError, FabricError, "The operation completed with an error at the NIC.");
-create_exception!(fabric, ProviderError, FabricError, "A call into the provider failed.");
-create_exception!(fabric, RegisterMemory, FabricError, "Registering memory failed.");
+create_exception!(fabric_rdma, Foreign, FabricError, "A descriptor or address of another transport or NIC count.");
+create_exception!(fabric_rdma, NoRemoteCqData, FabricError, "The provider cannot deliver immediates.");
+create_exception!(fabric_rdma, ProviderNotFound, FabricError, "No provider of that name on this machine.");
+create_exception!(fabric_rdma, CompletionError, FabricError, "The operation completed with an error at the NIC.");
+create_exception!(fabric_rdma, ProviderError, FabricError, "A call into the provider failed.");
+create_exception!(fabric_rdma, RegisterMemory, FabricError, "Registering memory failed.");
 create_exception!(
-    fabric,
+    fabric_rdma,
     MessageTooLarge,
     FabricError,
     "A message larger than the transport's two-sided limit."
 );
-create_exception!(fabric, Shutdown, FabricError, "The engine has shut down.");
+create_exception!(fabric_rdma, Shutdown, FabricError, "The engine has shut down.");
 create_exception!(
-    fabric,
+    fabric_rdma,
     CounterLimit,
     FabricError,
     "Arrivals of this immediate were refused: the counter table was full."
 );
-create_exception!(fabric, CounterRetired, FabricError, "The counter of this immediate was retired.");
+create_exception!(fabric_rdma, CounterRetired, FabricError, "The counter of this immediate was retired.");
 create_exception!(
-    fabric,
+    fabric_rdma,
     Unsupported,
     FabricError,
     "Valid, but not implemented for this transport or memory kind."
 );
-create_exception!(fabric, CudaError, FabricError, "A CUDA driver call failed.");
+create_exception!(fabric_rdma, CudaError, FabricError, "A CUDA driver call failed.");
 create_exception!(
-    fabric,
+    fabric_rdma,
     NotDeviceMemory,
     FabricError,
     "A range that is not CUDA device memory of that device."
 );
-create_exception!(fabric, ConfigError, FabricError, "An invalid configuration or argument.");
-create_exception!(fabric, TopologyError, FabricError, "Topology detection or its override failed.");
+create_exception!(fabric_rdma, ConfigError, FabricError, "An invalid configuration or argument.");
+create_exception!(fabric_rdma, TopologyError, FabricError, "Topology detection or its override failed.");
 
-/// `fabric.Timeout(FabricError, TimeoutError)`, made at import (an exception class with two
+/// `fabric_rdma.Timeout(FabricError, TimeoutError)`, made at import (an exception class with two
 /// built-in bases of different layouts cannot be declared with `create_exception!`).
 static TIMEOUT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-/// The `fabric.Timeout` exception with `msg`.
+/// The `fabric_rdma.Timeout` exception with `msg`.
 pub(crate) fn timeout(py: Python<'_>, msg: String) -> PyErr {
     match TIMEOUT.get(py) {
         Some(t) => PyErr::from_type(t.bind(py).clone(), msg),
@@ -98,7 +98,7 @@ pub(crate) fn timeout(py: Python<'_>, msg: String) -> PyErr {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     let ns = PyDict::new(py);
-    ns.set_item("__module__", "fabric")?;
+    ns.set_item("__module__", "fabric_rdma")?;
     ns.set_item(
         "__doc__",
         "A blocking call's deadline passed; its operation was dropped as a cancelled awaitable's is.",

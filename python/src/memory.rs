@@ -191,7 +191,7 @@ fn cuda_array_memory(obj: &Bound<'_, PyAny>) -> PyResult<CudaBuffer> {
 /// Its bytes: the buffer protocol (`memoryview(region)`, `numpy.frombuffer(region, dtype)`;
 /// host memory only), `read`/`write`, or the registered object itself. Peers write into it
 /// at any time: read what a counter wait says has landed.
-#[pyclass(module = "fabric", name = "Region", frozen)]
+#[pyclass(module = "fabric_rdma", name = "Region", frozen)]
 pub struct Region {
     pub(crate) region: MemoryRegion,
     /// The object registered in place, if any.
@@ -319,7 +319,7 @@ pub(crate) fn parse_device(device: Option<&str>) -> PyResult<MemoryLocation> {
 }
 
 /// A peer's region, from its descriptor bytes (`Engine.remote_region`).
-#[pyclass(module = "fabric", name = "RemoteRegion", frozen)]
+#[pyclass(module = "fabric_rdma", name = "RemoteRegion", frozen)]
 pub struct PyRemoteRegion {
     pub(crate) remote: RemoteRegion,
 }
@@ -369,7 +369,7 @@ impl PyRemoteRegion {
 /// The page geometry of a paged write (KV-cache blocks): page `p` of the source starts at
 /// `src_offset + p * src_stride`, page `q` of the destination at `dst_offset + q * dst_stride`,
 /// and each page moves `page_len` bytes. Strides default to `page_len` (packed pages).
-#[pyclass(module = "fabric", name = "PageLayout", frozen, eq)]
+#[pyclass(module = "fabric_rdma", name = "PageLayout", frozen, eq)]
 #[derive(PartialEq)]
 pub struct PyPageLayout {
     pub(crate) layout: PageLayout,

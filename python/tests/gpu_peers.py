@@ -6,7 +6,7 @@ it checked that torch and a CUDA device are there.
 
 import asyncio
 
-import fabric
+import fabric_rdma
 
 
 def pattern_t(n, seed, device):
@@ -26,7 +26,7 @@ def gpu_target(provider, conn, device, size):
     ``("stop",)`` ends it."""
     import torch
 
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     dst = torch.zeros(size, dtype=torch.uint8, device=device)
     src = pattern_t(size, 9, device)
     torch.cuda.synchronize(device)

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 
-import fabric
+import fabric_rdma
 
 
 def pattern(n, seed):
@@ -19,7 +19,7 @@ def pattern(n, seed):
 def target(provider, conn, size, page_len, pages):
     """Registers a numpy array (the write target) and a bytearray (the read source); checks
     what lands, counted by immediates 1 (write_imm), 2 (write_paged) and 3 (scatter)."""
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     dst = np.zeros(size, dtype=np.uint8)
     src = bytearray(pattern(size, 9).tobytes())
     dst_region = engine.register(dst)
@@ -54,7 +54,7 @@ def target(provider, conn, size, page_len, pages):
 def holder(provider, conn, size):
     """Registers `size` bytes, hands out its address and descriptor, then idles until
     told to stop (or killed)."""
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     region = engine.alloc(size)
     conn.send((engine.address, region.descriptor))
     conn.poll(60)
@@ -62,7 +62,7 @@ def holder(provider, conn, size):
 
 def checker(provider, conn, size, imm, seed):
     """Waits for one write_imm of `size` bytes (imm `imm`) and checks every byte."""
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     arr = np.zeros(size, dtype=np.uint8)
     region = engine.register(arr)
     conn.send((engine.address, region.descriptor))
@@ -74,7 +74,7 @@ def checker(provider, conn, size, imm, seed):
 
 def echo(provider, conn):
     """Answers every message with its bytes reversed until it receives b"stop"."""
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     conn.send(engine.address)
     # A sender is named only once it is a peer of ours.
     parent = engine.add_peer(conn.recv()).wait(timeout=20)

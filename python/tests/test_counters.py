@@ -5,18 +5,15 @@ import time
 
 import pytest
 
-import fabric
+import fabric_rdma
 
 
-# Two engines of one process: tcp only. Over shm, making a new pair in a process where an
-# earlier pair was dropped segfaults the reactor in fi_enable (on_hello -> shm_add_peer) or
-# makes writes fail with RemoteAccess: an engine bug reproduced in Rust
-# (docs/python.md, "Known problems"); the two-process tests run on shm.
+# Two engines of one process, on every test provider (tcp and shm): a pair per test, made
+# after the previous test's pair was dropped.
 @pytest.fixture
-def pair():
-    provider = "tcp"
+def pair(provider):
     """(sender, receiver, source region, the receiver's region as the sender sees it)."""
-    a, b = fabric.Engine(provider), fabric.Engine(provider)
+    a, b = fabric_rdma.Engine(provider), fabric_rdma.Engine(provider)
     dst = b.alloc(1 << 16)
     src = a.alloc(1 << 16)
     remote = a.remote_region(dst.descriptor).wait(timeout=20)
@@ -46,7 +43,7 @@ def test_counters_count_consume_and_retire(pair):
         assert c.try_consume(1) and c.available == 0
         await a.imm(dst, 11)
         assert await asyncio.wait_for(b.retire_counter(11), 10) in (0, 1)
-        with pytest.raises(fabric.CounterRetired):
+        with pytest.raises(fabric_rdma.CounterRetired):
             await asyncio.wait_for(c.wait_for(1), 10)
 
     asyncio.run(main())
@@ -92,9 +89,9 @@ def test_timeouts_async_and_blocking(pair):
     asyncio.run(main())
     c = b.imm_counter(32)
     t = time.monotonic()
-    with pytest.raises(fabric.Timeout) as e:
+    with pytest.raises(fabric_rdma.Timeout) as e:
         c.wait_for(1).wait(timeout=0.2)
-    assert isinstance(e.value, TimeoutError) and isinstance(e.value, fabric.FabricError)
+    assert isinstance(e.value, TimeoutError) and isinstance(e.value, fabric_rdma.FabricError)
     assert 0.15 < time.monotonic() - t < 5
     a.imm(dst, 32).wait(timeout=10)
     c.wait_for(1).wait(timeout=10)
@@ -125,7 +122,7 @@ def test_peer_events_async_iterator(pair):
         async for ev in events:
             assert (ev.kind, ev.peer) == ("removed", dst.peer)
             break
-        with pytest.raises(fabric.PeerUnreachable):
+        with pytest.raises(fabric_rdma.PeerUnreachable):
             await a.write(src, 0, dst, 0, 8)
 
     assert a.peer_events().next(timeout=5).kind == "up"

@@ -8,17 +8,14 @@ import weakref
 import numpy as np
 import pytest
 
-import fabric
+import fabric_rdma
 
 
-# Two engines of one process: tcp only. Over shm, making a new pair in a process where an
-# earlier pair was dropped segfaults the reactor in fi_enable (on_hello -> shm_add_peer) or
-# makes writes fail with RemoteAccess: an engine bug reproduced in Rust
-# (docs/python.md, "Known problems"); the two-process tests run on shm.
+# Two engines of one process, on every test provider (tcp and shm): a pair per test, made
+# after the previous test's pair was dropped.
 @pytest.fixture
-def pair():
-    provider = "tcp"
-    a, b = fabric.Engine(provider), fabric.Engine(provider)
+def pair(provider):
+    a, b = fabric_rdma.Engine(provider), fabric_rdma.Engine(provider)
     dst = b.alloc(8192)
     src = a.alloc(4096)
     remote = a.remote_region(dst.descriptor).wait(timeout=20)
@@ -31,43 +28,43 @@ def test_out_of_bounds(pair):
     a, b, src, dst = pair
 
     async def main():
-        with pytest.raises(fabric.OutOfBounds) as e:
+        with pytest.raises(fabric_rdma.OutOfBounds) as e:
             await a.write(src, 0, dst, 8000, 1000)
         assert (e.value.side, e.value.offset, e.value.len, e.value.region_len) == ("remote", 8000, 1000, 8192)
         assert "out of bounds" in str(e.value)
-        with pytest.raises(fabric.OutOfBounds) as e:
+        with pytest.raises(fabric_rdma.OutOfBounds) as e:
             await a.write_imm(src, 4000, dst, 0, 200, 1)
         assert e.value.side == "local"
-        with pytest.raises(fabric.OutOfBounds):
+        with pytest.raises(fabric_rdma.OutOfBounds):
             await a.read(src, 0, dst, 2**63, 8)
-        with pytest.raises(fabric.OutOfBounds):
+        with pytest.raises(fabric_rdma.OutOfBounds):
             src.read(4090, 10)
-        with pytest.raises(fabric.OutOfBounds):
+        with pytest.raises(fabric_rdma.OutOfBounds):
             src.write(4090, b"0123456789")
-        with pytest.raises(fabric.FabricError):  # a page outside the region
-            await a.write_paged(src, dst, fabric.PageLayout(4096), [0], [5], imm=1)
+        with pytest.raises(fabric_rdma.FabricError):  # a page outside the region
+            await a.write_paged(src, dst, fabric_rdma.PageLayout(4096), [0], [5], imm=1)
 
     asyncio.run(main())
 
 
 def test_unknown_peer_malformed_and_foreign(pair):
     a, b, src, dst = pair
-    with pytest.raises(fabric.UnknownPeer) as e:
+    with pytest.raises(fabric_rdma.UnknownPeer) as e:
         a.send(99, b"x").wait(timeout=5)
     assert e.value.peer == 99
-    with pytest.raises(fabric.UnknownPeer):
+    with pytest.raises(fabric_rdma.UnknownPeer):
         a.recv_from(99).wait(timeout=5)
-    with pytest.raises(fabric.Malformed):
+    with pytest.raises(fabric_rdma.Malformed):
         a.remote_region(b"not a descriptor").wait(timeout=5)
-    with pytest.raises(fabric.Malformed):
+    with pytest.raises(fabric_rdma.Malformed):
         a.remote_region(bytes(dst.descriptor)[:-3]).wait(timeout=5)
-    with pytest.raises(fabric.Malformed):
+    with pytest.raises(fabric_rdma.Malformed):
         a.add_peer(b"\x00" * 40).wait(timeout=5)
     other = "shm" if a.transport.startswith("tcp") else "tcp"
-    c = fabric.Engine(other)
-    with pytest.raises((fabric.Foreign, fabric.Malformed)):
+    c = fabric_rdma.Engine(other)
+    with pytest.raises((fabric_rdma.Foreign, fabric_rdma.Malformed)):
         c.remote_region(dst.descriptor).wait(timeout=5)
-    with pytest.raises(fabric.MessageTooLarge):
+    with pytest.raises(fabric_rdma.MessageTooLarge):
         a.send(dst.peer, bytes(a.max_msg_size + 1)).wait(timeout=5)
 
 
@@ -79,21 +76,21 @@ def test_bad_memory_and_arguments(pair):
         a.register(np.zeros((64, 64), dtype=np.uint8)[:, ::2])
     with pytest.raises(TypeError):
         a.register(12345)
-    with pytest.raises(fabric.ConfigError):
+    with pytest.raises(fabric_rdma.ConfigError):
         a.register(bytearray())
-    with pytest.raises(fabric.ConfigError):
+    with pytest.raises(fabric_rdma.ConfigError):
         a.alloc(0)
     with pytest.raises(ValueError):
         a.alloc(10, device="tpu:0")
-    with pytest.raises(fabric.Unsupported):  # no GPU on the CI machines; with one, a region
+    with pytest.raises(fabric_rdma.Unsupported):  # no GPU on the CI machines; with one, a region
         r = a.alloc(4096, device="cuda:0")
         r.device == "cuda:0" and pytest.skip("a CUDA device is present")
     with pytest.raises(ValueError, match="mode"):
-        fabric.Engine("tcp", mode="sometimes")
+        fabric_rdma.Engine("tcp", mode="sometimes")
     with pytest.raises(ValueError):
-        fabric.Engine("tcp", op_timeout=-1.0)
-    with pytest.raises(fabric.ProviderNotFound):
-        fabric.Engine("no-such-provider")
+        fabric_rdma.Engine("tcp", op_timeout=-1.0)
+    with pytest.raises(fabric_rdma.ProviderNotFound):
+        fabric_rdma.Engine("no-such-provider")
     with pytest.raises(OverflowError):
         a.write(src, -1, dst, 0, 8)
 
@@ -119,9 +116,9 @@ def test_cuda_array_interface_objects(pair):
         a.register(CudaArray(1 << 40, shape=(64, 64), strides=(4, 256)))
     try:
         a.alloc(4096, device="cuda:0")
-        refused = (fabric.NotDeviceMemory, fabric.CudaError)  # a driver that knows no such memory
-    except fabric.Unsupported:
-        refused = fabric.Unsupported  # no CUDA driver, as on CI
+        refused = (fabric_rdma.NotDeviceMemory, fabric_rdma.CudaError)  # a driver that knows no such memory
+    except fabric_rdma.Unsupported:
+        refused = fabric_rdma.Unsupported  # no CUDA driver, as on CI
     obj = CudaArray(1 << 40, shape=(1024, 1024), strides=(4096, 4))  # C-contiguous strides
     probe = weakref.ref(obj)
     with pytest.raises(refused):
@@ -157,11 +154,11 @@ def test_awaitable_misuse(pair):
 def test_shutdown(pair):
     a, b, src, dst = pair
     a.shutdown()
-    with pytest.raises(fabric.Shutdown):
+    with pytest.raises(fabric_rdma.Shutdown):
         a.write(src, 0, dst, 0, 8).wait(timeout=10)
-    with pytest.raises(fabric.Shutdown):
+    with pytest.raises(fabric_rdma.Shutdown):
         a.imm_counter(1).wait_for(1).wait(timeout=10)
-    with fabric.Engine(b.transport.split(";")[0]) as e:
+    with fabric_rdma.Engine(b.transport.split(";")[0]) as e:
         assert e.alloc(10).nbytes == 10
-    with pytest.raises(fabric.Shutdown):
+    with pytest.raises(fabric_rdma.Shutdown):
         e.alloc(10)

@@ -14,7 +14,7 @@ import weakref
 import numpy as np
 import pytest
 
-import fabric
+import fabric_rdma
 import gpu_peers
 import peers
 
@@ -40,7 +40,7 @@ def expect(peer, imm, arrivals, pieces):
 
 
 def test_cpu_tensor_is_registered_in_place():
-    engine = fabric.Engine("tcp")
+    engine = fabric_rdma.Engine("tcp")
     t = torch.zeros(1000, dtype=torch.bfloat16)  # no numpy dtype: registered as bytes
     region = engine.register(t)
     assert region.nbytes == 2000 and region.obj is t and region.device == "host"
@@ -55,7 +55,7 @@ def test_cpu_tensor_is_registered_in_place():
 
 @needs_cuda
 def test_cuda_tensor_registration_and_refusals():
-    engine = fabric.Engine("tcp")
+    engine = fabric_rdma.Engine("tcp")
     t = torch.arange(1 << 20, dtype=torch.float32, device=TARGET)
     region = engine.register(t)
     assert region.device == TARGET and region.nbytes == 4 << 20 and region.address == t.data_ptr()
@@ -94,7 +94,7 @@ def test_tensors_between_processes(path, spawn):
     address, dst_desc, src_desc, target_path = peer.recv(timeout=60)
 
     async def main():
-        engine = fabric.Engine(PROVIDER, cuda_ipc=path == "cuda-ipc")
+        engine = fabric_rdma.Engine(PROVIDER, cuda_ipc=path == "cuda-ipc")
         dst = await engine.remote_region(dst_desc)
         remote_src = await engine.remote_region(src_desc)
         if path == "cuda-ipc":
@@ -123,7 +123,7 @@ def test_tensors_between_processes(path, spawn):
         src_pages = list(range(0, pages, 2))
         dst_pages = [pages - 1 - p for p in src_pages]
         n = engine.paged_arrivals(dst, len(src_pages))
-        layout = fabric.PageLayout(PAGE)
+        layout = fabric_rdma.PageLayout(PAGE)
         await asyncio.wait_for(engine.write_paged(src, dst, layout, src_pages, dst_pages, imm=2), 30)
         ok, total = expect(peer, 2, n, [(d * PAGE, 1, s * PAGE, PAGE) for s, d in zip(src_pages, dst_pages)])
         assert ok and total == n, f"write_paged: bytes ok {ok}, {total} arrivals of {n}"
@@ -135,7 +135,7 @@ def test_tensors_between_processes(path, spawn):
         into_t = torch.zeros(SIZE, dtype=torch.uint8, device=WRITER)
         into = engine.register(into_t)
         if into.gpu_path == "staged" and target_path == "staged":
-            with pytest.raises(fabric.Unsupported, match="staged"):
+            with pytest.raises(fabric_rdma.Unsupported, match="staged"):
                 await engine.read(into, 0, remote_src, 0, SIZE)
         else:
             await asyncio.wait_for(engine.read(into, 0, remote_src, 0, SIZE), 30)
@@ -166,7 +166,7 @@ def test_deleted_tensor_still_sends_every_byte(path, spawn):
     address, dst_desc, _, _ = peer.recv(timeout=60)
 
     async def main():
-        engine = fabric.Engine(PROVIDER, cuda_ipc=path == "cuda-ipc")
+        engine = fabric_rdma.Engine(PROVIDER, cuda_ipc=path == "cuda-ipc")
         dst = await engine.remote_region(dst_desc)
         t = pattern_t(size, 6, WRITER)
         torch.cuda.synchronize()

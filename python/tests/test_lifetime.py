@@ -8,7 +8,7 @@ import weakref
 
 import numpy as np
 
-import fabric
+import fabric_rdma
 import peers
 
 
@@ -18,7 +18,7 @@ def test_deleted_source_still_sends_every_byte(provider, spawn):
     address, desc = peer.recv()
 
     async def main():
-        engine = fabric.Engine(provider)
+        engine = fabric_rdma.Engine(provider)
         dst = await engine.remote_region(desc)
         arr = peers.pattern(size, 6)
         probe = weakref.ref(arr)
@@ -54,7 +54,7 @@ def test_deleted_source_still_sends_every_byte(provider, spawn):
 
 
 def test_registered_bytearray_is_pinned():
-    engine = fabric.Engine("tcp")
+    engine = fabric_rdma.Engine("tcp")
     buf = bytearray(4096)
     region = engine.register(buf)
     try:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-import fabric
+import fabric_rdma
 import peers
 
 
@@ -14,7 +14,7 @@ def test_killed_peer_raises_peer_unreachable(provider, spawn):
     address, desc = peer.recv()
 
     async def main():
-        engine = fabric.Engine(provider)
+        engine = fabric_rdma.Engine(provider)
         dst = await engine.remote_region(desc)
         src = engine.alloc(1 << 20)
         await asyncio.wait_for(engine.write(src, 0, dst, 0, 1 << 20), 20)
@@ -25,11 +25,11 @@ def test_killed_peer_raises_peer_unreachable(provider, spawn):
         t = time.monotonic()
         down = await asyncio.wait_for(events.__anext__(), 15)
         assert (down.kind, down.peer) == ("down", dst.peer) and down.reason
-        with pytest.raises(fabric.PeerUnreachable) as e:
+        with pytest.raises(fabric_rdma.PeerUnreachable) as e:
             await asyncio.wait_for(receive, 15)
         assert e.value.peer == dst.peer
         # Writes fail with a typed error (PeerUnreachable once the engine saw the death).
-        with pytest.raises(fabric.PeerUnreachable):
+        with pytest.raises(fabric_rdma.PeerUnreachable):
             await asyncio.wait_for(engine.write_imm(src, 0, dst, 0, 4096, 1), 15)
         assert time.monotonic() - t < 15
         # The engine still works: a fresh peer.

@@ -4,7 +4,7 @@ import asyncio
 
 import numpy as np
 
-import fabric
+import fabric_rdma
 import peers
 
 SIZE = (1 << 20) + 4096 * 3 + 17
@@ -16,7 +16,7 @@ def test_write_read_paged_scatter_send_between_processes(provider, spawn):
     address, dst_desc, src_desc = peer.recv()
 
     async def main():
-        engine = fabric.Engine(provider)
+        engine = fabric_rdma.Engine(provider)
         dst = await engine.remote_region(dst_desc)
         remote_src = await engine.remote_region(src_desc)
         assert len(dst) == SIZE and dst.peer == remote_src.peer
@@ -41,7 +41,7 @@ def test_write_read_paged_scatter_send_between_processes(provider, spawn):
         np.frombuffer(block, dtype=np.uint8)[:] = peers.pattern(SIZE, 2)
         src_pages = list(range(0, pages, 2))
         dst_pages = [pages - 1 - p for p in src_pages]
-        layout = fabric.PageLayout(PAGE)
+        layout = fabric_rdma.PageLayout(PAGE)
         peer.send((engine.paged_arrivals(dst, len(src_pages)), src_pages, dst_pages))
         await asyncio.wait_for(engine.write_paged(block, dst, layout, src_pages, dst_pages, imm=2), 20)
         assert peer.recv() == ("write_paged", True)
@@ -72,7 +72,7 @@ def test_blocking_api_between_processes(provider, spawn):
     size = 3 << 20
     peer = spawn(peers.checker, provider, size, 5, 4)
     address, desc = peer.recv()
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     dst = engine.remote_region(desc).wait(timeout=20)
     src = engine.register(peers.pattern(size, 4).copy())
     peer.send(engine.write_arrivals(dst, size))
@@ -85,7 +85,7 @@ def test_blocking_api_between_processes(provider, spawn):
 def test_messages_round_trip(provider, spawn):
     peer = spawn(peers.echo, provider)
     address = peer.recv()
-    engine = fabric.Engine(provider)
+    engine = fabric_rdma.Engine(provider)
     peer.send(engine.address)
     pid = engine.add_peer(address).wait(timeout=20)
     assert engine.add_peer(address).wait(timeout=20) == pid, "adding twice gives the same id"

@@ -1,13 +1,14 @@
-"""fabric: RDMA point-to-point transfers for LLM systems, as asyncio awaitables.
+"""fabric_rdma: RDMA point-to-point transfers for LLM systems, as asyncio awaitables.
 
-The Rust engine of the ``fabric`` project (``fabric-async``), with every operation an
+The Python package of the ``fabric`` project (distribution ``fabric-rdma``; not ``fabric``,
+which on PyPI is the SSH library): the Rust engine (``fabric-async``), with every operation an
 awaitable that the engine's reactor completes (no polling thread in Python, the GIL released
 while waiting), or a blocking call (``.wait(timeout=None)`` on the same object)::
 
-    import asyncio, fabric, numpy as np
+    import asyncio, fabric_rdma, numpy as np
 
     async def main(peer_descriptor: bytes):
-        engine = fabric.Engine(provider="tcp")
+        engine = fabric_rdma.Engine(provider="tcp")
         src = engine.register(np.arange(1 << 20, dtype=np.float32))  # in place, no copy
         dst = await engine.remote_region(peer_descriptor)            # adds the peer
         await engine.write_imm(src, 0, dst, 0, src.nbytes, 7)        # bytes, then imm 7

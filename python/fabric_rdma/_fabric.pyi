@@ -1,4 +1,4 @@
-"""Type stubs of the extension module ``fabric._fabric`` (re-exported by ``fabric``)."""
+"""Type stubs of the extension module ``fabric_rdma._fabric`` (re-exported by ``fabric_rdma``)."""
 
 from collections.abc import Generator, Sequence
 from typing import Any, Generic, Literal, TypeVar
