@@ -51,5 +51,6 @@ pub use fabric_runtime::{
     EngineStats, Error, GpuPath, GpuStats, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture,
     OpStats, PageLayout, PeerEvent, PeerEvents, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture,
     RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
+    WeakMemoryRegion,
 };
 pub use watch::CompletionWatch;

@@ -38,7 +38,7 @@ pub use engine::GpuCounter;
 pub use engine::{
     BatchEntry, BatchOp, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats,
     GpuStats, MemoryRegion, OpBatch, OpFuture, OpStats, PeerGroup, PeerId, ReactorMode, ReactorStats,
-    RecvFuture, RemoteRegion, ScatterEntry, Transfers,
+    RecvFuture, RemoteRegion, ScatterEntry, Transfers, WeakMemoryRegion,
 };
 pub use error::{Error, Result, Side};
 #[cfg(not(loom))]

@@ -97,6 +97,20 @@ pub(crate) trait DirectPost: Send + Sync {
     fn wait_fds(&self) -> Vec<std::os::fd::RawFd>;
 }
 
+/// Registers memory on the caller's thread when no other thread is in a pass of the reactor
+/// (`Engine::register_raw`), instead of handing the registration to the reactor thread and
+/// waiting for its answer.
+pub(crate) trait RegisterHere: Send + Sync {
+    /// `None` if another thread is in a pass (then the reactor thread takes it); else the
+    /// registrations of `len` bytes at `addr` with every domain, or why not.
+    fn register_now(
+        &self,
+        addr: u64,
+        len: usize,
+        location: crate::provider::MemoryLocation,
+    ) -> Option<crate::error::Result<Vec<crate::provider::Registration>>>;
+}
+
 /// The `poll` of an inline future. `peek` looks for the result without registering the
 /// waker; `register` is the future's ordinary poll (which does). Passes of the reactor run on
 /// this thread, with a `peek` after each, for up to the driver's spin budget; only then is

@@ -62,7 +62,7 @@ pub use builder::EngineBuilder;
 pub use gpu::signal::GpuCounter;
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
-pub use region::{MemoryRegion, RemoteRegion};
+pub use region::{MemoryRegion, RemoteRegion, WeakMemoryRegion};
 pub use stats::{CounterStats, EngineStats, GpuStats, OpStats, ReactorStats};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 pub use wakeups::CompletionWakeups;
@@ -82,6 +82,8 @@ struct EngineInner {
     /// A reactor pass for other threads (direct posting, `completion_wakeups`), where
     /// every NIC has a wait fd; `Shared` holds it weakly.
     direct: Option<Arc<dyn crate::sync::DirectPost>>,
+    /// Registrations on the caller's thread (`register_raw`).
+    registrar: Arc<dyn crate::sync::RegisterHere>,
     mode: ReactorMode,
     /// The pinned words of `gpu_counter`s.
     #[cfg(feature = "cuda")]
@@ -123,6 +125,11 @@ impl fmt::Debug for Engine {
             .finish()
     }
 }
+
+/// The largest host range [`Engine`] registers on the caller's thread (`register_raw`): a
+/// verbs NIC pins every page of a registration, which for a large range would hold an async
+/// caller's executor thread for long.
+const REGISTER_HERE_MAX: usize = 4 << 20;
 
 impl Engine {
     /// Settings for a new engine.
@@ -172,6 +179,7 @@ impl Engine {
                 driver: started.driver,
                 submitter: started.submitter,
                 direct: started.direct,
+                registrar: started.registrar,
                 mode,
                 #[cfg(feature = "cuda")]
                 gpu_counters: Default::default(),
@@ -429,6 +437,16 @@ impl Engine {
         backing: Backing,
         location: MemoryLocation,
     ) -> Result<(Vec<crate::provider::Registration>, Backing)> {
+        // Host memory up to `REGISTER_HERE_MAX`, when no pass of the reactor is running (an
+        // `Event` reactor asleep, say): registered on this thread, with no round trip through
+        // the reactor thread (two thread wake-ups: most of a registration's cost on tcp and
+        // shm, whose registrations pin nothing). Larger ranges (whose pinning on verbs can
+        // take milliseconds) and GPU memory stay off the caller's thread.
+        if location == MemoryLocation::Host && backing.len() <= REGISTER_HERE_MAX {
+            if let Some(r) = self.inner.registrar.register_now(backing.addr(), backing.len(), location) {
+                return r.map(|regs| (regs, backing));
+            }
+        }
         let (tx, rx) = futures::channel::oneshot::channel();
         if self.shared().submit(Submission::Register { backing, location, reply: tx }).is_err() {
             return Err(Error::Shutdown);

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Side};
 use crate::provider::MemoryLocation;
@@ -150,6 +150,29 @@ impl MemoryRegion {
             gpu: None,
             incarnation: shared.address.incarnation,
         }
+    }
+}
+
+impl MemoryRegion {
+    /// A handle that does not keep the registration alive: a cache of registrations (which
+    /// memory is registered already, for views of it) holds these, so that dropping the
+    /// last `MemoryRegion` still deregisters the memory.
+    pub fn downgrade(&self) -> WeakMemoryRegion {
+        WeakMemoryRegion { inner: Arc::downgrade(&self.inner) }
+    }
+}
+
+/// A [`MemoryRegion`] that may be gone: [`WeakMemoryRegion::upgrade`] gives it back while
+/// some clone of it lives.
+#[derive(Clone, Debug)]
+pub struct WeakMemoryRegion {
+    inner: Weak<RegionShared>,
+}
+
+impl WeakMemoryRegion {
+    /// The region, if a clone of it (or an operation using it) still holds it.
+    pub fn upgrade(&self) -> Option<MemoryRegion> {
+        self.inner.upgrade().map(|inner| MemoryRegion { inner })
     }
 }
 

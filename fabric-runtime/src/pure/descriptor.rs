@@ -229,6 +229,38 @@ impl RegionDescriptor {
         Ok(())
     }
 
+    /// The descriptor of `len` bytes at `offset` of this region: what a peer needs to reach
+    /// that range alone, as if it had been registered by itself (its offset 0 is this
+    /// region's `offset`). The owner vouches for it as for the whole (it lies inside a live
+    /// registration). Host memory only: a GPU region's descriptor also names its IPC export
+    /// and staging, which are the whole region's ([`Error::Unsupported`]).
+    /// [`Error::OutOfBounds`] if the range does not fit, or is empty.
+    pub fn narrow(&self, offset: u64, len: u64) -> Result<RegionDescriptor, Error> {
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::OutOfBounds {
+                side: crate::error::Side::Local,
+                offset,
+                len,
+                region_len: self.len,
+            });
+        }
+        if self.gpu.is_some() {
+            return Err(Error::Unsupported(
+                "a range of GPU memory has no descriptor of its own: send the region's, and offsets into it"
+                    .into(),
+            ));
+        }
+        let mut d = self.clone();
+        d.len = len;
+        for k in &mut d.domains {
+            k.base = k.base.checked_add(offset).ok_or_else(|| Error::Malformed {
+                what: DESCRIPTOR_WHAT,
+                reason: "the range's base address overflows".into(),
+            })?;
+        }
+        Ok(d)
+    }
+
     /// Where the region's memory lives at its owner.
     pub fn location(&self) -> crate::provider::MemoryLocation {
         match &self.gpu {

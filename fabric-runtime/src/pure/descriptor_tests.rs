@@ -378,3 +378,26 @@ fn fuzz_never_panics() {
     // Some mutations (of base, key, address bytes) stay valid; make sure the loop reached them.
     assert!(accepted > 0);
 }
+
+#[test]
+fn a_narrowed_descriptor_names_its_range_alone() {
+    let d = descriptor();
+    let n = d.narrow(4096, 200).unwrap();
+    assert_eq!(n.len, 200);
+    assert_eq!(n.domains[0].base, 0x7f00_dead_beef + 4096);
+    assert_eq!(n.domains[1].base, 4096);
+    assert_eq!((n.domains[0].key, n.domains[1].key), (0x1234, u64::MAX));
+    assert_eq!((&n.transport, n.incarnation, &n.gpu), (&d.transport, d.incarnation, &None));
+    assert_eq!(RegionDescriptor::from_bytes(&n.to_bytes()).unwrap(), n);
+    // The whole region, and a range that ends at its end.
+    assert_eq!(d.narrow(0, d.len).unwrap(), d);
+    assert_eq!(d.narrow(d.len - 1, 1).unwrap().len, 1);
+    for (off, len) in [(0, 0), (d.len, 1), (d.len - 1, 2), (u64::MAX, 2)] {
+        assert!(matches!(d.narrow(off, len), Err(Error::OutOfBounds { .. })), "{off} {len}");
+    }
+    // The base would overflow: malformed, not wrapped.
+    let mut high = descriptor();
+    high.domains[0].base = u64::MAX - 10;
+    assert!(matches!(high.narrow(100, 1), Err(Error::Malformed { .. })));
+    assert!(matches!(gpu_descriptor().narrow(0, 1), Err(Error::Unsupported(_))));
+}

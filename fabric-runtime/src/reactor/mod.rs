@@ -350,6 +350,28 @@ impl<D: Domain> DirectPost for Direct<D> {
     }
 }
 
+/// Registrations on a caller's thread (`RegisterHere`).
+struct Registrar<D: Domain> {
+    core: Arc<Mutex<Core<D>>>,
+}
+
+impl<D: Domain> crate::sync::RegisterHere for Registrar<D> {
+    fn register_now(
+        &self,
+        addr: u64,
+        len: usize,
+        location: crate::provider::MemoryLocation,
+    ) -> Option<Result<Vec<crate::provider::Registration>>> {
+        let mut c = try_core(&self.core)?;
+        // Shutting down: only the reactor thread closes the domains, and answers with the
+        // queue closed.
+        if c.closing {
+            return Some(Err(Error::Shutdown));
+        }
+        Some(c.register(addr, len, location))
+    }
+}
+
 /// A started reactor: its thread, for an `Inline` engine the callers' progress handle, and
 /// the direct poster where every domain has a wait fd (kept alive here: `Shared` holds it
 /// weakly; [`Engine::completion_wakeups`](crate::Engine::completion_wakeups) uses it too).
@@ -359,6 +381,8 @@ pub(crate) struct Started {
     /// `Inline`: operations posted on the submitting thread (`EngineBuilder::direct_post`).
     pub(crate) submitter: Option<Arc<dyn SubmitHere>>,
     pub(crate) direct: Option<Arc<dyn DirectPost>>,
+    /// Registrations on callers' threads.
+    pub(crate) registrar: Arc<dyn crate::sync::RegisterHere>,
 }
 
 /// Opens the message pools, then moves the domains to a new reactor thread.
@@ -388,6 +412,7 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
         }
         d
     });
+    let registrar = Arc::new(Registrar { core: core.clone() }) as Arc<dyn crate::sync::RegisterHere>;
     let thread = std::thread::Builder::new()
         .name("fabric-reactor".into())
         .spawn(move || run(core, shared, cfg))
@@ -396,7 +421,7 @@ pub(crate) fn spawn<D: Domain>(domains: Vec<D>, shared: Arc<Shared>, cfg: Reacto
             errno: e.raw_os_error().unwrap_or(0),
             message: e.to_string(),
         })?;
-    Ok(Started { thread, driver, submitter, direct })
+    Ok(Started { thread, driver, submitter, direct, registrar })
 }
 
 /// What the reactor thread does after a pass that found nothing to do.

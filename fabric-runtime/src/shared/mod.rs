@@ -183,7 +183,8 @@ pub(crate) struct Shared {
 
 /// Whether a submission may be posted on the submitter's thread (`EngineBuilder::direct_post`):
 /// operations and sends awaited as futures. Not registrations or peer changes (their page
-/// pinning and handshakes stay off the caller's thread), and not the synchronous `post_*`
+/// pinning and handshakes stay off the caller's thread; a small host registration is made
+/// on the caller's thread before it is ever queued, `Engine::register_raw`), and not the synchronous `post_*`
 /// path (`OpBatch`), which promises its caller no allocation and no reactor work on its
 /// thread outside `ReactorMode::Inline`.
 fn posts_directly(s: &Submission) -> bool {

@@ -417,6 +417,37 @@ impl<D: Domain> Core<D> {
         closing
     }
 
+    /// Registers `len` bytes at `addr` with every domain, and records them as live (what
+    /// owners vouch for). On an error nothing stays registered. On the reactor thread for a
+    /// `Submission::Register`, or on a caller's thread (`register_now`).
+    pub(crate) fn register(
+        &mut self,
+        addr: u64,
+        len: usize,
+        location: MemoryLocation,
+    ) -> Result<Vec<Registration>> {
+        let mut regs = Vec::with_capacity(self.domains.len());
+        for d in self.domains.iter_mut() {
+            // SAFETY: the caller's backing stays allocated until this registration is
+            // closed: the region that will own it retires it through the reactor.
+            match unsafe { d.register(addr, len, location) } {
+                Ok(r) => regs.push(r),
+                Err(e) => {
+                    tracing::warn!(len, %location, error = %e, "registration failed");
+                    for (d, r) in regs.into_iter().enumerate() {
+                        self.domains[d].deregister(r);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        tracing::debug!(addr = format_args!("{addr:#x}"), len, %location, "memory registered");
+        for (d, r) in regs.iter().enumerate() {
+            self.live[d].insert(r.handle, LiveReg { reg: *r, len: len as u64 });
+        }
+        Ok(regs)
+    }
+
     fn handle(&mut self, s: Submission) {
         match s {
             Submission::Op { .. } | Submission::Send { .. } => {
@@ -428,31 +459,13 @@ impl<D: Domain> Core<D> {
                 }
             }
             Submission::Register { backing, location, reply } => {
-                let mut regs = Vec::with_capacity(self.domains.len());
-                let mut err = None;
-                for d in self.domains.iter_mut() {
-                    // SAFETY: `backing` stays allocated until this registration is closed:
-                    // the region that will own it retires it through the reactor.
-                    match unsafe { d.register(backing.addr(), backing.len(), location) } {
-                        Ok(r) => regs.push(r),
-                        Err(e) => {
-                            err = Some(e);
-                            break;
-                        }
+                let regs = match self.register(backing.addr(), backing.len(), location) {
+                    Ok(regs) => regs,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
                     }
-                }
-                if let Some(e) = err {
-                    tracing::warn!(len = backing.len(), %location, error = %e, "registration failed");
-                    for (d, r) in regs.into_iter().enumerate() {
-                        self.domains[d].deregister(r);
-                    }
-                    let _ = reply.send(Err(e));
-                    return;
-                }
-                tracing::debug!(addr = format_args!("{:#x}", backing.addr()), len = backing.len(), %location, "memory registered");
-                for (d, r) in regs.iter().enumerate() {
-                    self.live[d].insert(r.handle, LiveReg { reg: *r, len: backing.len() as u64 });
-                }
+                };
                 if let Err(Ok((regs, backing))) = reply.send(Ok((regs, backing))) {
                     // The caller stopped waiting: undo.
                     self.deregister(regs, backing);
