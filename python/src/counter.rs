@@ -48,7 +48,7 @@ impl PyImmCounter {
     }
 
     fn __repr__(&self) -> String {
-        format!("<fabric.ImmCounter imm={} available={}>", self.counter.imm(), self.counter.available())
+        format!("<fabric_rdma.ImmCounter imm={} available={}>", self.counter.imm(), self.counter.available())
     }
 }
 

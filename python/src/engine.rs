@@ -5,7 +5,9 @@ use std::mem::ManuallyDrop;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fabric_async::{Engine, PeerId, ReactorMode, ScatterEntry};
+use std::sync::Mutex;
+
+use fabric_async::{BatchEntry, BatchOp, Engine, MemoryLocation, PeerId, ReactorMode, ScatterEntry};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -14,13 +16,18 @@ use pyo3::IntoPyObjectExt;
 use crate::bridge::{none, pending, Pending};
 use crate::counter::{PyImmCounter, PyPeerEvents, PyPeerGroup};
 use crate::errors::IntoPy;
-use crate::memory::{memory_of, parse_device, CudaBuffer, Memory, PyPageLayout, PyRemoteRegion, Region};
+use crate::memory::{
+    host_range, memory_of, parse_device, CudaBuffer, Memory, PyPageLayout, PyRemoteRegion, Region,
+};
+use crate::views::Registry;
 
 /// A transfer engine: one reactor thread driving the NIC(s) of one process or GPU.
 #[pyclass(module = "fabric_rdma", name = "Engine", frozen)]
 pub struct PyEngine {
     /// Dropped in `Drop` with the GIL released: the last handle joins the reactor thread.
     engine: ManuallyDrop<Engine>,
+    /// Host memory registered by `register` and `alloc`, for views of it.
+    registry: Mutex<Registry>,
 }
 
 fn mode(name: &str, spin: Option<f64>) -> PyResult<ReactorMode> {
@@ -48,6 +55,58 @@ fn bytes_of(py: Python<'_>, b: Bytes) -> PyResult<Py<PyAny>> {
 
 fn int<T: for<'py> IntoPyObject<'py>>(py: Python<'_>, v: T) -> PyResult<Py<PyAny>> {
     v.into_py_any(py)
+}
+
+/// An entry of `write_many` / `read_many`: (local region, its offset, remote region, its
+/// offset, bytes).
+type ManyEntry<'py> = (PyRef<'py, Region>, u64, PyRef<'py, PyRemoteRegion>, u64, u64);
+
+impl PyEngine {
+    fn many(&self, op: BatchOp, entries: &[ManyEntry<'_>], imm: Option<u32>) -> PyResult<Pending> {
+        let mut local_offs = Vec::with_capacity(entries.len());
+        for (local, local_off, _, _, n) in entries {
+            local_offs.push(local.at(*local_off, *n)?);
+        }
+        let batch: Vec<BatchEntry<'_>> = entries
+            .iter()
+            .zip(local_offs)
+            .map(|((local, _, remote, remote_off, n), local_off)| BatchEntry {
+                local: &local.region,
+                local_off,
+                remote: &remote.remote,
+                remote_off: *remote_off,
+                len: *n,
+            })
+            .collect();
+        let fut = self.engine.batch(op, &batch);
+        let Some(imm) = imm else { return Ok(pending(fut, none)) };
+        // One imm-only write per peer written to, after the batch: each counts one arrival.
+        let mut peers = Vec::new();
+        let mut targets = Vec::new();
+        for (_, _, remote, _, _) in entries {
+            if !peers.contains(&remote.remote.peer()) {
+                peers.push(remote.remote.peer());
+                targets.push(remote.remote.clone());
+            }
+        }
+        let e = (*self.engine).clone();
+        let task = async move {
+            fut.await?;
+            futures::future::try_join_all(targets.iter().map(|t| e.imm(t, imm))).await?;
+            Ok(())
+        };
+        Ok(pending(task, none))
+    }
+
+    fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        // A panic while holding it leaves nothing half-done that a lookup could trip over.
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a registration of host memory, for views of it.
+    fn remember(&self, region: &fabric_async::MemoryRegion) {
+        self.registry().insert(region);
+    }
 }
 
 #[pymethods]
@@ -111,7 +170,7 @@ impl PyEngine {
             b = b.cuda_ipc(on);
         }
         let engine = py.detach(|| b.build()).py_err()?;
-        Ok(PyEngine { engine: ManuallyDrop::new(engine) })
+        Ok(PyEngine { engine: ManuallyDrop::new(engine), registry: Mutex::default() })
     }
 
     /// This engine's address: bytes for a peer's `add_peer`.
@@ -167,30 +226,52 @@ impl PyEngine {
         let location = parse_device(device)?;
         let e = (*self.engine).clone();
         let p = pending(async move { e.alloc_in(n, location).await }, |py, region| {
-            Ok(Py::new(py, Region { region, obj: None })?.into_any())
+            Ok(Py::new(py, Region::whole(region, None))?.into_any())
         });
-        p.wait(py, None)
+        let region = p.wait(py, None)?;
+        if location == MemoryLocation::Host {
+            self.remember(&region.bind(py).cast::<Region>()?.get().region);
+        }
+        Ok(region)
     }
 
     /// Registers `obj`'s memory in place, without copying: any writable, contiguous
-    /// buffer-protocol object (bytearray, numpy array), a torch tensor (CPU or CUDA), or an
-    /// object with `__cuda_array_interface__` (CuPy, Numba). The object is kept alive (a
+    /// buffer-protocol object (bytearray, numpy array), a torch tensor (CPU or CUDA), an
+    /// object with `__cuda_array_interface__` (CuPy, Numba), or a DLPack tensor
+    /// (`__dlpack__`: JAX, TensorFlow, ...). The object is kept alive (a
     /// host buffer also pinned: not resizable) until the region and every operation that
     /// uses it are gone. Blocks (GIL released) for the registration.
+    ///
+    /// Host memory that lies inside a live registration of this engine (a slice of a
+    /// registered array, a view of a registered pool) becomes a view of it: a range lookup,
+    /// no new registration (`Region.is_view`).
     fn register(&self, py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let e = (*self.engine).clone();
         let keep = obj.clone().unbind();
-        let done =
-            move |py: Python<'_>, region| Ok(Py::new(py, Region { region, obj: Some(keep) })?.into_any());
+        // A buffer-protocol object inside a registration: a view, found before anything else.
+        if let Some((ptr, len)) = host_range(obj)? {
+            if let Some((region, base)) = self.registry().find(ptr, len as u64) {
+                return Ok(Py::new(py, Region { region, obj: Some(keep), base, len: len as u64 })?.into_any());
+            }
+        }
+        let e = (*self.engine).clone();
         match memory_of(obj)? {
             Memory::Host(buf) => {
                 let (ptr, len, view) = (buf.ptr, buf.len, buf.view);
+                if let Some((region, base)) = self.registry().find(ptr, len as u64) {
+                    let r = Region { region, obj: Some(keep), base, len: len as u64 };
+                    return Ok(Py::new(py, r)?.into_any());
+                }
                 // SAFETY: `view` is a memoryview holding the object's buffer export: the
                 // `len` bytes at `ptr` stay allocated and in place (the exporter refuses to
                 // resize or free them) until it is released, which only its drop does, after
                 // the engine closed the registration. It was checked writable and contiguous.
                 let fut = async move { unsafe { e.register_host(ptr, len, view) }.await };
-                pending(fut, done).wait(py, None)
+                let done = move |py: Python<'_>, region| {
+                    Ok(Py::new(py, Region::whole(region, Some(keep)))?.into_any())
+                };
+                let region = pending(fut, done).wait(py, None)?;
+                self.remember(&region.bind(py).cast::<Region>()?.get().region);
+                Ok(region)
             }
             Memory::Cuda(buf) => {
                 let CudaBuffer { ptr, len, ordinal, owner } = buf;
@@ -202,6 +283,9 @@ impl PyEngine {
                 // and finishing every operation on it. The range is checked against the
                 // driver's allocation before anything is registered.
                 let fut = async move { unsafe { e.register_cuda_owned(ptr, len, ordinal, owner) }.await };
+                let done = move |py: Python<'_>, region| {
+                    Ok(Py::new(py, Region::whole(region, Some(keep)))?.into_any())
+                };
                 pending(fut, done).wait(py, None)
             }
         }
@@ -234,8 +318,9 @@ impl PyEngine {
         dst: PyRef<'_, PyRemoteRegion>,
         dst_off: u64,
         n: u64,
-    ) -> Pending {
-        pending(self.engine.write(&src.region, src_off, &dst.remote, dst_off, n), none)
+    ) -> PyResult<Pending> {
+        let src_off = src.at(src_off, n)?;
+        Ok(pending(self.engine.write(&src.region, src_off, &dst.remote, dst_off, n), none))
     }
 
     /// Like `write`, and the target counts arrivals of `imm` once the bytes have landed
@@ -249,8 +334,9 @@ impl PyEngine {
         dst_off: u64,
         n: u64,
         imm: u32,
-    ) -> Pending {
-        pending(self.engine.write_imm(&src.region, src_off, &dst.remote, dst_off, n, imm), none)
+    ) -> PyResult<Pending> {
+        let src_off = src.at(src_off, n)?;
+        Ok(pending(self.engine.write_imm(&src.region, src_off, &dst.remote, dst_off, n, imm), none))
     }
 
     /// An imm-only write: no bytes, one arrival of `imm` at the owner of `dst`.
@@ -266,8 +352,9 @@ impl PyEngine {
         src: PyRef<'_, PyRemoteRegion>,
         src_off: u64,
         n: u64,
-    ) -> Pending {
-        pending(self.engine.read(&dst.region, dst_off, &src.remote, src_off, n), none)
+    ) -> PyResult<Pending> {
+        let dst_off = dst.at(dst_off, n)?;
+        Ok(pending(self.engine.read(&dst.region, dst_off, &src.remote, src_off, n), none))
     }
 
     /// Arrivals of `imm` that `write_imm` of `n` bytes into `dst` makes at its owner.
@@ -291,11 +378,23 @@ impl PyEngine {
         src_pages: Vec<u32>,
         dst_pages: Vec<u32>,
         imm: Option<u32>,
-    ) -> Pending {
-        pending(
-            self.engine.write_paged(&src.region, &dst.remote, &layout.layout, &src_pages, &dst_pages, imm),
+    ) -> PyResult<Pending> {
+        let mut geometry = layout.layout;
+        if src.view() {
+            // Every source page inside the view, then the pages as the registration's.
+            if let Some(&last) = src_pages.iter().max() {
+                let end = u64::from(last)
+                    .checked_mul(geometry.src_stride)
+                    .and_then(|o| o.checked_add(geometry.src_offset))
+                    .unwrap_or(u64::MAX);
+                src.at(end, geometry.page_len)?;
+            }
+            geometry.src_offset += src.base;
+        }
+        Ok(pending(
+            self.engine.write_paged(&src.region, &dst.remote, &geometry, &src_pages, &dst_pages, imm),
             none,
-        )
+        ))
     }
 
     /// A group of peers' regions for `scatter` and `barrier`.
@@ -313,9 +412,31 @@ impl PyEngine {
         group: PyRef<'_, PyPeerGroup>,
         entries: Vec<(usize, u64, u64, u64)>,
         imm: Option<u32>,
-    ) -> Pending {
-        let entries = scatter_entries(&entries);
-        pending(self.engine.scatter(&src.region, &group.group, &entries, imm), none)
+    ) -> PyResult<Pending> {
+        let mut entries = scatter_entries(&entries);
+        for e in &mut entries {
+            e.src_off = src.at(e.src_off, e.len)?;
+        }
+        Ok(pending(self.engine.scatter(&src.region, &group.group, &entries, imm), none))
+    }
+
+    /// Many writes as one transfer: `entries` is a list of `(src, src_off, dst, dst_off, n)`
+    /// (local `Region`s, peers' `RemoteRegion`s, any mix of them: a model's per-layer
+    /// tensors, its parameters), posted as one batch; entries that continue each other on
+    /// both sides are merged. With `imm`, once every byte has landed, each peer written to
+    /// counts **one** arrival of `imm`, whatever the entries, sizes and NICs:
+    /// `counter.wait_for(1)` at each receiver. Everything is checked before anything is
+    /// posted. Host memory and GPU memory the NICs reach directly (see `Region.gpu_path`).
+    #[pyo3(signature = (entries, imm=None))]
+    fn write_many(&self, entries: Vec<ManyEntry<'_>>, imm: Option<u32>) -> PyResult<Pending> {
+        self.many(BatchOp::Write, &entries, imm)
+    }
+
+    /// Many reads as one transfer: `entries` is a list of `(dst, dst_off, src, src_off, n)`,
+    /// a local `Region` filled from a peer's `RemoteRegion` each; as `write_many`, without
+    /// immediates.
+    fn read_many(&self, entries: Vec<ManyEntry<'_>>) -> PyResult<Pending> {
+        self.many(BatchOp::Read, &entries, None)
     }
 
     /// Arrivals of `imm` that `scatter` with `entries` makes at each member.

@@ -14,7 +14,12 @@ use pyo3::types::{PyDict, PyType};
 use pyo3::{create_exception, PyErr};
 
 create_exception!(fabric_rdma, FabricError, PyException, "Base class of every error the engine reports.");
-create_exception!(fabric_rdma, OutOfBounds, FabricError, "A range falls outside its region; nothing was posted.");
+create_exception!(
+    fabric_rdma,
+    OutOfBounds,
+    FabricError,
+    "A range falls outside its region; nothing was posted."
+);
 create_exception!(fabric_rdma, UnknownPeer, FabricError, "The peer id was never added to this engine.");
 create_exception!(
     fabric_rdma,
@@ -46,10 +51,20 @@ create_exception!(
     FabricError,
     "A descriptor or address of a peer or region that is gone; nothing was written."
 );
-create_exception!(fabric_rdma, Foreign, FabricError, "A descriptor or address of another transport or NIC count.");
+create_exception!(
+    fabric_rdma,
+    Foreign,
+    FabricError,
+    "A descriptor or address of another transport or NIC count."
+);
 create_exception!(fabric_rdma, NoRemoteCqData, FabricError, "The provider cannot deliver immediates.");
 create_exception!(fabric_rdma, ProviderNotFound, FabricError, "No provider of that name on this machine.");
-create_exception!(fabric_rdma, CompletionError, FabricError, "The operation completed with an error at the NIC.");
+create_exception!(
+    fabric_rdma,
+    CompletionError,
+    FabricError,
+    "The operation completed with an error at the NIC."
+);
 create_exception!(fabric_rdma, ProviderError, FabricError, "A call into the provider failed.");
 create_exception!(fabric_rdma, RegisterMemory, FabricError, "Registering memory failed.");
 create_exception!(

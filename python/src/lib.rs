@@ -1,18 +1,22 @@
-//! The Python package `fabric_rdma` (distribution `fabric-rdma`, module `fabric_rdma._fabric`): the engine of `fabric-async` with
-//! every operation as an asyncio awaitable that the engine completes, or a blocking call.
+//! The Python package `fabric_rdma` (distribution `fabric-rdma`, module
+//! `fabric_rdma._fabric`): the engine of `fabric-async` with every operation as an asyncio
+//! awaitable that the engine completes, or a blocking call.
 //!
 //! Files: `engine.rs` (the `Engine` class), `memory.rs` (regions, buffer registration),
-//! `counter.rs` (counters, peer events, peer groups), `bridge.rs` (Rust futures as
+//! `dlpack.rs` (DLPack tensors), `views.rs` (which host memory is registered, for views of
+//! it), `counter.rs` (counters, peer events, peer groups), `bridge.rs` (Rust futures as
 //! awaitables and blocking calls), `errors.rs` (exceptions), `stats.rs`. The Python side
 //! (`fabric_rdma/__init__.py`, the `.pyi` stubs) and the tests live beside this crate;
 //! `docs/python.md` is the guide.
 
 mod bridge;
 mod counter;
+mod dlpack;
 mod engine;
 mod errors;
 mod memory;
 mod stats;
+mod views;
 
 use pyo3::prelude::*;
 

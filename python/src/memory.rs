@@ -28,11 +28,12 @@ use pyo3::{ffi, PyErr};
 
 use crate::errors::IntoPy;
 
-/// Host memory of a Python object, pinned by the memoryview that owns its export.
+/// Host memory of a Python object, pinned by the memoryview that owns its export (or, for a
+/// DLPack tensor, kept by the object and its capsule).
 pub(crate) struct HostBuffer {
     pub(crate) ptr: u64,
     pub(crate) len: usize,
-    /// The memoryview; the owner of the registration.
+    /// The memoryview (or the DLPack object and capsule); the owner of the registration.
     pub(crate) view: Py<PyAny>,
 }
 
@@ -63,6 +64,24 @@ pub(crate) fn host_buffer(obj: &Bound<'_, PyAny>) -> PyResult<HostBuffer> {
     Ok(HostBuffer { ptr, len, view: view.into_any().unbind() })
 }
 
+/// Where a buffer-protocol object's bytes are (`None`: not one, e.g. a torch tensor or a CUDA
+/// array), with the checks of [`host_buffer`], through one short-lived buffer export and no
+/// memoryview: what `Engine.register` needs to find the registration a view lies in.
+pub(crate) fn host_range(obj: &Bound<'_, PyAny>) -> PyResult<Option<(u64, usize)>> {
+    // SAFETY: `obj` is a live object (the GIL is held); the call only reads its type's slots.
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 0 {
+        return Ok(None);
+    }
+    let buf = PyUntypedBuffer::get(obj)?;
+    let (ptr, len, readonly, contiguous) =
+        (buf.buf_ptr() as u64, buf.len_bytes(), buf.readonly(), buf.is_c_contiguous());
+    buf.release(obj.py());
+    if readonly || !contiguous || len == 0 {
+        return Ok(None); // host_buffer says why
+    }
+    Ok(Some((ptr, len)))
+}
+
 /// Device memory of a Python object and what keeps it allocated.
 pub(crate) struct CudaBuffer {
     pub(crate) ptr: u64,
@@ -79,7 +98,8 @@ pub(crate) enum Memory {
 }
 
 /// Where `obj`'s memory is: a torch tensor (CUDA: its device memory; CPU: its bytes through
-/// `numpy()`), an object with `__cuda_array_interface__`, else the buffer protocol.
+/// `numpy()`), an object with `__cuda_array_interface__`, the buffer protocol, else a
+/// DLPack tensor (`__dlpack__`: JAX, CuPy, TensorFlow, ...).
 /// Refuses non-contiguous tensors and arrays (`ValueError`) and read-only CUDA arrays
 /// (`TypeError`), as for host buffers.
 pub(crate) fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
@@ -94,7 +114,24 @@ pub(crate) fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
     if obj.hasattr("__cuda_array_interface__")? {
         return cuda_array_memory(obj).map(Memory::Cuda);
     }
+    // SAFETY: `obj` is a live object (the GIL is held); the call only reads its type's slots.
+    if unsafe { ffi::PyObject_CheckBuffer(obj.as_ptr()) } == 0 && obj.hasattr("__dlpack__")? {
+        return dlpack_memory(obj);
+    }
     host_buffer(obj).map(Memory::Host)
+}
+
+/// A DLPack tensor's memory (`dlpack.rs`), owned by the object and its capsule.
+fn dlpack_memory(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
+    let py = obj.py();
+    let e = crate::dlpack::export(obj)?;
+    let owner = PyTuple::new(py, [obj.clone().unbind(), e.capsule])?.into_any().unbind();
+    Ok(match e.location {
+        crate::dlpack::DlMemory::Host => Memory::Host(HostBuffer { ptr: e.ptr, len: e.len, view: owner }),
+        crate::dlpack::DlMemory::Cuda { ordinal } => {
+            Memory::Cuda(CudaBuffer { ptr: e.ptr, len: e.len, ordinal, owner })
+        }
+    })
 }
 
 fn tensor_memory(torch: &Bound<'_, PyAny>, t: &Bound<'_, PyAny>) -> PyResult<Memory> {
@@ -191,35 +228,83 @@ fn cuda_array_memory(obj: &Bound<'_, PyAny>) -> PyResult<CudaBuffer> {
 /// Its bytes: the buffer protocol (`memoryview(region)`, `numpy.frombuffer(region, dtype)`;
 /// host memory only), `read`/`write`, or the registered object itself. Peers write into it
 /// at any time: read what a counter wait says has landed.
+///
+/// A region may be a **view**: `Engine.register` of memory that lies inside a live
+/// registration of host memory (a slice of a registered array, a view of a pool) returns
+/// the range of that registration, with no new NIC registration. Offsets are the view's
+/// own (0 is its first byte), its descriptor names its range alone, and it keeps the
+/// registration it lies in alive.
 #[pyclass(module = "fabric_rdma", name = "Region", frozen)]
 pub struct Region {
+    /// The registration (the whole of it, for a view).
     pub(crate) region: MemoryRegion,
     /// The object registered in place, if any.
     pub(crate) obj: Option<Py<PyAny>>,
+    /// Where this region starts in `region`, and its length (`0, region.len()` unless a view).
+    pub(crate) base: u64,
+    pub(crate) len: u64,
+}
+
+impl Region {
+    /// The whole of a registration.
+    pub(crate) fn whole(region: MemoryRegion, obj: Option<Py<PyAny>>) -> Self {
+        let len = region.len() as u64;
+        Region { region, obj, base: 0, len }
+    }
+
+    /// Whether this region is a range of a larger registration.
+    pub(crate) fn view(&self) -> bool {
+        self.base != 0 || self.len != self.region.len() as u64
+    }
+
+    /// `n` bytes at `off` of this region, as an offset in the registration; `OutOfBounds`
+    /// (in this region's terms) if they do not fit.
+    pub(crate) fn at(&self, off: u64, n: u64) -> PyResult<u64> {
+        if off.checked_add(n).is_none_or(|end| end > self.len) {
+            return Err(fabric_async::Error::OutOfBounds {
+                side: fabric_async::Side::Local,
+                offset: off,
+                len: n,
+                region_len: self.len,
+            })
+            .py_err();
+        }
+        Ok(self.base + off)
+    }
 }
 
 #[pymethods]
 impl Region {
     fn __len__(&self) -> usize {
-        self.region.len()
+        self.len as usize
     }
 
     /// Length in bytes.
     #[getter]
     fn nbytes(&self) -> usize {
-        self.region.len()
+        self.len as usize
     }
 
-    /// The descriptor peers need to reach this region (`Engine.remote_region`), as bytes.
+    /// The descriptor peers need to reach this region (`Engine.remote_region`), as bytes;
+    /// a view's names its range alone.
     #[getter]
-    fn descriptor<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        PyBytes::new(py, &self.region.descriptor().to_bytes())
+    fn descriptor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let d = self.region.descriptor();
+        let d = if self.view() { d.narrow(self.base, self.len).py_err()? } else { d };
+        Ok(PyBytes::new(py, &d.to_bytes()))
     }
 
     /// Start address (a device address for GPU memory).
     #[getter]
     fn address(&self) -> u64 {
-        self.region.as_ptr() as u64
+        self.region.as_ptr() as u64 + self.base
+    }
+
+    /// Whether this region is a view: a range of an earlier registration that contains it
+    /// (`Engine.register` of memory already registered), with no registration of its own.
+    #[getter]
+    fn is_view(&self) -> bool {
+        self.view()
     }
 
     /// `"host"` or `"cuda:N"`.
@@ -244,10 +329,10 @@ impl Region {
     /// A copy of `n` bytes at `offset` (to the end by default).
     #[pyo3(signature = (offset=0, n=None))]
     fn read<'py>(&self, py: Python<'py>, offset: u64, n: Option<u64>) -> PyResult<Bound<'py, PyBytes>> {
-        let len = self.region.len() as u64;
-        let n = n.unwrap_or_else(|| len.saturating_sub(offset));
+        let n = n.unwrap_or_else(|| self.len.saturating_sub(offset));
+        let at = self.at(offset, n)?;
         let mut buf = vec![0u8; usize::try_from(n).map_err(|_| PyValueError::new_err("n too large"))?];
-        self.region.read_at(offset, &mut buf).py_err()?;
+        self.region.read_at(at, &mut buf).py_err()?;
         Ok(PyBytes::new(py, &buf))
     }
 
@@ -261,7 +346,7 @@ impl Region {
         // SAFETY: the export holds `len_bytes` readable bytes at `buf_ptr` until `buf` is
         // released, which is after the copy; the slice is only read.
         let bytes = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-        let r = self.region.write_at(offset, bytes).py_err();
+        let r = self.at(offset, bytes.len() as u64).and_then(|at| self.region.write_at(at, bytes).py_err());
         buf.release(data.py());
         r
     }
@@ -272,12 +357,13 @@ impl Region {
         if r.region.location() != MemoryLocation::Host {
             return Err(PyBufferError::new_err("GPU memory has no host buffer"));
         }
-        let len = isize::try_from(r.region.len()).map_err(|_| PyBufferError::new_err("region too large"))?;
+        let len = isize::try_from(r.len).map_err(|_| PyBufferError::new_err("region too large"))?;
+        let ptr = r.region.as_ptr().wrapping_add(r.base as usize) as *mut _;
         // SAFETY: `view` is the exporter's `Py_buffer` that Python passes in; the memory is
-        // `len` bytes of host memory that stays registered and allocated while `slf` lives,
-        // and `PyBuffer_FillInfo` takes a reference to `slf` for the view's lifetime.
-        let rc =
-            unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), r.region.as_ptr() as *mut _, len, 0, flags) };
+        // `len` bytes of host memory at `base` in the registration (`base + len` is within it),
+        // which stays registered and allocated while `slf` lives, and `PyBuffer_FillInfo`
+        // takes a reference to `slf` for the view's lifetime.
+        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr, len, 0, flags) };
         if rc < 0 {
             return Err(PyErr::fetch(slf.py()));
         }
@@ -288,11 +374,17 @@ impl Region {
 
     fn __repr__(&self) -> String {
         format!(
-            "<fabric.Region {} bytes of {} at {:#x}{}>",
-            self.region.len(),
+            "<fabric_rdma.Region {} bytes of {} at {:#x}{}>",
+            self.len,
             location_name(self.region.location()),
-            self.region.as_ptr() as u64,
-            if self.obj.is_some() { ", registered in place" } else { "" }
+            self.region.as_ptr() as u64 + self.base,
+            if self.view() {
+                ", a view of a registration"
+            } else if self.obj.is_some() {
+                ", registered in place"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -362,7 +454,7 @@ impl PyRemoteRegion {
     }
 
     fn __repr__(&self) -> String {
-        format!("<fabric.RemoteRegion {} bytes of peer {}>", self.remote.len(), self.remote.peer().0)
+        format!("<fabric_rdma.RemoteRegion {} bytes of peer {}>", self.remote.len(), self.remote.peer().0)
     }
 }
 

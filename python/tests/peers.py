@@ -83,3 +83,49 @@ def echo(provider, conn):
         if msg == b"stop":
             return
         engine.send(peer, msg[::-1]).wait(timeout=10)
+
+
+class DictStore:
+    """The part of a ``torch.distributed.Store`` that ``fabric_rdma.bootstrap`` uses (``set``,
+    and a ``get`` that waits for the key), over a ``multiprocessing.Manager`` dict: the
+    rendezvous of the bootstrap tests on machines without torch."""
+
+    def __init__(self, shared):
+        self.shared = shared
+
+    def set(self, key, value):
+        self.shared[key] = bytes(value)
+
+    def get(self, key, timeout=30.0):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while key not in self.shared:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {key!r} in the store within {timeout} s")
+            time.sleep(0.005)
+        return self.shared[key]
+
+
+def store_rank(provider, conn, store, rank, world):
+    """A rank of the bootstrap test: registers 64 KiB, meets the others through `store`
+    (fabric_rdma.bootstrap.connect), then waits for every other rank's write_imm (imm 50)
+    and reports whether each wrote its pattern into its own 64 KiB slice."""
+    from fabric_rdma.bootstrap import connect
+
+    engine = fabric_rdma.Engine(provider)
+    mem = np.zeros(world * 65536, dtype=np.uint8)
+    region = engine.register(mem)
+    src = engine.register(pattern(65536, rank).copy())
+    remotes = connect(engine, [region], store=store, rank=rank, world_size=world, key="bootstrap-test")
+
+    async def run():
+        for r, regions in enumerate(remotes):
+            if regions is not None:
+                await engine.write_imm(src, 0, regions[0], rank * 65536, 65536, 50)
+        await asyncio.wait_for(engine.imm_counter(50).wait_for(world - 1), 20)
+
+    asyncio.run(run())
+    ok = all((mem[r * 65536 : (r + 1) * 65536] == pattern(65536, r)).all() for r in range(world) if r != rank)
+    conn.send(ok)
+    conn.poll(30)  # stay up until the others are done
