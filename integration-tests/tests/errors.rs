@@ -248,6 +248,10 @@ async fn operations_after_shutdown_fail_cleanly() {
     let wait = tokio::spawn(async move { counter.wait_for(1).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
     a.shutdown();
+    // At once, before the reactor thread has closed anything: a small registration, which
+    // would run on this thread, is refused too.
+    let e = a.register(vec![1; 4096]).await.unwrap_err();
+    assert!(matches!(e, Error::Shutdown), "{e}");
     let r = bounded(wait).await.unwrap();
     assert!(matches!(r, Err(Error::Shutdown)), "a pending counter wait is released: {r:?}");
     let r = bounded(a.imm_counter(6).wait_for(1)).await;

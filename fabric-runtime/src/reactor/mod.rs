@@ -363,9 +363,9 @@ impl<D: Domain> crate::sync::RegisterHere for Registrar<D> {
         location: crate::provider::MemoryLocation,
     ) -> Option<Result<Vec<crate::provider::Registration>>> {
         let mut c = try_core(&self.core)?;
-        // Shutting down: only the reactor thread closes the domains, and answers with the
-        // queue closed.
-        if c.closing {
+        // Shut down, or asked to: refused as a queued registration is (the reactor thread
+        // alone closes the domains).
+        if c.shutting_down() {
             return Some(Err(Error::Shutdown));
         }
         Some(c.register(addr, len, location))

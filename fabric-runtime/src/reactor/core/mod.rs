@@ -417,6 +417,11 @@ impl<D: Domain> Core<D> {
         closing
     }
 
+    /// Whether the engine shut down or was asked to.
+    pub(crate) fn shutting_down(&self) -> bool {
+        self.closing || self.shared.closing()
+    }
+
     /// Registers `len` bytes at `addr` with every domain, and records them as live (what
     /// owners vouch for). On an error nothing stays registered. On the reactor thread for a
     /// `Submission::Register`, or on a caller's thread (`register_now`).
