@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run of the Python package (issue 31, docs/python.md) on a GPU machine without cargo
+# Device run of the Python package (docs/python.md) on a GPU machine without cargo
 # or network: the repository tree plus target/ship-py/, made on a dev machine by
 # scripts/python-gpu-ship.sh:
 #   target/ship-py/wheel/fabric_rdma-*-abi3-*.whl   the extension, release (abi3: CPython >= 3.11)

@@ -93,6 +93,10 @@ class ImmCounter:
     def wait_for(self, n: int) -> Pending[None]:
         """Waits for ``n`` arrivals and consumes them; cancel safe (consumes nothing)."""
     def try_consume(self, n: int) -> bool: ...
+    def wait_on_stream(self, stream: Any, n: int, device: int = 0) -> None:
+        """Queues a wait on ``stream`` (a ``torch.cuda.Stream``, ``__cuda_stream__``/``cuda_stream``
+        object or raw ``CUstream`` int of ``device``) for the next ``n`` arrivals: kernels queued
+        after it see their bytes. The calling thread does not wait."""
 
 class PeerEvent:
     kind: Literal["up", "down", "removed"]
@@ -157,9 +161,12 @@ class Engine:
     def remote_region(self, descriptor: bytes) -> Pending[RemoteRegion]: ...
     def imm_counter(self, imm: int) -> ImmCounter: ...
     def retire_counter(self, imm: int) -> Pending[int]: ...
-    def write(self, src: Region, src_off: int, dst: RemoteRegion, dst_off: int, n: int) -> Pending[None]: ...
+    def write(
+        self, src: Region, src_off: int, dst: RemoteRegion, dst_off: int, n: int, *, after: Any = None
+    ) -> Pending[None]:
+        """``after``: a CUDA stream or ``torch.cuda.Event``; the write starts once it gets there."""
     def write_imm(
-        self, src: Region, src_off: int, dst: RemoteRegion, dst_off: int, n: int, imm: int
+        self, src: Region, src_off: int, dst: RemoteRegion, dst_off: int, n: int, imm: int, *, after: Any = None
     ) -> Pending[None]: ...
     def imm(self, dst: RemoteRegion, imm: int) -> Pending[None]: ...
     def read(self, dst: Region, dst_off: int, src: RemoteRegion, src_off: int, n: int) -> Pending[None]: ...
@@ -173,6 +180,8 @@ class Engine:
         src_pages: Sequence[int],
         dst_pages: Sequence[int],
         imm: int | None = None,
+        *,
+        after: Any = None,
     ) -> Pending[None]: ...
     def peer_group(self, members: Sequence[RemoteRegion]) -> PeerGroup: ...
     def scatter(

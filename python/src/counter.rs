@@ -2,18 +2,21 @@
 
 use std::sync::Arc;
 
-use fabric_async::{ImmCounter, PeerEvent, PeerGroup};
+use fabric_async::{Engine, ImmCounter, PeerEvent, PeerGroup};
 use futures::StreamExt;
 use pyo3::exceptions::PyStopAsyncIteration;
 use pyo3::prelude::*;
 
 use crate::bridge::{none, pending, Pending};
+use crate::errors::IntoPy;
 
 /// The arrival counter of one immediate value (`Engine.imm_counter`). Arrivals that landed
 /// before it was asked for are counted; every counter of one value shares one count.
 #[pyclass(module = "fabric_rdma", name = "ImmCounter", frozen)]
 pub struct PyImmCounter {
     pub(crate) counter: ImmCounter,
+    /// The engine, for stream waits (`wait_on_stream`: its GPU counter of the immediate).
+    pub(crate) engine: Engine,
 }
 
 #[pymethods]
@@ -45,6 +48,24 @@ impl PyImmCounter {
     /// Consumes `n` arrivals if they are there; never waits.
     fn try_consume(&self, n: u64) -> bool {
         self.counter.try_consume(n)
+    }
+
+    /// Makes the work queued on `stream` after this call wait, on the GPU, for the next `n`
+    /// arrivals of this immediate, so kernels launched there afterwards see their bytes; the
+    /// calling thread does not wait (`GpuCounter::wait_on_stream`). Arrivals are taken in
+    /// order across calls (the first waits for arrivals 1..=n ever counted, the next for the
+    /// `n` after), apart from what `wait_for` consumes on the host. `stream`: a
+    /// `torch.cuda.Stream`, an object with `__cuda_stream__` or `cuda_stream`, or a raw
+    /// `CUstream` int of `device` (default 0). If the arrivals never come, the stream waits
+    /// forever: bound the wait on the host (`wait_for` with a timeout) before synchronizing
+    /// with it. Raises `Unsupported` without a CUDA driver with stream memory operations.
+    #[pyo3(signature = (stream, n, device=0))]
+    fn wait_on_stream(&self, stream: &Bound<'_, PyAny>, n: u64, device: u32) -> PyResult<()> {
+        let s = crate::streams::stream_of(stream, device)?;
+        let gpu = self.engine.gpu_counter(self.counter.imm(), s.ordinal).py_err()?;
+        // SAFETY: the handle is that of a live stream object of device `s.ordinal` (or the
+        // caller's raw handle, documented to be one).
+        unsafe { gpu.wait_on_stream(s.handle, n) }.py_err()
     }
 
     fn __repr__(&self) -> String {

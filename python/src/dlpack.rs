@@ -101,7 +101,8 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>) -> PyResult<DlExport> {
     }
     let mut elems: u64 = 1;
     for &n in shape {
-        let n = u64::try_from(n).map_err(|_| PyValueError::new_err("a DLPack tensor with a negative size"))?;
+        let n =
+            u64::try_from(n).map_err(|_| PyValueError::new_err("a DLPack tensor with a negative size"))?;
         elems = elems.checked_mul(n).ok_or_else(|| PyValueError::new_err("a DLPack tensor too large"))?;
     }
     if let Some(strides) = strides {
@@ -122,11 +123,9 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>) -> PyResult<DlExport> {
     let location = match t.device.device_type {
         KDL_CPU | KDL_CUDA_HOST => DlMemory::Host,
         KDL_CUDA => DlMemory::Cuda { ordinal: u32::try_from(t.device.device_id).unwrap_or(0) },
-        other => {
-            return Err(PyTypeError::new_err(format!(
-                "cannot register a DLPack tensor on device type {other}: CPU, pinned host and CUDA memory only"
-            )))
-        }
+        other => return Err(PyTypeError::new_err(format!(
+            "cannot register a DLPack tensor on device type {other}: CPU, pinned host and CUDA memory only"
+        ))),
     };
     let ptr = (t.data as u64)
         .checked_add(t.byte_offset)

@@ -301,7 +301,7 @@ impl PyEngine {
 
     /// The arrival counter of immediate `imm`.
     fn imm_counter(&self, imm: u32) -> PyImmCounter {
-        PyImmCounter { counter: self.engine.imm_counter(imm) }
+        PyImmCounter { counter: self.engine.imm_counter(imm), engine: (*self.engine).clone() }
     }
 
     /// Retires the counter of `imm`; the result is how many arrivals it discarded.
@@ -310,7 +310,11 @@ impl PyEngine {
         pending(async move { e.retire_counter(imm).await }, int)
     }
 
-    /// Writes `n` bytes of `src` at `src_off` into `dst` at `dst_off`.
+    /// Writes `n` bytes of `src` at `src_off` into `dst` at `dst_off`. `after`: a CUDA
+    /// stream (or `torch.cuda.Event`) the transfer waits for: it starts once the stream has
+    /// reached this point (the kernels that fill `src` are done), and nothing on this thread
+    /// synchronizes.
+    #[pyo3(signature = (src, src_off, dst, dst_off, n, *, after=None))]
     fn write(
         &self,
         src: PyRef<'_, Region>,
@@ -318,13 +322,22 @@ impl PyEngine {
         dst: PyRef<'_, PyRemoteRegion>,
         dst_off: u64,
         n: u64,
+        after: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Pending> {
         let src_off = src.at(src_off, n)?;
-        Ok(pending(self.engine.write(&src.region, src_off, &dst.remote, dst_off, n), none))
+        Ok(match after {
+            None => pending(self.engine.write(&src.region, src_off, &dst.remote, dst_off, n), none),
+            Some(a) => {
+                let ev = crate::streams::after_point(a, ordinal_of(&src))?;
+                pending(self.engine.after(&ev).write(&src.region, src_off, &dst.remote, dst_off, n), none)
+            }
+        })
     }
 
     /// Like `write`, and the target counts arrivals of `imm` once the bytes have landed
     /// (`write_arrivals` says how many: one with one NIC).
+    /// `after` as for `write`.
+    #[pyo3(signature = (src, src_off, dst, dst_off, n, imm, *, after=None))]
     #[allow(clippy::too_many_arguments)]
     fn write_imm(
         &self,
@@ -334,9 +347,17 @@ impl PyEngine {
         dst_off: u64,
         n: u64,
         imm: u32,
+        after: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Pending> {
         let src_off = src.at(src_off, n)?;
-        Ok(pending(self.engine.write_imm(&src.region, src_off, &dst.remote, dst_off, n, imm), none))
+        Ok(match after {
+            None => pending(self.engine.write_imm(&src.region, src_off, &dst.remote, dst_off, n, imm), none),
+            Some(a) => {
+                let ev = crate::streams::after_point(a, ordinal_of(&src))?;
+                let t = self.engine.after(&ev);
+                pending(t.write_imm(&src.region, src_off, &dst.remote, dst_off, n, imm), none)
+            }
+        })
     }
 
     /// An imm-only write: no bytes, one arrival of `imm` at the owner of `dst`.
@@ -368,8 +389,9 @@ impl PyEngine {
     }
 
     /// Writes pages `src_pages[i]` of `src` into pages `dst_pages[i]` of `dst` (`layout`
-    /// gives the geometry), with arrivals of `imm` if given.
-    #[pyo3(signature = (src, dst, layout, src_pages, dst_pages, imm=None))]
+    /// gives the geometry), with arrivals of `imm` if given; `after` as for `write`.
+    #[pyo3(signature = (src, dst, layout, src_pages, dst_pages, imm=None, *, after=None))]
+    #[allow(clippy::too_many_arguments)]
     fn write_paged(
         &self,
         src: PyRef<'_, Region>,
@@ -378,6 +400,7 @@ impl PyEngine {
         src_pages: Vec<u32>,
         dst_pages: Vec<u32>,
         imm: Option<u32>,
+        after: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Pending> {
         let mut geometry = layout.layout;
         if src.view() {
@@ -391,10 +414,17 @@ impl PyEngine {
             }
             geometry.src_offset += src.base;
         }
-        Ok(pending(
-            self.engine.write_paged(&src.region, &dst.remote, &geometry, &src_pages, &dst_pages, imm),
-            none,
-        ))
+        Ok(match after {
+            None => pending(
+                self.engine.write_paged(&src.region, &dst.remote, &geometry, &src_pages, &dst_pages, imm),
+                none,
+            ),
+            Some(a) => {
+                let ev = crate::streams::after_point(a, ordinal_of(&src))?;
+                let t = self.engine.after(&ev);
+                pending(t.write_paged(&src.region, &dst.remote, &geometry, &src_pages, &dst_pages, imm), none)
+            }
+        })
     }
 
     /// A group of peers' regions for `scatter` and `barrier`.
@@ -507,6 +537,14 @@ impl PyEngine {
 fn message(py: Python<'_>, (peer, data): (Option<PeerId>, Bytes)) -> PyResult<Py<PyAny>> {
     let data = bytes_of(py, data)?;
     Ok((peer.map(|p| p.0), data).into_pyobject(py)?.into_any().unbind())
+}
+
+/// The device an `after=` stream handle given as an int belongs to: the source's.
+fn ordinal_of(src: &Region) -> u32 {
+    match src.region.location() {
+        MemoryLocation::Cuda { ordinal } => ordinal,
+        _ => 0,
+    }
 }
 
 fn scatter_entries(e: &[(usize, u64, u64, u64)]) -> Vec<ScatterEntry> {

@@ -5,7 +5,8 @@
 //! Files: `engine.rs` (the `Engine` class), `memory.rs` (regions, buffer registration),
 //! `dlpack.rs` (DLPack tensors), `views.rs` (which host memory is registered, for views of
 //! it), `counter.rs` (counters, peer events, peer groups), `bridge.rs` (Rust futures as
-//! awaitables and blocking calls), `errors.rs` (exceptions), `stats.rs`. The Python side
+//! awaitables and blocking calls), `errors.rs` (exceptions), `streams.rs` (CUDA streams of
+//! Python frameworks, for stream order), `stats.rs`. The Python side
 //! (`fabric_rdma/__init__.py`, the `.pyi` stubs) and the tests live beside this crate;
 //! `docs/python.md` is the guide.
 
@@ -16,6 +17,7 @@ mod engine;
 mod errors;
 mod memory;
 mod stats;
+mod streams;
 mod views;
 
 use pyo3::prelude::*;

@@ -2,6 +2,7 @@
 
 import asyncio
 import gc
+import os
 import time
 import weakref
 
@@ -162,3 +163,15 @@ def test_shutdown(pair):
         assert e.alloc(10).nbytes == 10
     with pytest.raises(fabric_rdma.Shutdown):
         e.alloc(10)
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="a CUDA driver is present: test_gpu.py covers stream order")
+def test_stream_order_without_a_cuda_driver_is_unsupported(pair):
+    a, b, src, dst = pair
+    with pytest.raises(fabric_rdma.Unsupported):
+        b.imm_counter(3).wait_on_stream(0, 1)
+    with pytest.raises(fabric_rdma.Unsupported):
+        a.write_imm(src, 0, dst, 0, 8, 3, after=0)
+    with pytest.raises(TypeError, match="not a CUDA stream"):
+        a.write(src, 0, dst, 0, 8, after="stream")
+    a.write(src, 0, dst, 0, 8).wait(timeout=10)  # and the engine still works

@@ -204,3 +204,91 @@ def test_deleted_tensor_still_sends_every_byte(path, spawn):
 
     asyncio.run(main())
     peer.finish()
+
+
+def _stream_pair():
+    """Two engines of this process over tcp (no CUDA IPC within a process: the NIC path),
+    a source tensor on WRITER, a target tensor on TARGET, registered, the target remote."""
+    a = fabric_rdma.Engine("tcp", cuda_ipc=False)
+    b = fabric_rdma.Engine("tcp", cuda_ipc=False)
+    src = torch.zeros(SIZE, dtype=torch.uint8, device=WRITER)
+    dst = torch.zeros(SIZE, dtype=torch.uint8, device=TARGET)
+    rs, rd = a.register(src), b.register(dst)
+    remote = a.remote_region(rd.descriptor).wait(timeout=20)
+    return a, b, src, dst, rs, remote
+
+
+def _wait_stream(stream, seconds):
+    """Polls the stream (never blocks in the driver): whether it finished within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not stream.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+SLOW = 500_000_000  # torch.cuda._sleep cycles: a few hundred ms of GPU time
+
+
+@needs_cuda
+@pytest.mark.parametrize("point", ["stream", "event"])
+def test_after_starts_a_write_once_its_stream_filled_the_source(point):
+    a, b, src, dst, rs, remote = _stream_pair()
+    try:
+        s = torch.cuda.Stream(device=WRITER)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(SLOW)  # the fill below runs only after this
+            src.fill_(7)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        after = s if point == "stream" else ev
+        t0 = time.monotonic()
+        pending = a.write_imm(rs, 0, remote, 0, SIZE, 31, after=after)
+        posted_in = time.monotonic() - t0
+        assert not s.query(), "the stream finished too soon to tell whether the write waited"
+        pending.wait(timeout=30)
+        b.imm_counter(31).wait_for(a.write_arrivals(remote, SIZE)).wait(timeout=30)
+        torch.cuda.synchronize()
+        assert bool((dst == 7).all()), "the write read the source before its stream filled it"
+        print(f"after={point}: the call returned in {posted_in * 1e6:.0f} us, the stream still busy")
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+@needs_cuda
+def test_wait_on_stream_holds_kernels_until_the_arrivals():
+    a, b, src, dst, rs, remote = _stream_pair()
+    try:
+        counter = b.imm_counter(32)
+        s = torch.cuda.Stream(device=TARGET)
+        counter.wait_on_stream(s, 1)
+        with torch.cuda.stream(s):
+            seen = dst.clone()  # runs only once the arrival is counted
+            seen_sum = seen.sum(dtype=torch.int64)
+        time.sleep(0.3)
+        assert not s.query(), "the stream ran past its wait with nothing written"
+        src.fill_(9)
+        torch.cuda.synchronize()
+        n = a.write_arrivals(remote, SIZE)
+        assert n == 1
+        a.write_imm(rs, 0, remote, 0, SIZE, 32).wait(timeout=30)
+        assert _wait_stream(s, 30), "the stream never passed its wait"
+        assert seen_sum.item() == 9 * SIZE and bool((seen == 9).all())
+        # The next wait is for the next arrival, not the one already counted.
+        counter.wait_on_stream(s, 1)
+        with torch.cuda.stream(s):
+            again = dst.clone()
+        time.sleep(0.2)
+        assert not s.query(), "a second wait was satisfied by the first arrival"
+        src.fill_(11)
+        torch.cuda.synchronize()
+        a.write_imm(rs, 0, remote, 0, SIZE, 32).wait(timeout=30)
+        assert _wait_stream(s, 30)
+        assert bool((again == 11).all())
+        with pytest.raises(fabric_rdma.ConfigError):
+            counter.wait_on_stream(s, 0)
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::counter::{ImmCounter, Mirror};
@@ -37,11 +38,20 @@ impl Mirror for PinnedMirror {
 }
 
 /// The pinned words of an engine's GPU counters, by immediate (one per immediate, shared by
-/// every `gpu_counter` call for it).
+/// every `gpu_counter` call for it), with the count of arrivals that stream waits asked for.
 #[derive(Default)]
 pub(crate) struct GpuCounters {
-    words: Mutex<HashMap<u32, Arc<PinnedHostBuffer>>>,
+    words: Mutex<HashMap<u32, Word>>,
 }
+
+/// An immediate's pinned word, and how many of its arrivals stream waits asked for.
+type Word = (Arc<PinnedHostBuffer>, Arc<AtomicU64>);
+
+/// Words that a CUDA stream has been told to wait on ([`GpuCounter::wait_on_stream`]): kept
+/// for the life of the process, since nothing tells the host when a stream has passed its
+/// wait, and a wait on freed memory would read whatever is mapped there next. One pinned
+/// page per immediate that streams waited on, per engine.
+static STREAM_WORDS: Mutex<Vec<Arc<PinnedHostBuffer>>> = Mutex::new(Vec::new());
 
 /// An [`ImmCounter`] whose total of arrivals a CUDA kernel can read: the reactor writes the
 /// total (every arrival of the immediate ever seen, consumed or not: it only grows) into a
@@ -55,6 +65,13 @@ pub(crate) struct GpuCounters {
 pub struct GpuCounter {
     counter: ImmCounter,
     word: Arc<PinnedHostBuffer>,
+    /// Arrivals that stream waits have asked for so far (shared by every `gpu_counter` of
+    /// this immediate).
+    streamed: Arc<AtomicU64>,
+    /// Whether `word` is in `STREAM_WORDS` already.
+    retained: Arc<std::sync::atomic::AtomicBool>,
+    /// The device this counter was made for (`Engine::gpu_counter`): its streams wait.
+    ordinal: u32,
 }
 
 impl fmt::Debug for GpuCounter {
@@ -88,6 +105,52 @@ impl GpuCounter {
     pub fn counter(&self) -> &ImmCounter {
         &self.counter
     }
+
+    /// Makes the work queued on `stream` after this call wait, on the GPU, for the next `n`
+    /// arrivals of the immediate: the calling thread does not wait, and kernels launched on
+    /// `stream` afterwards see the bytes those arrivals announced. Arrivals are taken in
+    /// order across calls: the first call waits for arrivals 1..=n of everything this
+    /// engine ever counted for the immediate, the next for the `n` after those, and so on
+    /// (across every `GpuCounter` of the immediate, and whatever `wait_for` consumed on the
+    /// host: the two are counted apart). `stream` is a raw `CUstream` of the device this
+    /// counter was made for (`gpu_counter`'s `ordinal`) as an integer (`torch.cuda.Stream.cuda_stream`, a [`cuda::Stream::handle`]);
+    /// it may be captured into a CUDA graph, where each replay waits for the same arrival
+    /// number (use a fresh counter cursor per replay: call again).
+    ///
+    /// A `cuStreamWaitValue32` (cyclic greater-or-equal on the low 32 bits of the total) on
+    /// the word the reactor stores each arrival's total into, right after it counted the
+    /// arrival, which is after the arrival's bytes landed. The word is kept for the life of
+    /// the process from the first wait on.
+    ///
+    /// If the arrivals never come (a dead peer), the stream waits forever, and with it
+    /// anything that synchronizes with it: bound such waits on the host (`wait_for` with a
+    /// timeout on [`GpuCounter::counter`], peer events) and do not synchronize with the stream
+    /// before you know the arrivals are there or coming.
+    ///
+    /// Errors: [`Error::Unsupported`](crate::Error::Unsupported) for a driver without stream
+    /// memory operations, [`Error::Config`](crate::Error::Config) for `n == 0` or more than
+    /// 2^31 - 1 at once, the driver's refusal as [`Error::Cuda`](crate::Error::Cuda).
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of the counter's device for the call.
+    pub unsafe fn wait_on_stream(&self, stream: u64, n: u64) -> Result<()> {
+        if n == 0 || n >= 1 << 31 {
+            return Err(crate::Error::Config(format!("a stream wait for {n} arrivals (1 to 2^31 - 1)")));
+        }
+        if !self.retained.swap(true, Ordering::AcqRel) {
+            lock(&STREAM_WORDS).push(self.word.clone());
+        }
+        let target = self.streamed.fetch_add(n, Ordering::AcqRel) + n;
+        // The low word of the little-endian u64 total; the cyclic compare stays right while
+        // no stream lags more than 2^31 arrivals behind.
+        let ctx = cuda::context(self.ordinal as usize)?;
+        // SAFETY: the word is pinned, device-mapped host memory, 8-byte aligned, kept for the
+        // life of the process (`STREAM_WORDS`) and only ever raised by the reactor, which
+        // makes the condition true once the arrivals are counted; the caller vouches for
+        // the stream.
+        unsafe { ctx.wait_value32_raw(stream, self.word.device_ptr(), target as u32, cuda::WaitValue::Geq) }
+    }
 }
 
 impl Engine {
@@ -106,12 +169,15 @@ impl Engine {
                     let w = Arc::new(PinnedHostBuffer::new(&cuda::context(ordinal as usize)?, 8)?);
                     w.atomic_u64s()[0].store(0, std::sync::atomic::Ordering::Release);
                     cell.set_mirror(Arc::new(PinnedMirror(w.clone())));
-                    words.insert(imm, w.clone());
-                    w
+                    let entry = (w, Arc::new(AtomicU64::new(0)));
+                    words.insert(imm, entry.clone());
+                    entry
                 }
             }
         };
-        Ok(GpuCounter { counter: self.imm_counter(imm), word })
+        let (word, streamed) = word;
+        let retained = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        Ok(GpuCounter { counter: self.imm_counter(imm), word, streamed, retained, ordinal })
     }
 
     /// The transfer methods, starting only once the work recorded in `event` is done: e.g.
