@@ -17,8 +17,8 @@
 //!
 //! Neither waits on a dead peer: the sender takes the receiver's messages with
 //! `recv_from(receiver)`, which fails once the receiver is found dead (on shm its writes still
-//! complete into the dead process's memory, so only that can end it), and the receiver races
-//! its counter wait against `peer_events()` (`unless_down`). Kill either process with
+//! complete into the dead process's memory, so only that can end it), and the receiver's
+//! counter wait is tied to the sender (`ImmCounterExt::wait_for_from`). Kill either process with
 //! SIGKILL and the other exits 1 with `quickstart failed: ... peer N is unreachable: ...`.
 
 use std::collections::VecDeque;
@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use fabric_async::bootstrap::{Rendezvous, TcpStore, TcpStoreServer};
-use fabric_async::{Engine, EtcdOptions, EtcdStore};
-use fabric_examples::{positive, unless_down, wait_arrivals, BoxError, ProviderArg};
+use fabric_async::{Engine, EtcdOptions, EtcdStore, ImmCounterExt};
+use fabric_examples::{positive, BoxError, ProviderArg};
 
 const IMM_DATA: u32 = 1;
 
@@ -290,10 +290,15 @@ async fn receiver(o: Opts, meet: String) -> Result<(), BoxError> {
     let mut expected = vec![0u8; o.size];
     let mut got = vec![0u8; o.size];
     for round in 0..o.rounds {
-        // The counter cannot tell that the sender died: race it against the sender's `Down`.
-        unless_down(&engine, &[sender], wait_arrivals(&counter, chunks, Duration::from_secs(60)))
-            .await
-            .map_err(|e| format!("round {round}: waiting for the sender's writes: {e}"))?;
+        // A counter alone cannot tell that the sender died: this wait fails once it is down.
+        let senders = [sender];
+        let wait = counter.wait_for_from(&engine, &senders, chunks);
+        match tokio::time::timeout(Duration::from_secs(60), wait).await {
+            Ok(r) => r.map_err(|e| format!("round {round}: waiting for the sender's writes: {e}"))?,
+            Err(_) => {
+                return Err(format!("round {round}: the sender's writes did not all come within 60 s").into())
+            }
+        }
         let to_sender = |e: fabric_async::Error| format!("round {round}: sending to the sender: {e}");
         engine.send(sender, b"arrived").await.map_err(to_sender)?;
         fill(&mut expected, round);

@@ -304,6 +304,12 @@ pub enum Test {
     Rtt,
     /// Every test: bw, lat, rate, wake, scale, rtt.
     All,
+    /// The soak: peers killed and restarted, every byte and immediate checked (`fabric-bench
+    /// soak --help`: a command line of its own).
+    Soak,
+    /// fabric-moe's dispatch/combine on this host's GPUs beside NCCL (`fabric-bench moe
+    /// --help`: a command line of its own).
+    Moe,
 }
 
 impl Test {
@@ -316,6 +322,8 @@ impl Test {
             Test::Scale => "scale",
             Test::Rtt => "rtt",
             Test::All => "all",
+            Test::Soak => "soak",
+            Test::Moe => "moe",
         }
     }
 }
@@ -416,6 +424,13 @@ impl Opts {
     /// What the parser alone cannot refuse: a `--domains` list outside bw, `--fabtests` on a
     /// provider fabtests is not run on.
     pub fn check(&self) -> Result<(), String> {
+        if matches!(self.test, Test::Soak | Test::Moe) {
+            // `main` hands these to their own parsers before this one runs.
+            return Err(format!(
+                "{0} has a command line of its own: fabric-bench {0} --help",
+                self.test.name()
+            ));
+        }
         if self.domain_counts.len() > 1 && self.test != Test::Bw {
             return Err(format!(
                 "--domains {}: a list is accepted by bw only; give {} one count",
@@ -682,6 +697,18 @@ mod tests {
     #[test]
     fn the_command_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn help_lists_every_command_and_soak_and_moe_point_to_their_own() {
+        let help = Cli::command().render_long_help().to_string();
+        for name in ["bw", "lat", "rate", "wake", "scale", "rtt", "all", "soak", "moe"] {
+            assert!(help.contains(&format!("  {name} ")), "--help lists {name}:\n{help}");
+        }
+        for name in ["soak", "moe"] {
+            let e = opts(&["--provider", "shm", name]).unwrap().check().unwrap_err();
+            assert!(e.contains(&format!("fabric-bench {name} --help")), "{e}");
+        }
     }
 
     #[test]

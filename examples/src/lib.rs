@@ -31,10 +31,7 @@ use std::future::Future;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fabric_async::{
-    Engine, EngineBuilder, Error, ImmCounter, ImmCounterExt, MemoryLocation, PeerEvent, PeerId,
-};
-use futures::StreamExt;
+use fabric_async::{Engine, EngineBuilder, Error, ImmCounter, ImmCounterExt, MemoryLocation, PeerId};
 
 /// The error type of the examples' `main`s.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -71,51 +68,9 @@ pub async fn wait_arrivals(counter: &ImmCounter, n: u64, timeout: Duration) -> R
     .into())
 }
 
-/// Resolves when one of `peers` goes down (or is removed), with `Error::PeerUnreachable`
-/// for that peer and the reason the engine saw; at once for a peer already down
-/// (`peer_events` starts with every peer's state). Never, while they live; `Shutdown` if the
-/// engine shuts down first.
-pub async fn peer_down(engine: &Engine, peers: &[PeerId]) -> Error {
-    let mut events = engine.peer_events();
-    while let Some(e) = events.next().await {
-        match e {
-            PeerEvent::Down { peer, reason } if peers.contains(&peer) => {
-                return Error::PeerUnreachable { peer: peer.0, message: reason };
-            }
-            PeerEvent::Removed { peer } if peers.contains(&peer) => {
-                return Error::PeerUnreachable {
-                    peer: peer.0,
-                    message: "removed by Engine::remove_peer".into(),
-                };
-            }
-            _ => {}
-        }
-    }
-    Error::Shutdown
-}
-
-/// How long a wait whose peer went down still gets to end by itself before it fails. A peer
-/// that finished cleanly shuts its engine down after its last message or write, which tcp
-/// reports as `Down` like a death (the liveness connection closes), and that last message
-/// may still be on its way to the wait (through a task, a channel or the store).
-pub const DOWN_GRACE: Duration = Duration::from_millis(250);
-
-/// Runs `wait` to its end unless one of `peers` goes down (or is removed) first and `wait`
-/// does not end within [`DOWN_GRACE`] after that; then `wait` is dropped and the result is
-/// [`peer_down`]'s `Error::PeerUnreachable`.
-///
-/// # Cancel safety
-///
-/// As cancel safe as `wait`: dropping this (or losing the race) drops `wait`.
-pub async fn race_down<F: Future>(engine: &Engine, peers: &[PeerId], wait: F) -> Result<F::Output, Error> {
-    let mut wait = std::pin::pin!(wait);
-    let down = tokio::select! {
-        biased;
-        r = &mut wait => return Ok(r),
-        e = peer_down(engine, peers) => e,
-    };
-    tokio::time::timeout(DOWN_GRACE, wait).await.map_err(|_| down)
-}
+// Waits tied to peers are the library's (`fabric_async::{peer_down, race_down}`); this
+// module adds `unless_down` for waits whose errors are not `fabric_async::Error`.
+pub use fabric_async::{peer_down, race_down, DOWN_GRACE};
 
 /// [`race_down`] for a fallible wait: its own error, or the peer's death. Use it for waits
 /// that cannot fail by themselves when their peer dies: counter waits, acknowledgements that

@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::bootstrap::{BootstrapError, Rendezvous};
-use crate::{Engine, Error, ImmCounter, MemoryRegion, RemoteRegion};
+use crate::{Engine, Error, ImmCounter, MemoryRegion, PeerId, RemoteRegion};
 
 /// Deadlines for counter waits.
 #[async_trait]
@@ -20,6 +20,18 @@ pub trait ImmCounterExt {
     /// Cancel safe, like [`ImmCounter::wait_for`]: a timed-out or dropped wait consumes
     /// nothing.
     async fn wait_for_timeout(&self, n: u64, timeout: Duration) -> Result<bool, Error>;
+
+    /// Waits until `n` arrivals are available and consumes them, unless one of `peers` (the
+    /// senders the arrivals come from) goes down or is removed first: then
+    /// [`Error::PeerUnreachable`] for that peer, once the wait has not ended by itself within
+    /// [`DOWN_GRACE`](crate::DOWN_GRACE) (arrivals already on their way still count). A wait
+    /// tied to its senders, where [`ImmCounter::wait_for`] alone would wait for a dead one
+    /// forever.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, like [`ImmCounter::wait_for`]: a failed or dropped wait consumes nothing.
+    async fn wait_for_from(&self, engine: &Engine, peers: &[PeerId], n: u64) -> Result<(), Error>;
 }
 
 #[async_trait]
@@ -29,6 +41,10 @@ impl ImmCounterExt for ImmCounter {
             Ok(r) => r.map(|()| true),
             Err(_elapsed) => Ok(false),
         }
+    }
+
+    async fn wait_for_from(&self, engine: &Engine, peers: &[PeerId], n: u64) -> Result<(), Error> {
+        crate::down::unless_down(engine, peers, self.wait_for(n)).await
     }
 }
 

@@ -24,6 +24,7 @@
 #![warn(missing_debug_implementations)]
 
 pub mod bootstrap;
+mod down;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 mod ext;
@@ -34,6 +35,7 @@ pub use bootstrap::{all_gather, BootstrapError, Rendezvous, TcpStore, TcpStoreSe
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdOptions, EtcdStore, MemberEvent, MemberEvents};
 
+pub use down::{peer_down, race_down, unless_down, DOWN_GRACE};
 pub use ext::{fetch_region, publish_region, FetchError, ImmCounterExt};
 /// The CUDA layer (driver loaded at run time): devices, memory, streams, events, kernels
 /// (`docs/gpu.md`); [`Engine::after`] takes its events.

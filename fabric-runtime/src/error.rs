@@ -141,5 +141,78 @@ pub enum Error {
     TopologyOverride { token: String, reason: String },
 }
 
+impl Error {
+    /// Whether making the same call again, unchanged, can succeed once a transient condition
+    /// passes, with nothing else for the caller to fix:
+    ///
+    /// - [`Error::ConnectionLost`]: the transport re-establishes the connection for later
+    ///   operations (whether this one's bytes landed is unknown: send them again);
+    /// - [`Error::PeerUnreachable`]: after the peer is back (a [`PeerEvent::Up`] for it, once
+    ///   its address is added again: `docs/faults.md`);
+    /// - a provider call or completion that failed with `EAGAIN`, `EBUSY`, `EINTR`,
+    ///   `ETIMEDOUT` or `ENOMEM`.
+    ///
+    /// Everything else is not: bad input (`OutOfBounds`, `Malformed`, `Foreign`, `Config`,
+    /// `MessageTooLarge`), a refusal (`RemoteAccess`), a descriptor or peer that is gone for
+    /// good (`Stale`: fetch a new descriptor), or an engine state the caller must change
+    /// first (`Shutdown`, `CounterLimit`, `CounterRetired`, `UnknownPeer`).
+    ///
+    /// [`PeerEvent::Up`]: crate::PeerEvent
+    pub fn is_retryable(&self) -> bool {
+        const TRANSIENT: [i32; 5] = [libc::EAGAIN, libc::EBUSY, libc::EINTR, libc::ETIMEDOUT, libc::ENOMEM];
+        match self {
+            Error::ConnectionLost { .. } | Error::PeerUnreachable { .. } => true,
+            Error::Provider { errno, .. } | Error::Completion { errno, .. } => {
+                TRANSIENT.contains(&errno.abs())
+            }
+            _ => false,
+        }
+    }
+
+    /// The peer the error is about, for the errors that name one (`UnknownPeer`,
+    /// `PeerUnreachable`, `RemoteAccess`, `ConnectionLost`), as the id this engine gave it.
+    #[cfg(not(loom))]
+    pub fn peer(&self) -> Option<crate::PeerId> {
+        match self {
+            Error::UnknownPeer { peer }
+            | Error::PeerUnreachable { peer, .. }
+            | Error::RemoteAccess { peer, .. }
+            | Error::ConnectionLost { peer, .. } => Some(crate::PeerId(*peer)),
+            _ => None,
+        }
+    }
+}
+
 /// Short for `Result<T, fabric_runtime::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retryable_errors_are_the_transient_ones() {
+        let lost = Error::ConnectionLost { peer: 3, op: "write", message: String::new() };
+        assert!(lost.is_retryable());
+        assert_eq!(lost.peer(), Some(crate::PeerId(3)));
+        assert!(Error::PeerUnreachable { peer: 1, message: String::new() }.is_retryable());
+        let busy = Error::Provider { call: "fi_writedata", errno: -libc::EAGAIN, message: String::new() };
+        assert!(busy.is_retryable());
+        let inval = Error::Completion { op: "write", errno: libc::EINVAL, message: String::new() };
+        assert!(!inval.is_retryable());
+        let refused = Error::RemoteAccess { peer: 2, op: "write", message: String::new() };
+        assert!(!refused.is_retryable());
+        assert_eq!(refused.peer(), Some(crate::PeerId(2)));
+        for e in [
+            Error::Shutdown,
+            Error::OutOfBounds { side: Side::Local, offset: 0, len: 1, region_len: 0 },
+            Error::Stale { what: "descriptor", reason: String::new() },
+            Error::CounterRetired { imm: 1 },
+            Error::UnknownPeer { peer: 9 },
+        ] {
+            assert!(!e.is_retryable(), "{e}");
+        }
+        assert_eq!(Error::Shutdown.peer(), None);
+        assert_eq!(Error::UnknownPeer { peer: 9 }.peer(), Some(crate::PeerId(9)));
+    }
+}

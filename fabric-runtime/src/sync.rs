@@ -100,6 +100,7 @@ pub(crate) trait DirectPost: Send + Sync {
 /// Registers memory on the caller's thread when no other thread is in a pass of the reactor
 /// (`Engine::register_raw`), instead of handing the registration to the reactor thread and
 /// waiting for its answer.
+#[cfg(not(loom))]
 pub(crate) trait RegisterHere: Send + Sync {
     /// `None` if another thread is in a pass (then the reactor thread takes it); else the
     /// registrations of `len` bytes at `addr` with every domain, or why not.

@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use fabric_async::{Engine, Error, PeerEvent, PeerId, Rendezvous};
+use fabric_async::{Engine, Error, ImmCounterExt, PeerEvent, PeerId, Rendezvous};
 use futures::StreamExt;
 use integration_tests::{fill_pattern, get, get_str, hash, providers, run_child_test, skipped, store, Peer};
 
@@ -138,6 +138,13 @@ async fn killed_peer(p: &str) {
     let victim_ops = tokio::spawn(futures::future::join_all(to_victim));
     let survivor_ops = tokio::spawn(futures::future::join_all(to_survivor));
     let survivor_imms = tokio::spawn(futures::future::join_all(imms_to_survivor));
+    // Counter waits tied to a peer (`wait_for_from`): nothing will arrive for either.
+    let tied = |peer: PeerId, imm: u32| {
+        let e = engine.clone();
+        tokio::spawn(async move { e.imm_counter(imm).wait_for_from(&e, &[peer], 1).await })
+    };
+    let tied_to_victim = tied(dv.peer(), 77);
+    let tied_to_survivor = tied(ds.peer(), 78);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let killed = Instant::now();
     victim.kill();
@@ -157,6 +164,11 @@ async fn killed_peer(p: &str) {
     let down = events.next_about(dv.peer()).await;
     let detected = killed.elapsed();
     let PeerEvent::Down { reason, .. } = down else { panic!("{p}: expected Down, got {down:?}") };
+    // The wait tied to the victim fails with it; the one tied to the survivor still waits.
+    let r = bounded("a wait tied to the victim", tied_to_victim).await.unwrap();
+    assert!(matches!(r, Err(Error::PeerUnreachable { peer, .. }) if peer == dv.peer().0), "{p}: {r:?}");
+    assert!(!tied_to_survivor.is_finished(), "{p}: a wait tied to the live peer ended");
+    tied_to_survivor.abort();
     // The same, asked without waiting; the survivor is up; an id never given is unknown.
     let status = engine.peer_status(dv.peer());
     assert!(

@@ -385,3 +385,42 @@ impl DoneHook {
         Ok(())
     }
 }
+
+/// A tokio runtime for the few waits that need tokio's timers (`ImmCounter.wait_for` with
+/// `peers`: a grace period after a peer went down). Engine futures need no runtime; this one
+/// thread is started on first use.
+fn timers() -> Result<&'static tokio::runtime::Runtime, Error> {
+    static RT: std::sync::OnceLock<Option<tokio::runtime::Runtime>> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("fabric-py-timers")
+            .enable_time()
+            .build()
+            .ok()
+    })
+    .as_ref()
+    .ok_or_else(|| Error::Unsupported("could not start the timer thread".into()))
+}
+
+/// Runs `fut` on the timer runtime; the returned future resolves with its output, and
+/// dropping it (a cancelled await, a timed-out `wait()`) cancels `fut` there, so a counter
+/// wait inside it consumes nothing.
+pub(crate) fn on_timers<T: Send + 'static>(
+    fut: impl Future<Output = Result<T, Error>> + Send + 'static,
+) -> impl Future<Output = Result<T, Error>> + Send + 'static {
+    struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+    impl<T> Drop for AbortOnDrop<T> {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let handle = timers().map(|rt| AbortOnDrop(rt.spawn(fut)));
+    async move {
+        let mut h = handle?;
+        match (&mut h.0).await {
+            Ok(r) => r,
+            Err(e) => Err(Error::Unsupported(format!("the wait's task ended abnormally: {e}"))),
+        }
+    }
+}

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use fabric_async::{Engine, ImmCounter, PeerEvent, PeerGroup};
+use fabric_async::{Engine, ImmCounter, PeerEvent, PeerGroup, PeerId};
 use futures::StreamExt;
 use pyo3::exceptions::PyStopAsyncIteration;
 use pyo3::prelude::*;
@@ -41,8 +41,22 @@ impl PyImmCounter {
 
     /// Waits until `n` arrivals are available and consumes them. Cancel safe: a cancelled or
     /// timed-out wait consumes nothing. Raises `Shutdown`, `CounterLimit`, `CounterRetired`.
-    fn wait_for(&self, n: u64) -> Pending {
-        pending(self.counter.wait_for(n), none)
+    /// `peers`: the peer ids the arrivals come from; the wait then raises `PeerUnreachable`
+    /// once one of them is down or removed (and the wait has not ended within a 250 ms
+    /// grace), instead of waiting for a dead sender until your own timeout.
+    #[pyo3(signature = (n, peers=None))]
+    fn wait_for(&self, n: u64, peers: Option<Vec<u32>>) -> Pending {
+        match peers {
+            None => pending(self.counter.wait_for(n), none),
+            Some(peers) => {
+                let (engine, counter) = (self.engine.clone(), self.counter.clone());
+                let peers: Vec<PeerId> = peers.into_iter().map(PeerId).collect();
+                // The grace after a peer went down is a tokio timer: run on the timer thread.
+                let wait =
+                    async move { fabric_async::unless_down(&engine, &peers, counter.wait_for(n)).await };
+                pending(crate::bridge::on_timers(wait), none)
+            }
+        }
     }
 
     /// Consumes `n` arrivals if they are there; never waits.

@@ -123,9 +123,11 @@ pub(crate) fn export(obj: &Bound<'_, PyAny>) -> PyResult<DlExport> {
     let location = match t.device.device_type {
         KDL_CPU | KDL_CUDA_HOST => DlMemory::Host,
         KDL_CUDA => DlMemory::Cuda { ordinal: u32::try_from(t.device.device_id).unwrap_or(0) },
-        other => return Err(PyTypeError::new_err(format!(
+        other => {
+            return Err(PyTypeError::new_err(format!(
             "cannot register a DLPack tensor on device type {other}: CPU, pinned host and CUDA memory only"
-        ))),
+        )))
+        }
     };
     let ptr = (t.data as u64)
         .checked_add(t.byte_offset)

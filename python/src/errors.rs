@@ -156,7 +156,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// The Python exception of `e`, its message the Rust `Display`.
 pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
-    let (err, attrs): (PyErr, Vec<(&str, Attr)>) = match e {
+    let retryable = e.is_retryable();
+    let (err, mut attrs): (PyErr, Vec<(&str, Attr)>) = match e {
         Error::OutOfBounds { side, offset, len, region_len } => (
             OutOfBounds::new_err(msg),
             vec![
@@ -200,24 +201,26 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         // `Error` is non-exhaustive: a variant added later is still a `FabricError`.
         _ => (FabricError::new_err(msg), vec![]),
     };
-    if !attrs.is_empty() {
-        Python::attach(|py| {
-            let value = err.value(py);
-            for (name, a) in attrs {
-                // Attributes are a convenience: an exception that refuses them keeps its message.
-                let _ = match a {
-                    Attr::Int(v) => value.setattr(name, v),
-                    Attr::Str(s) => value.setattr(name, s),
-                };
-            }
-        });
-    }
+    // Every exception says whether the same call can succeed later (`Error::is_retryable`).
+    attrs.push(("retryable", Attr::Bool(retryable)));
+    Python::attach(|py| {
+        let value = err.value(py);
+        for (name, a) in attrs {
+            // Attributes are a convenience: an exception that refuses them keeps its message.
+            let _ = match a {
+                Attr::Int(v) => value.setattr(name, v),
+                Attr::Str(s) => value.setattr(name, s),
+                Attr::Bool(b) => value.setattr(name, b),
+            };
+        }
+    });
     err
 }
 
 enum Attr {
     Int(i64),
     Str(String),
+    Bool(bool),
 }
 
 /// `Result<T, fabric::Error>` into `PyResult<T>`.

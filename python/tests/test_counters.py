@@ -74,6 +74,33 @@ def test_cancelled_wait_consumes_nothing_and_the_engine_still_works(pair):
     asyncio.run(main())
 
 
+def test_a_wait_tied_to_peers_cancelled_or_timed_out_consumes_nothing(pair):
+    a, b, src, dst = pair
+
+    async def main():
+        c = b.imm_counter(24)
+        waiter = asyncio.ensure_future(c.wait_for(2, peers=[12345]))  # a peer never added
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await a.imm(dst, 24)
+        for _ in range(1000):
+            if c.available:
+                break
+            await asyncio.sleep(0.005)
+        assert c.available == 1, "the cancelled wait took nothing"
+        with pytest.raises(fabric_rdma.Timeout):
+            c.wait_for(2, peers=[12345]).wait(timeout=0.1)
+        assert c.available == 1, "nor did the timed-out one"
+        await a.imm(dst, 24)
+        await asyncio.wait_for(c.wait_for(2, peers=[12345]), 10)
+        assert c.available == 0
+
+    asyncio.run(main())
+
+
 def test_timeouts_async_and_blocking(pair):
     a, b, src, dst = pair
 

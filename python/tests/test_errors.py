@@ -32,7 +32,7 @@ def test_out_of_bounds(pair):
         with pytest.raises(fabric_rdma.OutOfBounds) as e:
             await a.write(src, 0, dst, 8000, 1000)
         assert (e.value.side, e.value.offset, e.value.len, e.value.region_len) == ("remote", 8000, 1000, 8192)
-        assert "out of bounds" in str(e.value)
+        assert "out of bounds" in str(e.value) and e.value.retryable is False
         with pytest.raises(fabric_rdma.OutOfBounds) as e:
             await a.write_imm(src, 4000, dst, 0, 200, 1)
         assert e.value.side == "local"
@@ -52,7 +52,7 @@ def test_unknown_peer_malformed_and_foreign(pair):
     a, b, src, dst = pair
     with pytest.raises(fabric_rdma.UnknownPeer) as e:
         a.send(99, b"x").wait(timeout=5)
-    assert e.value.peer == 99
+    assert e.value.peer == 99 and e.value.retryable is False
     with pytest.raises(fabric_rdma.UnknownPeer):
         a.recv_from(99).wait(timeout=5)
     with pytest.raises(fabric_rdma.Malformed):

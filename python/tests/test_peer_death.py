@@ -21,12 +21,17 @@ def test_killed_peer_raises_peer_unreachable(provider, spawn):
         events = engine.peer_events()
         assert (await asyncio.wait_for(events.__anext__(), 5)).kind == "up"
         receive = asyncio.ensure_future(engine.recv_from(dst.peer))
+        # A counter wait tied to the peer (nothing will arrive): fails once it is down.
+        tied = asyncio.ensure_future(engine.imm_counter(40).wait_for(1, peers=[dst.peer]))
         peer.kill()
         t = time.monotonic()
         down = await asyncio.wait_for(events.__anext__(), 15)
         assert (down.kind, down.peer) == ("down", dst.peer) and down.reason
         with pytest.raises(fabric_rdma.PeerUnreachable) as e:
             await asyncio.wait_for(receive, 15)
+        assert e.value.peer == dst.peer and e.value.retryable is True  # once the peer is back
+        with pytest.raises(fabric_rdma.PeerUnreachable) as e:
+            await asyncio.wait_for(tied, 15)
         assert e.value.peer == dst.peer
         # Writes fail with a typed error (PeerUnreachable once the engine saw the death).
         with pytest.raises(fabric_rdma.PeerUnreachable):
