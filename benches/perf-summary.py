@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-thread summaries of `perf` recordings of fabric-bench (docs/performance-history.md, "Profile").
+"""Per-thread summaries of `perf` recordings of fabric-bench (docs/performance-2core.md, "Profile").
 
 usage: perf script -i FILE -F tid,comm,event,trace | perf-summary.py syscalls
        perf script -i FILE -F tid,comm,time,ip,sym,dso | perf-summary.py cpu

@@ -74,7 +74,7 @@ struct Cli {
     /// Rows each expert can receive per step (default: every token of every rank).
     #[arg(long, value_name = "ROWS")]
     capacity: Option<usize>,
-    /// Also time each stage alone (a third pass, back to back, a GPU clock between stages:
+    /// Also time each stage alone (a third run, back to back, a GPU clock between stages:
     /// each clock adds a launch to the step).
     #[arg(long)]
     stages: bool,

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device run of the fast GPU path (docs/gpu.md, issue 28): on a GPU machine (no cargo
+# Device run of the fast GPU path (docs/gpu.md): on a GPU machine (no cargo
 # there), from a folder holding this script and, built on a dev machine and stripped:
 #   gpu          (cargo test -p integration-tests --test gpu --release --no-run: gpu-<hash>)
 #   gpu_signal   (same, --test gpu_signal)

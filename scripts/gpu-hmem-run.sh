@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device run of the GPUDirect path through libfabric (issue 32, docs/gpu.md "GPUDirect through
+# Device run of the GPUDirect path through libfabric (docs/gpu.md "GPUDirect through
 # libfabric"): the GPU tests against a libfabric built --with-cuda (scripts/libfabric-source.sh
 # with CUDA_HOME set), loaded through LD_LIBRARY_PATH, with FABRIC_LIBFABRIC_HMEM=1 (the
 # engine asks for FI_HMEM and registers CUDA memory with fi_mr_regattr). From a folder holding

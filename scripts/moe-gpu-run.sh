@@ -1,5 +1,5 @@
 #!/bin/bash
-# Device run of fabric-moe (docs/moe.md, issue 30 phase 1), under 6 minutes: on a GPU
+# Device run of fabric-moe (docs/moe.md), under 6 minutes: on a GPU
 # machine (no cargo there), from a folder holding this script and, built on a dev machine
 # and stripped (scripts/moe-gpu-ship.sh makes the folder):
 #   moe_gpu_test      (cargo test -p integration-tests --test moe_gpu --release --no-run)

@@ -22,14 +22,14 @@ use crate::account::{Account, Burst, Calls, Who};
 use crate::fabtests::{self, Fabtests};
 use crate::gpu::{self, Location};
 use crate::measure::{gbps, human, median};
+use crate::pair::{
+    builder_domains, engine_absorb, engine_side_with, engine_stream, mode_name, on_thread, perftest_target,
+    raw_side, Ctx, Res, IMM_ACK, IMM_DATA,
+};
 use crate::pattern::{self, Pattern};
 use crate::perftest;
 use crate::pin::{self, Pinned};
 use crate::report::{FtRef, Report, Rounds, Row};
-use crate::session::{
-    builder_domains, engine_absorb, engine_side_with, engine_stream, mode_name, on_thread, perftest_target,
-    raw_side, Ctx, Res, IMM_ACK, IMM_DATA,
-};
 use crate::{on_verbs, Opts};
 
 pub fn bw_sizes(o: &Opts) -> Vec<usize> {

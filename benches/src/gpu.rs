@@ -28,9 +28,9 @@ use fabric_runtime::cuda;
 use fabric_runtime::GpuPath;
 
 use crate::measure::{gbps, human, median};
+use crate::pair::{builder, engine_absorb, engine_stream, Ctx, Res, Side, IMM_WARM};
 use crate::pattern::Pattern;
 use crate::report::{Report, Row};
-use crate::session::{builder, engine_absorb, engine_stream, Ctx, Res, Side, IMM_WARM};
 
 /// `--location`: where the bw test's engine regions live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -10,11 +10,11 @@ use futures::future::join_all;
 
 use crate::fabtests::{self, Fabtests};
 use crate::measure::{human, percentiles};
-use crate::perftest;
-use crate::report::{FtRef, Report, Row};
-use crate::session::{
+use crate::pair::{
     engine_side, mode_name, on_thread, perftest_target, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG,
 };
+use crate::perftest;
+use crate::report::{FtRef, Report, Row};
 use crate::{on_verbs, Opts};
 
 /// perftest's `ib_write_lat -s 8` beside the engine's 8 B round trip (verbs only). perftest

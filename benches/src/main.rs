@@ -24,7 +24,7 @@
 //! One module per test: `bw.rs`, `lat.rs`, `rate.rs`, `wake.rs`, `scale.rs`, `rtt.rs`.
 //! `soak` (`soak/`) and `moe` (`moe.rs`: fabric-moe on GPUs beside NCCL) have command lines of
 //! their own.
-//! Shared: `session.rs` (the two processes, their meeting point, engine and raw sides; it
+//! Shared: `pair.rs` (the two processes, their meeting point, engine and raw sides; it
 //! imports no test), `pattern.rs` (bw's `--buffer hot|cold` offsets), `measure.rs` (CPU, RSS,
 //! percentiles, units), `report.rs` (table, JSON, plot), `progress.rs` (the progress
 //! display). This file parses the command line and dispatches to `run.rs`.
@@ -36,6 +36,7 @@ mod gpu;
 mod lat;
 mod measure;
 mod moe;
+mod pair;
 mod pattern;
 mod peers;
 mod perftest;
@@ -47,7 +48,6 @@ mod report;
 mod rtt;
 mod run;
 mod scale;
-mod session;
 mod soak;
 mod wake;
 

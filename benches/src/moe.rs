@@ -1,6 +1,6 @@
 //! `fabric-bench moe`: fabric-moe's dispatch and combine on the GPUs of this host, over
 //! NVLink and through the proxy (shm, tcp engines), beside NCCL's `all_to_all_single` of the
-//! same bytes in the same run (issue 30).
+//! same bytes in the same run.
 //!
 //! ```text
 //!  fabric-bench moe (leader: no GPU work)

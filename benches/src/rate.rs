@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 use fabric_async::OpBatch;
 
 use crate::measure::median;
-use crate::pattern::Pattern;
-use crate::report::{Report, Row};
-use crate::session::{
+use crate::pair::{
     engine_absorb, engine_side, engine_stream, on_thread, raw_side, Ctx, Res, Side, IMM_ACK, IMM_DATA,
 };
+use crate::pattern::Pattern;
+use crate::report::{Report, Row};
 use crate::{on_verbs, Opts};
 
 fn rate_ops(o: &Opts) -> u64 {

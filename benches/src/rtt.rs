@@ -32,10 +32,10 @@ use fabric_async::{CompletionWatch, ReactorMode};
 use crate::fabtests::{self, Fabtests};
 use crate::lat::{engine_ping, engine_pong};
 use crate::measure::{percentiles, spread};
+use crate::pair::{builder, engine_side_with, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG};
 use crate::pin::{self, Pinned};
 use crate::raw::Raw;
 use crate::report::{FtRef, Report, Rounds, Row};
-use crate::session::{builder, engine_side_with, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG};
 use crate::wake::spin_ping;
 use crate::{on_verbs, Opts};
 

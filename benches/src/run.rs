@@ -3,14 +3,14 @@
 //! The leader ([`leader_main`]) starts the peer process (`Ctx::leader`), both run
 //! [`run_tests`] (each test playing its side, meeting through the `Ctx`), and once the peer has
 //! exited the leader prints the table, writes `--json` and the plot. The tests' modules use
-//! `session.rs`; this module uses them: the imports flow one way.
+//! `pair.rs`; this module uses them: the imports flow one way.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use crate::fabtests::{self, Fabtests};
+use crate::pair::{builder, mode_name, Ctx, Res};
 use crate::report::Report;
-use crate::session::{builder, mode_name, Ctx, Res};
 use crate::{bw, lat, peers, rate, rtt, scale, wake, Opts, Test};
 
 pub async fn leader_main(o: Opts) -> Res<()> {

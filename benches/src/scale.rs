@@ -8,12 +8,12 @@ use fabric_async::ReactorMode;
 use futures::future::join_all;
 
 use crate::measure::{gbps, mem_available, rss, trim};
+use crate::pair::{
+    builder, engine_absorb, engine_side, fill, on_thread, raw_side, Ctx, Res, IMM_ACK, IMM_DATA, IMM_WARM,
+};
 use crate::pattern::Pattern;
 use crate::rate::RATE_WINDOW;
 use crate::report::{Report, Row};
-use crate::session::{
-    builder, engine_absorb, engine_side, fill, on_thread, raw_side, Ctx, Res, IMM_ACK, IMM_DATA, IMM_WARM,
-};
 use crate::{on_verbs, Test};
 
 pub async fn run(ctx: &mut Ctx, rep: &mut Report) -> Res<()> {

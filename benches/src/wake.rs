@@ -11,10 +11,10 @@ use fabric_async::{OpBatch, ReactorMode};
 use crate::lat::{engine_ping, engine_pong, fabtests_rt, lat_iters};
 use crate::measure::{cpu_time, percentiles};
 use crate::on_verbs;
-use crate::report::{Report, Row};
-use crate::session::{
+use crate::pair::{
     builder, engine_side_with, mode_name, on_thread, raw_side, Ctx, Res, Side, IMM_PING, IMM_PONG,
 };
+use crate::report::{Report, Row};
 
 /// The synchronous path: post_write_imm into an OpBatch, spin_wait on the counter.
 pub fn spin_ping(s: &Side, size: usize, iters: usize, lead: bool) -> Res<Vec<Duration>> {

@@ -173,7 +173,7 @@ pub(crate) const HUGE_PAGE: usize = 2 << 20;
 /// huge page where it can (THP `always` or `madvise`, and a free huge page at the first
 /// touch), and with small pages otherwise; either way the memory behaves the same. What it
 /// changes is the cost of every walk over the pages: shm's `process_vm_readv` copy, `ibv_reg_mr`
-/// pinning, the TLB (`docs/performance-history.md`, fifth pass).
+/// pinning, the TLB (`docs/performance.md`, "Huge pages").
 pub(crate) fn map_zeroed(len: usize, huge: bool) -> io::Result<std::ptr::NonNull<u8>> {
     if !huge || len < HUGE_PAGE {
         return map_anonymous(len);

@@ -15,7 +15,7 @@ use fabric_runtime::Error;
 mod verbs_util;
 use verbs_util::*;
 
-/// `issue 29`: a bad remote access (a forged key, the key of a dropped region) fails that
+/// A bad remote access (a forged key, the key of a dropped region) fails that
 /// operation only, promptly, as a remote access error; the RC connection is re-established
 /// (both sides replace the QP) and later operations to the peer's live regions succeed, on
 /// both sides, with immediates counted once. Three rounds of write, write with immediate and

@@ -1,4 +1,4 @@
-//! Issue 29 on verbs: a bad remote access fails that operation, and only it. A write, a write
+//! On verbs: a bad remote access fails that operation, and only it. A write, a write
 //! with immediate and a read through a forged descriptor and through the descriptor of a
 //! dropped region each end promptly (<= 100 ms, never `op_timeout`) with
 //! `Error::RemoteAccess`; the RC connection the bad key tore down is re-established, a write

@@ -1,4 +1,4 @@
-//! Issue 29 on verbs: a peer marked down whose process still runs comes back when its
+//! On verbs: a peer marked down whose process still runs comes back when its
 //! address is added again (`docs/faults.md`, "A live peer can be recovered"), and one whose
 //! process is gone does not. On verbs whether a peer answers takes a handshake round trip:
 //! `add_peer` answers once the peer's process has answered the handshake of the revival, or

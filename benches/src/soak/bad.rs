@@ -39,7 +39,7 @@ use std::time::Duration;
 use fabric_async::faults::{INJECTED_ERRNO, INJECTED_MESSAGE};
 use fabric_async::{Error, RegionDescriptor, RemoteRegion};
 
-use crate::session::Res;
+use crate::pair::Res;
 
 /// The immediate of every write_imm through a stale or forged descriptor: the peer counts
 /// it apart from [`super::peer::IMM`], and nobody checks that count.

@@ -16,7 +16,7 @@ use fabric_async::Engine;
 use super::bad::{split_gen, Extra, KEEP};
 use super::ledger::Target;
 use super::rng::Rng;
-use crate::session::Res;
+use crate::pair::Res;
 
 /// The leader's side of one incarnation's extra regions (module docs), until `stop` or the
 /// target is killed. Returns its violations.

@@ -51,7 +51,7 @@ use fabric_async::faults::{FaultHandle, FaultPlan};
 use fabric_async::{Engine, Error, MemoryRegion, PeerEvent, PeerId};
 use futures::StreamExt;
 
-use crate::session::Res;
+use crate::pair::Res;
 use ledger::{Counts, Target};
 use peer::{Incarnation, PeerArgs, IMM};
 use rng::Rng;

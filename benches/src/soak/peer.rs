@@ -19,7 +19,7 @@ use clap::Args;
 use fabric_async::bootstrap::{Rendezvous, TcpStore};
 use fabric_async::{Engine, PeerId, RemoteRegion};
 
-use crate::session::Res;
+use crate::pair::Res;
 
 /// The immediate value of every write_imm and imm-only write of the soak.
 pub const IMM: u32 = 77;
@@ -146,7 +146,7 @@ impl Incarnation {
             match tokio::time::timeout(Duration::from_secs(60), store.get(&k)).await {
                 Ok(v) => Ok(v?),
                 Err(_) => {
-                    Err::<Vec<u8>, crate::session::BoxError>(format!("{k}: not published within 60 s").into())
+                    Err::<Vec<u8>, crate::pair::BoxError>(format!("{k}: not published within 60 s").into())
                 }
             }
         };

@@ -9,7 +9,7 @@ use fabric_async::Error;
 
 use super::ledger::{self, Target};
 use super::Leader;
-use crate::session::Res;
+use crate::pair::Res;
 
 impl Leader {
     /// Waits until the engine has nothing in flight or queued for `t`, then compares the

@@ -170,15 +170,14 @@ impl EngineBuilder {
     /// `FABRIC_AWAIT_SPIN_US` sets another default).
     ///
     /// For round trips on an engine that must not spin while idle: an operation or arrival
-    /// that completes within the spin costs no OS wake-up of the awaiting thread. An 8 B tcp
-    /// round trip took 31 µs with 50 µs of spin against 62 µs without (raw provider loop:
-    /// 29 µs), shm 2.8 µs against 20 µs (`docs/latency.md`). While callers spin, the reactor
+    /// that completes within the spin costs no OS wake-up of the awaiting thread (what that
+    /// saves on tcp and shm round trips: `docs/latency.md`). While callers spin, the reactor
     /// thread stands by; a caller that parks tells it at once. The cost is the awaiting
     /// thread's CPU while it spins, and other tasks of its runtime wait that long: leave it at
     /// 0 where many tasks await at once (a `join_all` of a thousand transfers would spin for
     /// each pending one). An idle engine spins nowhere: only a `poll` of a pending future
-    /// does. Bandwidth loops gain nothing measurable from it (`docs/performance-history.md`,
-    /// second pass).
+    /// does. Bandwidth loops gain nothing measurable from it (`docs/latency.md`,
+    /// "`await_spin`").
     pub fn await_spin(mut self, d: Duration) -> Self {
         self.await_spin = d;
         self
@@ -195,13 +194,10 @@ impl EngineBuilder {
     /// While it lingers, each `poll` of the future looks for its result for up to 20 µs and,
     /// still pending, asks its executor to poll it again (as `tokio::task::yield_now` does),
     /// so other tasks of the runtime run in between; the reactor thread meanwhile keeps
-    /// polling the NICs rather than sleeping, yielding its core when a pass finds nothing. The result is then seen as soon as it lands, with no OS wake-up
-    /// of either thread on its path: a parked thread on an idle CPU takes several
-    /// microseconds to wake (6-10 µs on the 16-core reference VM), which a stream of writes
-    /// pays once per window (shm completes a whole window together) and a round trip once
-    /// per hop. On that machine the default took a 64 KiB stream of 16 writes in flight on
-    /// shm from 0.85-0.90 to 0.98 of the raw provider loop, and an 8 B tcp round trip from
-    /// the raw loop's + 30 µs to + 5 µs (`docs/performance-history.md`, seventh pass;
+    /// polling the NICs rather than sleeping, yielding its core when a pass finds nothing.
+    /// The result is then seen as soon as it lands, with no OS wake-up of either thread on
+    /// its path: a parked thread on an idle CPU takes microseconds to wake, which a stream of
+    /// writes pays once per window and a round trip once per hop (what it saves:
     /// `docs/latency.md`, "Lingering awaits").
     ///
     /// One future of an engine lingers at a time (the first to find itself pending; the
@@ -212,9 +208,8 @@ impl EngineBuilder {
     /// On a [`ReactorMode::BusyPoll`] engine the lingering future also drives the NICs: it
     /// runs the reactor's pass between its peeks (first up to 32 passes before it takes the
     /// engine's lingering slot, which most waits of a round trip never need), while the
-    /// reactor thread stands by. That took an 8 B shm round trip with futures from the raw
-    /// loop's + 2.5 µs to + 0.65-0.8 µs (`docs/latency.md`). A budget of 0 there makes futures
-    /// park at once; the synchronous spin paths drive all the same.
+    /// reactor thread stands by (the round trips it saves: `docs/latency.md`). A budget of 0
+    /// there makes futures park at once; the synchronous spin paths drive all the same.
     ///
     /// The cost is CPU while something is awaited and has not completed: the awaiting
     /// thread and the reactor thread each keep a core busy for up to this long per wait (a
@@ -228,9 +223,8 @@ impl EngineBuilder {
     /// lingering futures spent their budget and parked anyway (results that take longer than
     /// the budget, as in a deep pipeline of CUDA IPC copies), futures park at once, but one
     /// in 16, whose outcome tells when results are quick again (`ReactorStats::linger_skipped`
-    /// counts the others). On two H200 a stream of 16 CUDA IPC writes in flight ran 5x
-    /// faster that way at 64 KiB: each lingering spin that ran out ended in a wake-up that
-    /// cost the reactor 35-60 µs (`docs/gpu.md`).
+    /// counts the others): a lingering spin that runs out ends in a wake-up that costs the
+    /// reactor more than the spin saved (measured on CUDA IPC streams: `docs/gpu.md`).
     pub fn await_linger(mut self, d: Duration) -> Self {
         self.await_linger = d;
         self
@@ -244,15 +238,12 @@ impl EngineBuilder {
     ///
     /// A provider whose progress is driven by polling (libfabric `tcp`: the target's polls
     /// read the socket, the initiator's send the data) moves nothing while its reactor
-    /// sleeps, and each wake-up costs microseconds (6-10 µs on the 16-core reference VM)
-    /// during which its socket buffer fills and the sender stalls. A stream whose writes
-    /// complete more often than the window keeps it open, so its reactors never sleep
-    /// mid-transfer. On that machine a 1 MiB tcp stream (16 writes in flight, an arrival
-    /// every ~150 µs) in `Event` mode ran at 0.82-0.96 of the raw provider loop without a
-    /// window, its receiving reactor sleeping 0.27-0.65 times per write; with 50 µs at
-    /// 0.87-0.98 (0.24-1.96 sleeps per write); with 250 µs at 0.966-1.03 (under 0.04)
-    /// (`docs/performance.md`, tenth pass). Larger writes, which arrive further apart, let
-    /// it sleep between arrivals at no measured cost (there the sender limits the stream).
+    /// sleeps, and each wake-up costs microseconds during which its socket buffer fills and
+    /// the sender stalls. A stream whose writes complete more often than the window keeps
+    /// it open, so its reactors never sleep mid-transfer; larger writes, which arrive
+    /// further apart, let it sleep between arrivals at no measured cost (there the sender
+    /// limits the stream). What the window gains on tcp: `docs/performance.md`, "The poll
+    /// window".
     /// The cost is CPU just after activity: up to this long per burst of work, one core
     /// while work arrives more often than this (as the raw loop, which spins all along); an
     /// idle engine still sleeps. On a NIC with no wait fd (shm, EFA) the reactor polls for
@@ -270,7 +261,7 @@ impl EngineBuilder {
     /// started on an idle engine, such as each hop of a ping-pong. Only on an idle engine:
     /// with operations in flight the reactor thread is woken to post it (their completions
     /// wake it anyway), so a stream of writes has one thread in the NIC instead of two
-    /// taking turns on its lock (on tcp that took 5-20% off a window's bandwidth). The pass takes the
+    /// taking turns on its lock (which cost bandwidth on tcp). The pass takes the
     /// reactor's lock only if it is free (never waits for it) and also completes whatever it
     /// finds in the completion queues; registrations, peer changes and the synchronous
     /// `post_*` path (`OpBatch`: no allocation and no reactor work on its caller's thread)
@@ -307,10 +298,9 @@ impl EngineBuilder {
     /// variable `FABRIC_HUGE_PAGES=0` (or `off`, `false`, `no`) turns the default off.
     ///
     /// Every walk over a region's pages then takes one step per 2 MiB instead of per 4 KiB:
-    /// shm's copy (`process_vm_readv` pins the source pages of every write) moved 1.1-1.7x
-    /// the bytes per second at 64 KiB-64 MiB on the 16-core reference machine
-    /// (`docs/performance-history.md`, fifth pass); a verbs NIC pins and maps fewer pages at
-    /// registration; the TLB misses less.
+    /// shm's copy (`process_vm_readv` pins the source pages of every write), a verbs NIC's
+    /// pinning and mapping at registration, the TLB (measured: `docs/performance.md`, "Huge
+    /// pages").
     ///
     /// The kernel decides at the first touch of each 2 MiB: with THP `never`, or no free huge
     /// page, the memory is ordinary small pages and works the same. The cost: a touched 2 MiB

@@ -466,12 +466,11 @@ impl Engine {
     ///
     /// On a transport whose target refuses a bad key without telling the writer (libfabric
     /// 1.17's `shm`), the owner is asked first whether the descriptor names a live region of
-    /// its own that covers its whole range: **one control round trip** (about 50-60 µs on shm
-    /// on a 2-core machine, a few ms at most when the owner's reactor idles; answered by the
-    /// owner's reactor thread, whatever its application is doing), paid once per descriptor while a `RemoteRegion`
-    /// of it lives in this engine, not per operation. On tcp and verbs the target reports a
-    /// bad key itself, and nothing is asked. `docs/faults.md`, "A bad remote access fails
-    /// that operation, and only it".
+    /// its own that covers its whole range: **one control round trip** (answered by the
+    /// owner's reactor thread, whatever its application is doing), paid once per descriptor
+    /// while a `RemoteRegion` of it lives in this engine, not per operation. On tcp and verbs
+    /// the target reports a bad key itself, and nothing is asked. `docs/faults.md`, "A bad
+    /// remote access fails that operation, and only it".
     ///
     /// Errors: [`Error::Malformed`] for bytes that are not a descriptor, [`Error::Foreign`]
     /// for a descriptor of another transport or NIC count, [`Error::Stale`] for the

@@ -74,9 +74,8 @@ pub enum ReactorMode {
     /// reactor thread stands by, asleep on its eventfd for 20 µs at a time; it takes over
     /// within that once they stop, and at once when a future parks. A future that does not
     /// linger (another lingers, or the budget is 0) parks its executor thread and pays an OS
-    /// wake-up (~10 µs); see `Inline`. On the 16-core reference VM an 8 B shm round trip
-    /// takes the raw provider loop's + 0.4-0.6 µs on the spin path and + 0.65-0.8 µs with
-    /// lingering futures (`docs/latency.md`).
+    /// wake-up; see `Inline`. What each path costs over the raw provider loop:
+    /// `docs/latency.md`.
     BusyPoll,
     /// The task that awaits drives the NICs itself, for latency-critical paths (MoE
     /// dispatch/combine). Polling an `OpFuture`, a `wait_for` or a `recv`, and the
@@ -130,10 +129,9 @@ const INLINE_STANDBY: Duration = Duration::from_micros(200);
 /// pass after the last of them stops comes within about this long. A future that parks
 /// meanwhile ends the standby at once (`Lingering::parking`), unless it looked just before
 /// the standby began; this bound then holds for it too.
-/// It sleeps rather than spins meanwhile: on the 16-core reference VM, a reactor thread
-/// spinning beside them, even on a core of its own and touching nothing they write but the
-/// pass counter once per 2 µs, took 0.4-0.7 µs more per 8 B shm round trip from callers that
-/// drive than one asleep (`docs/latency.md`).
+/// It sleeps rather than spins meanwhile: a reactor thread spinning beside them, even on a
+/// core of its own and touching nothing they write but the pass counter, slowed the round
+/// trips of callers that drive (`docs/latency.md`).
 const BUSY_STANDBY: Duration = Duration::from_micros(20);
 
 /// The timer slack of a `BusyPoll` reactor thread, in ns (`sys::set_timer_slack`).
