@@ -50,9 +50,9 @@ pub use fabric_runtime::topology;
 pub use fabric_runtime::GpuCounter;
 pub use fabric_runtime::{
     Arrivals, BatchEntry, BatchOp, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder,
-    EngineStats, Error, GpuPath, GpuStats, ImmCounter, MemoryLocation, MemoryRegion, OpBatch, OpFuture,
-    OpStats, PageLayout, PeerEvent, PeerEvents, PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture,
-    RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side, TransferOpts, Transfers, WaitFor,
-    WeakMemoryRegion,
+    EngineSettings, EngineStats, Error, GpuPath, GpuStats, ImmCounter, LatencyProfile, MemoryLocation,
+    MemoryRegion, OpBatch, OpFuture, OpStats, PageLayout, PeerEvent, PeerEvents, PeerGroup, PeerId,
+    ReactorMode, ReactorStats, RecvFuture, RegionDescriptor, RemoteRegion, Result, Route, ScatterEntry, Side,
+    TransferOpts, Transfers, WaitFor, WeakMemoryRegion,
 };
 pub use watch::CompletionWatch;

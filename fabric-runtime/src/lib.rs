@@ -36,9 +36,10 @@ pub use counter::{ImmCounter, WaitFor};
 pub use engine::GpuCounter;
 #[cfg(not(loom))]
 pub use engine::{
-    BatchEntry, BatchOp, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder, EngineStats,
-    GpuStats, MemoryRegion, OpBatch, OpFuture, OpStats, PeerGroup, PeerId, ReactorMode, ReactorStats,
-    RecvFuture, RemoteRegion, ScatterEntry, Transfers, WeakMemoryRegion,
+    BatchEntry, BatchOp, CompletionWakeups, ControlFuture, CounterStats, Engine, EngineBuilder,
+    EngineSettings, EngineStats, GpuStats, LatencyProfile, MemoryRegion, OpBatch, OpFuture, OpStats,
+    PeerGroup, PeerId, ReactorMode, ReactorStats, RecvFuture, RemoteRegion, ScatterEntry, Transfers,
+    WeakMemoryRegion,
 };
 pub use error::{Error, Result, Side};
 #[cfg(not(loom))]

@@ -223,3 +223,38 @@ async fn stats_reach_the_metrics_facade() {
     w.shutdown();
     r.shutdown();
 }
+
+/// Latency profiles set the mode and every latency option together; a setter after the
+/// profile wins; `stats()` (and its `Display`) says what the engine runs with.
+#[test]
+fn latency_profiles_and_the_settings_stats_report() {
+    use fabric_async::{LatencyProfile, ReactorMode};
+    let p = primary();
+    let build = |b: fabric_async::EngineBuilder| b.provider(&p).build().expect("engine");
+    let low = build(Engine::builder().latency_profile(LatencyProfile::LowCpu));
+    let s = low.stats().settings;
+    assert_eq!(
+        (s.mode, s.await_linger, s.poll_window, s.await_spin),
+        (ReactorMode::Event, Duration::ZERO, Duration::ZERO, Duration::ZERO)
+    );
+    assert!(s.cpus >= 1);
+    assert!(low.stats().to_string().contains("settings: Event mode, await_linger 0 us, poll_window 0 us"));
+    let balanced = build(Engine::builder().latency_profile(LatencyProfile::Balanced));
+    let s = balanced.stats().settings;
+    assert_eq!(
+        (s.mode, s.await_linger, s.poll_window),
+        (ReactorMode::Event, Duration::from_micros(200), Duration::from_micros(250))
+    );
+    let fast = build(
+        Engine::builder().latency_profile(LatencyProfile::LowLatency).await_linger(Duration::from_micros(50)),
+    );
+    let s = fast.stats().settings;
+    assert_eq!(
+        (s.mode, s.await_linger),
+        (ReactorMode::BusyPoll, Duration::from_micros(50)),
+        "the later setter wins"
+    );
+    for e in [low, balanced, fast] {
+        e.shutdown();
+    }
+}

@@ -122,8 +122,9 @@ class Engine:
     def __init__(
         self,
         provider: str | None = None,
-        mode: Literal["event", "adaptive", "busy_poll", "inline"] = "event",
+        mode: Literal["event", "adaptive", "busy_poll", "inline"] | None = None,
         *,
+        profile: Literal["low_cpu", "balanced", "low_latency"] | None = None,
         nics: Sequence[str] | None = None,
         domains: int | None = None,
         op_timeout: float | None = 30.0,

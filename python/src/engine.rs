@@ -7,7 +7,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use std::sync::Mutex;
 
-use fabric_async::{BatchEntry, BatchOp, Engine, MemoryLocation, PeerId, ReactorMode, ScatterEntry};
+use fabric_async::{
+    BatchEntry, BatchOp, Engine, LatencyProfile, MemoryLocation, PeerId, ReactorMode, ScatterEntry,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -114,21 +116,25 @@ impl PyEngine {
     /// Builds an engine and starts its reactor thread.
     ///
     /// `provider`: "tcp" (default, or `FABRIC_PROVIDER`), "shm", "udp", "verbs", "verbs:DEV".
-    /// `mode`: "event" (sleeps when idle), "adaptive" (spins `spin` seconds after activity),
-    /// "busy_poll" (spins a core, `pin_core`), "inline" (awaiting drives the NICs).
+    /// `mode`: "event" (sleeps when idle; the default), "adaptive" (spins `spin` seconds after
+    /// activity), "busy_poll" (spins a core, `pin_core`), "inline" (awaiting drives the NICs).
+    /// `profile`: "low_cpu", "balanced" or "low_latency" sets the mode and the latency options
+    /// together (`LatencyProfile`; a `mode` given beside it wins); `stats()["settings"]` says
+    /// what the engine runs with.
     /// `nics`: NIC names; `domains`: N domains of the provider (loopback testing).
     /// `op_timeout`: seconds an operation may go without completing (None: forever).
     /// `cuda_ipc`: False makes writes into GPU memory of a process on this host take the
     /// region's NIC path (GPUDirect or staged) instead of CUDA IPC (`docs/gpu.md`).
     #[new]
-    #[pyo3(signature = (provider=None, mode="event", *, nics=None, domains=None, op_timeout=Some(30.0),
+    #[pyo3(signature = (provider=None, mode=None, *, profile=None, nics=None, domains=None, op_timeout=Some(30.0),
                         spin=None, pin_core=None, node=None, huge_pages=None, max_counters=None,
                         max_msg_size=None, cuda_ipc=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         provider: Option<String>,
-        mode: &str,
+        mode: Option<&str>,
+        profile: Option<&str>,
         nics: Option<Vec<String>>,
         domains: Option<usize>,
         op_timeout: Option<f64>,
@@ -140,7 +146,23 @@ impl PyEngine {
         max_msg_size: Option<usize>,
         cuda_ipc: Option<bool>,
     ) -> PyResult<Self> {
-        let mut b = Engine::builder().mode(self::mode(mode, spin)?);
+        let mut b = Engine::builder();
+        if let Some(p) = profile {
+            b = b.latency_profile(match p {
+                "low_cpu" => LatencyProfile::LowCpu,
+                "balanced" => LatencyProfile::Balanced,
+                "low_latency" => LatencyProfile::LowLatency,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "unknown profile {other:?}: \"low_cpu\", \"balanced\" or \"low_latency\""
+                    )))
+                }
+            });
+        }
+        // A mode given with a profile overrides the profile's.
+        if mode.is_some() || profile.is_none() {
+            b = b.mode(self::mode(mode.unwrap_or("event"), spin)?);
+        }
         if let Some(p) = provider {
             b = b.provider(p);
         }

@@ -50,5 +50,14 @@ pub(crate) fn to_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'
     d.set_item("counters", counters)?;
     d.set_item("max_counters", s.max_counters)?;
     d.set_item("imm_refused", s.imm_refused)?;
+    let st = &s.settings;
+    let settings = PyDict::new(py);
+    settings.set_item("mode", format!("{:?}", st.mode))?;
+    settings.set_item("await_linger", st.await_linger.as_secs_f64())?;
+    settings.set_item("poll_window", st.poll_window.as_secs_f64())?;
+    settings.set_item("await_spin", st.await_spin.as_secs_f64())?;
+    settings.set_item("direct_post", st.direct_post)?;
+    settings.set_item("cpus", st.cpus)?;
+    d.set_item("settings", settings)?;
     Ok(d)
 }

@@ -175,3 +175,14 @@ def test_stream_order_without_a_cuda_driver_is_unsupported(pair):
     with pytest.raises(TypeError, match="not a CUDA stream"):
         a.write(src, 0, dst, 0, 8, after="stream")
     a.write(src, 0, dst, 0, 8).wait(timeout=10)  # and the engine still works
+
+
+def test_latency_profiles_and_what_the_engine_runs_with(provider):
+    with fabric_rdma.Engine(provider, profile="low_cpu") as e:
+        s = e.stats()["settings"]
+        assert (s["mode"], s["await_linger"], s["poll_window"]) == ("Event", 0.0, 0.0) and s["cpus"] >= 1
+    with fabric_rdma.Engine(provider, "event", profile="low_latency") as e:  # the mode given wins
+        s = e.stats()["settings"]
+        assert (s["mode"], s["await_linger"]) == ("Event", 200e-6)
+    with pytest.raises(ValueError, match="unknown profile"):
+        fabric_rdma.Engine(provider, profile="fastest")

@@ -126,7 +126,56 @@ fn with_many_cpus(d: Duration) -> Duration {
     }
 }
 
+/// Named sets of the latency settings ([`EngineBuilder::latency_profile`]): a reactor mode
+/// and the options that trade CPU for round-trip time (`docs/latency.md`), chosen together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LatencyProfile {
+    /// Least CPU: `Event` mode, an idle reactor sleeps at once and every pending future parks
+    /// at once (`await_linger`, `poll_window` and `await_spin` 0). Each hop of a round trip
+    /// pays OS wake-ups. For many engines per machine, or a few cores shared with other work.
+    LowCpu,
+    /// `Event` mode with lingering futures (200 µs) and a poll window (250 µs): the defaults
+    /// of a machine with 8 or more CPUs, whatever this one has. Busy cores only around
+    /// activity; an idle engine sleeps.
+    Balanced,
+    /// `BusyPoll`: the reactor thread spins (one core per engine, always) and lingering
+    /// futures (200 µs) drive the NICs themselves. Pin it with [`EngineBuilder::pin_core`].
+    /// For latency-critical loops (MoE dispatch, decode steps) with a core to spare.
+    LowLatency,
+}
+
 impl EngineBuilder {
+    /// Sets the reactor mode and every latency option at once from a named profile
+    /// (`docs/latency.md`, "Choosing a path"); options set after this call override the
+    /// profile's. Without a profile the defaults depend on the machine: `await_linger` and
+    /// `poll_window` are on with 8 or more CPUs (counting a cgroup's CPU quota) and off
+    /// below, which a container's quota can change; `Engine::stats` shows what was chosen.
+    pub fn latency_profile(mut self, p: LatencyProfile) -> Self {
+        let (mode, linger, window) = match p {
+            LatencyProfile::LowCpu => (ReactorMode::Event, Duration::ZERO, Duration::ZERO),
+            LatencyProfile::Balanced => (ReactorMode::Event, LINGER_DEFAULT, POLL_WINDOW_DEFAULT),
+            LatencyProfile::LowLatency => (ReactorMode::BusyPoll, LINGER_DEFAULT, Duration::ZERO),
+        };
+        self.mode = mode;
+        self.await_linger = linger;
+        self.poll_window = window;
+        self.await_spin = Duration::ZERO;
+        self
+    }
+
+    /// The latency settings an engine built now would run with.
+    pub(crate) fn settings(&self) -> crate::engine::stats::EngineSettings {
+        crate::engine::stats::EngineSettings {
+            mode: self.mode,
+            await_linger: self.await_linger,
+            poll_window: self.poll_window,
+            await_spin: self.await_spin,
+            direct_post: self.direct_post,
+            cpus: crate::sys::machine_cpus(),
+        }
+    }
+
     /// The transport: `"tcp"` (default; loopback unless `node` says otherwise), `"shm"`,
     /// `"udp"` (slow, for small tests), `"efa"`, or any libfabric provider name; or
     /// `"verbs"` / `"verbs:DEVICE"` for the ibverbs backend (cargo feature `verbs`). The

@@ -28,7 +28,7 @@ mod metrics;
 pub(crate) mod op;
 mod recv;
 pub(crate) mod region;
-mod stats;
+pub(crate) mod stats;
 mod transfer;
 mod wakeups;
 
@@ -57,13 +57,13 @@ use crate::sync::Driver;
 pub use crate::reactor::ReactorMode;
 pub use crate::shared::PeerId;
 pub use batch::{BatchEntry, BatchOp};
-pub use builder::EngineBuilder;
+pub use builder::{EngineBuilder, LatencyProfile};
 #[cfg(feature = "cuda")]
 pub use gpu::signal::GpuCounter;
 pub use op::{ControlFuture, OpBatch, OpFuture};
 pub use recv::RecvFuture;
 pub use region::{MemoryRegion, RemoteRegion, WeakMemoryRegion};
-pub use stats::{CounterStats, EngineStats, GpuStats, OpStats, ReactorStats};
+pub use stats::{CounterStats, EngineSettings, EngineStats, GpuStats, OpStats, ReactorStats};
 pub use transfer::{PeerGroup, ScatterEntry, Transfers};
 pub use wakeups::CompletionWakeups;
 
@@ -84,6 +84,8 @@ struct EngineInner {
     direct: Option<Arc<dyn crate::sync::DirectPost>>,
     /// Registrations on the caller's thread (`register_raw`).
     registrar: Arc<dyn crate::sync::RegisterHere>,
+    /// The latency settings, as the builder resolved them (`stats`).
+    settings: stats::EngineSettings,
     mode: ReactorMode,
     /// The pinned words of `gpu_counter`s.
     #[cfg(feature = "cuda")]
@@ -166,6 +168,9 @@ impl Engine {
         shared.vouch = domains.iter().any(|d| d.refuses_bad_keys_silently());
         shared.set_max_counters(cfg.max_counters);
         let shared = Arc::new(shared);
+        let settings = cfg.settings();
+        // The defaults of some of these depend on the machine's CPUs: say what was chosen.
+        tracing::debug!(%settings, "latency settings");
         let mut rcfg = cfg.reactor_config();
         rcfg.msg_slot = msg_slot;
         let mode = rcfg.mode;
@@ -180,6 +185,7 @@ impl Engine {
                 submitter: started.submitter,
                 direct: started.direct,
                 registrar: started.registrar,
+                settings,
                 mode,
                 #[cfg(feature = "cuda")]
                 gpu_counters: Default::default(),

@@ -194,6 +194,57 @@ pub struct EngineStats {
     pub imm_refused: u64,
     /// The engine's CUDA copies (all zero without GPU transfers).
     pub gpu: GpuStats,
+    /// The latency settings the engine runs with, as its builder resolved them.
+    pub settings: EngineSettings,
+}
+
+/// The reactor mode and latency options an engine runs with ([`EngineStats::settings`]):
+/// what [`EngineBuilder::latency_profile`](crate::EngineBuilder::latency_profile), the
+/// builder's setters, the environment and the machine's CPU count made of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineSettings {
+    /// The reactor mode.
+    pub mode: crate::ReactorMode,
+    /// `EngineBuilder::await_linger`.
+    pub await_linger: Duration,
+    /// `EngineBuilder::poll_window`.
+    pub poll_window: Duration,
+    /// `EngineBuilder::await_spin`.
+    pub await_spin: Duration,
+    /// `EngineBuilder::direct_post`.
+    pub direct_post: bool,
+    /// The CPUs this process may use (a cgroup's quota counted), which the defaults of
+    /// `await_linger` and `poll_window` depend on.
+    pub cpus: usize,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        EngineSettings {
+            mode: crate::ReactorMode::Event,
+            await_linger: Duration::ZERO,
+            poll_window: Duration::ZERO,
+            await_spin: Duration::ZERO,
+            direct_post: true,
+            cpus: 0,
+        }
+    }
+}
+
+impl fmt::Display for EngineSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} mode, await_linger {} us, poll_window {} us, await_spin {} us, direct posting {} ({} CPUs)",
+            self.mode,
+            self.await_linger.as_micros(),
+            self.poll_window.as_micros(),
+            self.await_spin.as_micros(),
+            if self.direct_post { "on" } else { "off" },
+            self.cpus
+        )
+    }
 }
 
 impl EngineStats {
@@ -240,6 +291,7 @@ impl fmt::Display for OpStats {
 impl fmt::Display for EngineStats {
     /// Several lines: NICs, peers, the reactor, counters.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "settings: {}", self.settings)?;
         for (i, n) in self.nics.iter().enumerate() {
             writeln!(f, "nic {i} ({}): {n}", self.transport)?;
         }
@@ -369,6 +421,7 @@ impl Engine {
             counters,
             max_counters,
             imm_refused,
+            settings: self.inner.settings,
         }
     }
 }
