@@ -80,7 +80,7 @@ async fn main() -> Result<(), BoxError> {
     );
 
     let len = 8 << 20;
-    let src = a.register((0..len as u64).map(byte).collect()).await?;
+    let src = a.register_copy((0..len as u64).map(byte).collect()).await?;
     let on_b = b.alloc(len).await?;
     let on_c = c.alloc(len).await?;
     let (rb, rc) = (remote(&a, &on_b).await?, remote(&a, &on_c).await?);

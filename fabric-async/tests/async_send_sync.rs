@@ -23,7 +23,7 @@ fn handles_and_futures_are_send() {
             let _ = e.add_peer(&[]).await;
             let _ = e.remote_region(&[]).await;
             let _ = e.alloc(1).await;
-            let _ = e.register(vec![1]).await;
+            let _ = e.register_copy(vec![1]).await;
             let _ = e.imm(&r, 1).await;
         });
     };

@@ -21,7 +21,7 @@ fn engine(nics: usize) -> Option<Engine> {
 async fn patterned(e: &Engine, seed: u64) -> MemoryRegion {
     let mut v = vec![0u8; LEN];
     fill_pattern(&mut v, seed, 0);
-    e.register(v).await.expect("register")
+    e.register_copy(v).await.expect("register")
 }
 
 /// A small deterministic generator (xorshift64*).

@@ -43,7 +43,7 @@ async fn sync_post_and_spin_until_done() {
         assert!(reactor_pinned_to(&cpu.to_string()), "the busy-poll reactor runs on cpu {cpu} only");
         let mut data = vec![0u8; size];
         fill_pattern(&mut data, 77, 0);
-        let src = engine.register(data.clone()).await.unwrap();
+        let src = engine.register_copy(data.clone()).await.unwrap();
         let dst = engine.remote_region(&get(&store, "target/desc").await).await.unwrap();
         let (e2, s2, d2) = (engine.clone(), src.clone(), dst.clone());
         tokio::task::spawn_blocking(move || {
@@ -113,7 +113,7 @@ async fn every_mode_moves_bytes() {
             let engine = Engine::builder().provider(p.as_str()).mode(mode).build().unwrap();
             let mut data = vec![0u8; size];
             fill_pattern(&mut data, 5, 0);
-            let src = engine.register(data.clone()).await.unwrap();
+            let src = engine.register_copy(data.clone()).await.unwrap();
             let dst = engine.remote_region(&get(&store, "target/desc").await).await.unwrap();
             for i in 0..3u64 {
                 engine.write_imm(&src, i * 100_000, &dst, i * 100_000, 100_000, 4).await.unwrap();

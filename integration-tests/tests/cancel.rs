@@ -33,7 +33,7 @@ async fn cancel(provider: &str) {
     let engine = Engine::builder().provider(provider).build().expect("engine");
     let mut data = vec![0u8; SIZE];
     fill_pattern(&mut data, 9, 0);
-    let src = engine.register(data.clone()).await.expect("register");
+    let src = engine.register_copy(data.clone()).await.expect("register");
     let dst = engine.remote_region(&get(&store, "target/desc").await).await.expect("remote region");
 
     let mut rng: u64 = 0x1234_5678;
@@ -91,7 +91,7 @@ async fn cancel(provider: &str) {
     drop(src);
 
     // The engine keeps working: one more write, awaited.
-    let src2 = engine.register(data.clone()).await.expect("register again");
+    let src2 = engine.register_copy(data.clone()).await.expect("register again");
     let (off, len) = range(WRITES + AWAITED);
     engine.write_imm(&src2, off, &dst, off, len, 5).await.expect("engine still works");
 

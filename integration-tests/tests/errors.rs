@@ -92,7 +92,7 @@ async fn unknown_provider_and_bad_config() {
     let e = Engine::builder().messages(0, 8).build().unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
     let a = Engine::builder().provider(primary()).build().unwrap();
-    let e = a.register(Vec::new()).await.unwrap_err();
+    let e = a.register_copy(Vec::new()).await.unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
     let e = a.alloc_in(4096, MemoryLocation::Cuda { ordinal: 0 }).await.unwrap_err();
     assert!(matches!(e, Error::Unsupported(_)), "{e}");
@@ -250,7 +250,7 @@ async fn operations_after_shutdown_fail_cleanly() {
     a.shutdown();
     // At once, before the reactor thread has closed anything: a small registration, which
     // would run on this thread, is refused too.
-    let e = a.register(vec![1; 4096]).await.unwrap_err();
+    let e = a.register_copy(vec![1; 4096]).await.unwrap_err();
     assert!(matches!(e, Error::Shutdown), "{e}");
     let r = bounded(wait).await.unwrap();
     assert!(matches!(r, Err(Error::Shutdown)), "a pending counter wait is released: {r:?}");

@@ -128,7 +128,7 @@ async fn case(provider: &str) {
     let dst = w.remote_region(&region.descriptor().to_bytes()).await.expect("remote");
     let mut data = vec![0u8; 2 * N * SLOT];
     fill_pattern(&mut data, 3, 0);
-    let src = w.register(data).await.expect("register src");
+    let src = w.register_copy(data).await.expect("register src");
     let counter = r.imm_counter(IMM);
     // The writer's own Hello to the new peer (docs/faults.md) went through the faulty NIC
     // too: let it finish, and count only what the storm injects.

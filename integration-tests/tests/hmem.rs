@@ -20,7 +20,7 @@ async fn asking_for_hmem_keeps_host_transfers_exact() {
         let len = (4 << 20) + 13;
         let mut data = vec![0u8; len];
         fill_pattern(&mut data, 0x4e3, 0);
-        let src = a.register(data.clone()).await.unwrap();
+        let src = a.register_copy(data.clone()).await.unwrap();
         let dst = b.alloc(len).await.unwrap();
         let remote = a.remote_region(&dst.descriptor().to_bytes()).await.unwrap();
         let imm = 0x4e3;

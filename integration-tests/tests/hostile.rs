@@ -163,7 +163,7 @@ async fn absurd_allocations_are_errors_not_aborts() {
     let a = Engine::builder().provider(primary()).build().unwrap();
     let e = a.alloc(0).await.unwrap_err();
     assert!(matches!(e, Error::Config(_)), "alloc(0): {e}");
-    let e = a.register(Vec::new()).await.unwrap_err();
+    let e = a.register_copy(Vec::new()).await.unwrap_err();
     assert!(matches!(e, Error::Config(_)), "register(empty): {e}");
     for len in [1usize << 40, 1 << 62, usize::MAX - 4095, usize::MAX] {
         let e = a.alloc(len).await.unwrap_err();

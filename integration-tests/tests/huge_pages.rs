@@ -58,7 +58,7 @@ async fn write_across(w: &Engine, r: &Engine) -> (MemoryRegion, MemoryRegion) {
     let remote = w.remote_region(&dst.descriptor().to_bytes()).await.expect("remote region");
     let mut data = vec![0u8; LEN];
     fill_pattern(&mut data, 7, 0);
-    let src = w.register(data).await.expect("register");
+    let src = w.register_copy(data).await.expect("register");
     let part = (LEN / 4) as u64;
     let len = |i: u64| if i == 3 { LEN as u64 - 3 * part } else { part };
     let arrivals: u64 = (0..4).map(|i| w.write_arrivals(&remote, len(i)).expect("arrivals")).sum();

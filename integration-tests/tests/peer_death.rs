@@ -116,7 +116,7 @@ async fn killed_peer(p: &str) {
     assert!(matches!(events.next_about(dv.peer()).await, PeerEvent::Up { .. }));
     let mut data = vec![0u8; REGION];
     fill_pattern(&mut data, 42, 0);
-    let src = engine.register(data.clone()).await.unwrap();
+    let src = engine.register_copy(data.clone()).await.unwrap();
 
     // Both connected first (a connection needs the peer's answer).
     bounded("warm-up", engine.write(&src, 0, &dv, 0, CHUNK as u64)).await.unwrap();
@@ -217,7 +217,7 @@ async fn a_restarted_peer_is_added_again_and_the_dead_one_removed() {
 async fn restarted_peer(p: &str) {
     let engine = engine(p);
     let mut events = Events::of(&engine);
-    let src = engine.register(vec![5u8; 4096]).await.unwrap();
+    let src = engine.register_copy(vec![5u8; 4096]).await.unwrap();
 
     let (_s1, store1, addr1) = store().await;
     let mut first = Peer::spawn(PEER, addr1, p, &["target", "--size", "4096"]);
@@ -289,7 +289,7 @@ async fn incarnations_tell_runs_at_one_address_apart() {
     let mut peer = Peer::spawn(PEER, addr, &p, &["target", "--size", "4096", "--wait", "4=1"]);
     let engine = engine(&p);
     let mut events = Events::of(&engine);
-    let src = engine.register(vec![6u8; 4096]).await.unwrap();
+    let src = engine.register_copy(vec![6u8; 4096]).await.unwrap();
     let desc_bytes = get(&store, "target/desc").await;
     let first = engine.remote_region(&desc_bytes).await.unwrap();
     assert_eq!(events.next_about(first.peer()).await, PeerEvent::Up { peer: first.peer() });

@@ -30,7 +30,7 @@ fn pair(nics: usize) -> Option<(Engine, Engine)> {
 async fn patterned(e: &Engine, len: usize, seed: u64) -> fabric_async::MemoryRegion {
     let mut v = vec![0u8; len];
     fill_pattern(&mut v, seed, 0);
-    e.register(v).await.expect("register")
+    e.register_copy(v).await.expect("register")
 }
 
 async fn remote(from: &Engine, region: &fabric_async::MemoryRegion) -> RemoteRegion {

@@ -55,7 +55,7 @@ async fn writers_dropped_one_per_round_leave_the_owner_untouched() {
         let writer = Engine::builder().provider("shm").build().expect("writer");
         let dst = owner.alloc(LEN).await.unwrap();
         let expect: Vec<u8> = (0..LEN).map(|i| pattern(round, i)).collect();
-        let src = writer.register(expect.clone()).await.unwrap();
+        let src = writer.register_copy(expect.clone()).await.unwrap();
         let remote = writer.remote_region(&dst.descriptor().to_bytes()).await.unwrap();
         let imm = 1000 + round as u32;
         let counter = owner.imm_counter(imm);

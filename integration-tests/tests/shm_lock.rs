@@ -150,7 +150,7 @@ async fn shm_lock_attempt() {
     let mut target = Peer::spawn(PEER, addr, "shm", &["target", "--size", &size, "--wait", &wait]);
     let desc = get(&store, "target/desc").await;
     let dst = engine.remote_region(&desc).await.expect("remote region");
-    let src = engine.register(vec![0xa5u8; chunk()]).await.expect("register");
+    let src = engine.register_copy(vec![0xa5u8; chunk()]).await.expect("register");
 
     let done = Arc::new(AtomicU64::new(0));
     let writer = {

@@ -19,7 +19,7 @@ async fn shm_pairs_made_after_dropped_pairs_still_move_bytes() {
         let b = Engine::builder().provider("shm").build().expect("engine b");
         // 64 KiB: shm's iov path, not only its inline one.
         let dst = b.alloc(8 + 65536).await.unwrap();
-        let src = a.register(vec![round as u8 + 1; 65536]).await.unwrap();
+        let src = a.register_copy(vec![round as u8 + 1; 65536]).await.unwrap();
         let remote = a.remote_region(&dst.descriptor().to_bytes()).await.unwrap();
         tokio::time::timeout(Duration::from_secs(10), a.write_imm(&src, 0, &remote, 8, 65536, 77))
             .await

@@ -45,7 +45,7 @@ async fn run(w: &Engine, r: &Engine, n: usize, s: usize) -> (EngineStats, Engine
     let dst = w.remote_region(&dst_region.descriptor().to_bytes()).await.expect("remote");
     let mut data = vec![0u8; n * s];
     fill_pattern(&mut data, 5, 0);
-    let src = w.register(data).await.expect("register src");
+    let src = w.register_copy(data).await.expect("register src");
     let before = w.stats();
     assert_eq!(before.peer(dst.peer()).copied().unwrap_or_default().posted_ops, 0, "fresh peer: {before}");
     let arrivals: u64 = (0..n).map(|_| w.write_arrivals(&dst, s as u64).expect("arrivals")).sum();

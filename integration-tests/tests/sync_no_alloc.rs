@@ -75,7 +75,7 @@ async fn sync_fast_path_does_not_allocate() {
         let engine = Engine::builder().provider(p.as_str()).mode(mode).build().unwrap();
         let mut data = vec![0u8; size];
         fill_pattern(&mut data, 21, 0);
-        let src = engine.register(data.clone()).await.unwrap();
+        let src = engine.register_copy(data.clone()).await.unwrap();
         let dst = engine.remote_region(&get(&store, "target/desc").await).await.unwrap();
         let (e2, s2, d2) = (engine.clone(), src.clone(), dst.clone());
         let allocs = tokio::task::spawn_blocking(move || {

@@ -21,7 +21,7 @@ async fn transfer(provider: &str, size: usize) {
     let mut data = vec![0u8; size];
     fill_pattern(&mut data, size as u64, 0);
     let expected = hash(&data);
-    let src = engine.register(data).await.expect("register");
+    let src = engine.register_copy(data).await.expect("register");
     let dst = engine.remote_region(&get(&store, "target/desc").await).await.expect("remote region");
     assert_eq!(dst.len(), size as u64);
     let writes = (0..chunks).map(|i| {

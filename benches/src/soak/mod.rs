@@ -279,7 +279,7 @@ async fn leader(a: SoakArgs) -> Res<bool> {
         let mut rng = Rng::new(a.seed ^ 0x50ac);
         (0..src_len).map(|_| rng.next() as u8).collect()
     };
-    let src = Arc::new(engine.register(src_bytes.clone()).await?);
+    let src = Arc::new(engine.register_copy(src_bytes.clone()).await?);
     let readback = engine.alloc(region).await?;
     let sink = Arc::new(engine.alloc(a.extra_size.max(4096)).await?);
     eprintln!(

@@ -342,7 +342,7 @@ impl EngineBuilder {
     }
 
     /// Whether host regions of 2 MiB and more ([`Engine::alloc`](crate::Engine::alloc),
-    /// [`Engine::register`](crate::Engine::register)) are aligned to 2 MiB and advised to use
+    /// [`Engine::register_copy`](crate::Engine::register_copy)) are aligned to 2 MiB and advised to use
     /// transparent huge pages (`madvise(MADV_HUGEPAGE)`). On by default; the environment
     /// variable `FABRIC_HUGE_PAGES=0` (or `off`, `false`, `no`) turns the default off.
     ///

@@ -341,8 +341,8 @@ impl Engine {
         self.shared().peer_events.subscribe()
     }
 
-    /// Registers `data` with every NIC of the engine; the region owns it from now on. The
-    /// bytes are copied into memory of the region's own (a mapping whose address range is
+    /// Registers a **copy** of `data` with every NIC of the engine (in place, without a copy:
+    /// [`Engine::register_host`]). The bytes are copied into memory of the region's own (a mapping whose address range is
     /// never reused once the region is freed, so stale descriptors of it cannot reach new
     /// memory: `docs/security.md`). From 2 MiB up that memory uses transparent huge pages
     /// where the kernel allows, as [`Engine::alloc`]'s does. An empty `data` is
@@ -352,7 +352,7 @@ impl Engine {
     ///
     /// If dropped before completion, a registration that completes anyway is closed again
     /// and the memory freed by the reactor.
-    pub async fn register(&self, data: Vec<u8>) -> Result<MemoryRegion> {
+    pub async fn register_copy(&self, data: Vec<u8>) -> Result<MemoryRegion> {
         self.register_backing(Backing::from_vec(data, self.shared().huge_pages)?, MemoryLocation::Host).await
     }
 
@@ -382,7 +382,7 @@ impl Engine {
     ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::register`]: a registration that completes after the future was
+    /// As for [`Engine::register_copy`]: a registration that completes after the future was
     /// dropped is closed again, and `owner` dropped after that.
     pub async unsafe fn register_host(
         &self,
@@ -408,7 +408,7 @@ impl Engine {
     ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::register`].
+    /// As for [`Engine::register_copy`].
     pub async fn alloc(&self, len: usize) -> Result<MemoryRegion> {
         self.alloc_in(len, MemoryLocation::Host).await
     }
@@ -422,7 +422,7 @@ impl Engine {
     ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::register`].
+    /// As for [`Engine::register_copy`].
     pub async fn alloc_in(&self, len: usize, location: MemoryLocation) -> Result<MemoryRegion> {
         match location {
             MemoryLocation::Host => {

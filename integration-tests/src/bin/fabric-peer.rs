@@ -124,7 +124,7 @@ async fn run(a: &Args, store: &TcpStore) -> Result<(), String> {
 }
 
 async fn target(a: &Args, store: &TcpStore, engine: &Engine) -> Result<(), String> {
-    let region = engine.register(vec![a.sentinel; a.size]).await.map_err(|e| e.to_string())?;
+    let region = engine.register_copy(vec![a.sentinel; a.size]).await.map_err(|e| e.to_string())?;
     store.put("target/desc", region.descriptor().to_bytes()).await.map_err(|e| e.to_string())?;
     for &(imm, count) in &a.wait {
         if !engine

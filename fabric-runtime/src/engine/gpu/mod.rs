@@ -68,7 +68,7 @@ impl Engine {
     ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::register`].
+    /// As for [`Engine::register_copy`].
     pub async unsafe fn register_cuda(&self, ptr: u64, len: usize, ordinal: u32) -> Result<MemoryRegion> {
         self.check_device_range(ptr, len, ordinal)?;
         let ctx = cuda::context(ordinal as usize)?;
@@ -101,7 +101,7 @@ impl Engine {
     ///
     /// # Cancel safety
     ///
-    /// As for [`Engine::register`]: a registration that completes after the future was
+    /// As for [`Engine::register_copy`]: a registration that completes after the future was
     /// dropped is closed again, and `owner` dropped after that.
     pub async unsafe fn register_cuda_owned(
         &self,
