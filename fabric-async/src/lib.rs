@@ -56,3 +56,8 @@ pub use fabric_runtime::{
     TransferOpts, Transfers, WaitFor, WeakMemoryRegion,
 };
 pub use watch::CompletionWatch;
+
+/// The README's Rust examples, compiled by `cargo test --doc` so that they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeExamples;
