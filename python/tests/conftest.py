@@ -39,6 +39,17 @@ def provider(request):
     return request.param
 
 
+@pytest.fixture
+def engines(provider):
+    """(sender, receiver): two engines of this process on the test's provider."""
+    import fabric_rdma
+
+    a, b = fabric_rdma.Engine(provider), fabric_rdma.Engine(provider)
+    yield a, b
+    a.shutdown()
+    b.shutdown()
+
+
 class PeerProcess:
     """A child process running ``target(provider, conn, *args)`` with a pipe to talk to."""
 

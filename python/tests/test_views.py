@@ -9,17 +9,9 @@ import pytest
 import fabric_rdma
 
 
-@pytest.fixture
-def pair(provider):
-    """(sender, receiver); engines of this process."""
-    a, b = fabric_rdma.Engine(provider), fabric_rdma.Engine(provider)
-    yield a, b
-    a.shutdown()
-    b.shutdown()
 
-
-def test_a_view_lands_its_bytes_in_its_range_only(pair):
-    a, b = pair
+def test_a_view_lands_its_bytes_in_its_range_only(engines):
+    a, b = engines
     pool = np.zeros(1 << 20, dtype=np.uint8)
     whole = b.register(pool)
     assert not whole.is_view
@@ -50,8 +42,8 @@ def test_a_view_lands_its_bytes_in_its_range_only(pair):
     del src_whole
 
 
-def test_views_are_not_registrations_and_keep_theirs_alive(pair):
-    a, b = pair
+def test_views_are_not_registrations_and_keep_theirs_alive(engines):
+    a, b = engines
     pool = np.zeros(1 << 20, dtype=np.uint8)
     whole = b.register(pool)
     t0 = time.perf_counter()
@@ -80,8 +72,8 @@ def test_views_are_not_registrations_and_keep_theirs_alive(pair):
     assert not fresh.is_view
 
 
-def test_memory_outside_every_registration_is_registered(pair):
-    a, b = pair
+def test_memory_outside_every_registration_is_registered(engines):
+    a, b = engines
     pool = np.zeros(1 << 16, dtype=np.uint8)
     half = b.register(pool[: 1 << 15])
     straddling = b.register(pool[(1 << 15) - 8 : (1 << 15) + 8])
@@ -92,8 +84,8 @@ def test_memory_outside_every_registration_is_registered(pair):
     del half
 
 
-def test_a_view_of_alloc_memory_and_paged_writes_from_a_view(pair):
-    a, b = pair
+def test_a_view_of_alloc_memory_and_paged_writes_from_a_view(engines):
+    a, b = engines
     src_all = a.alloc(1 << 16)
     np.frombuffer(src_all, dtype=np.uint8)[:] = np.arange(1 << 16, dtype=np.uint32).astype(np.uint8)
     src = a.register(np.frombuffer(src_all, dtype=np.uint8)[1024 : 1024 + 8192])
