@@ -44,8 +44,9 @@ def test_torch_tcpstore_rendezvous(provider):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30))
-    other = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+    tcp_store = torch.distributed.TCPStore
+    store = tcp_store("127.0.0.1", port, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    other = tcp_store("127.0.0.1", port, 2, False, timedelta(seconds=30))
     a, b = fabric_rdma.Engine(provider), fabric_rdma.Engine(provider)
     try:
         from fabric_rdma.bootstrap import connect
