@@ -61,3 +61,14 @@ pub use watch::CompletionWatch;
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 pub struct ReadmeExamples;
+
+/// The concepts page's Rust examples, compiled (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/concepts.md")]
+pub struct ConceptsExamples;
+
+/// The getting-started guide's Rust examples, compiled (`cargo test --doc`; its fleet example
+/// needs the `etcd` feature, which the workspace's tests enable).
+#[cfg(all(doctest, feature = "etcd"))]
+#[doc = include_str!("../../docs/getting-started.md")]
+pub struct GettingStartedExamples;
