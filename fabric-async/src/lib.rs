@@ -67,6 +67,16 @@ pub struct ReadmeExamples;
 #[doc = include_str!("../../docs/concepts.md")]
 pub struct ConceptsExamples;
 
+/// The transfers reference's Rust examples, compiled (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/transfers.md")]
+pub struct TransfersExamples;
+
+/// The counter reference's Rust examples, compiled (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/imm-counter.md")]
+pub struct ImmCounterExamples;
+
 /// The getting-started guide's Rust examples, compiled (`cargo test --doc`; its fleet example
 /// needs the `etcd` feature, which the workspace's tests enable).
 #[cfg(all(doctest, feature = "etcd"))]
